@@ -1,0 +1,14 @@
+"""optkit: the TensorFlow-era optimizer suite rebuilt as a fast, idiomatic PyTorch library.
+
+Everything public is importable from here. The modules are small and named for what they hold:
+``clipping`` (global-norm and per-tensor clipping), ``lr_policies`` / ``schedules`` (OpenSeq2Seq learning-rate
+policies), ``loss_scale`` (fixed, dynamic, Backoff and LogMax scalers), ``optimizer`` (the Keras-style base),
+``sgd`` / ``lars`` / ``ftrl`` (optimizers), ``registry`` (optimizers by name), the wrappers
+(``variable_clipping``, ``loss_scale_optimizer``, ``mixed_precision``, ``larc``) and ``train``
+(``optimize_loss``). All per-parameter arithmetic lives in the private ``_multi_tensor`` layer.
+"""
+
+__version__ = "0.1.0"
+
+# public imports: one line per module (keep sorted by layer)
+# -- foundations

@@ -1,0 +1,357 @@
+"""The one multi-tensor layer: every per-parameter computation in optkit goes through here.
+
+Design (see ``shared/spec/perf_baseline.md``): on CPU every ``torch._foreach_*`` op is one full pass over
+memory, while torch's fused kernels (``_fused_sgd_``, ``_amp_foreach_non_finite_check_and_unscale_``) run at
+the memory-bandwidth floor. So this module
+
+* groups tensors by (device, dtype) once, so each kernel sees homogeneous lists;
+* offers a handful of grouped kernels (norms, scale, clamp, lerp, max-abs, the fused non-finite check);
+* handles ``None`` entries and sparse COO gradients in one place (sparse tensors contribute their raw
+  ``values()``, duplicates included, exactly as TF's ``IndexedSlices`` do);
+* reduces whole-tensor quantities of ``DTensor`` inputs across their device mesh, with one collective per
+  (mesh, mesh-dim) group rather than one per parameter, so a norm is the norm of the *whole* tensor even
+  when every rank holds a shard, and parameters living on several meshes combine into one global value.
+
+Nothing here calls ``.item()`` or branches on a tensor value: results stay on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "is_dtensor",
+    "local",
+    "values_of",
+    "present",
+    "group_by_device_dtype",
+    "acc_dtype",
+    "norms",
+    "sum_of_squares",
+    "global_norm",
+    "max_abs",
+    "scale_",
+    "clamp_",
+    "lerp_",
+    "non_finite_check_and_unscale_",
+    "any_non_finite",
+    "reduce_flag_",
+]
+
+try:  # DTensor is public from torch 2.5 on; keep the import optional for minimal builds.
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch built without distributed
+    _DTensor = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tensor views
+
+
+def is_dtensor(t: object) -> bool:
+    """True when ``t`` is a ``torch.distributed.tensor.DTensor``."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The tensor a kernel can operate on: the local shard of a DTensor, else ``t`` itself."""
+    if is_dtensor(t):
+        return t._local_tensor  # type: ignore[attr-defined]
+    return t
+
+
+def values_of(t: Tensor) -> Tensor:
+    """The dense values a kernel sees: local shard for DTensors, raw ``values()`` for sparse COO tensors.
+
+    Raw values of an uncoalesced sparse tensor keep duplicate rows, matching TF's treatment of
+    ``IndexedSlices`` in ``global_norm`` and ``clip_by_global_norm``.
+    """
+    t = local(t)
+    if t.is_sparse:
+        return t._values()
+    return t
+
+
+def present(tensors: Iterable[Tensor | None]) -> list[Tensor]:
+    """The non-``None`` entries of ``tensors``, in order."""
+    return [t for t in tensors if t is not None]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for reductions: fp64 for fp64 input, fp32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def group_by_device_dtype(
+    *tensor_lists: Sequence[Tensor],
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[int], tuple[list[Tensor], ...]]]:
+    """Group parallel tensor lists by the (device, dtype) of the first list.
+
+    Returns ``{(device, dtype): (indices, (list0, list1, ...))}`` where ``listK`` holds the local views
+    (DTensor shards) of ``tensor_lists[K]`` at ``indices``. Lists must have equal length.
+    """
+    first = tensor_lists[0]
+    out: dict = {}
+    for i, t in enumerate(first):
+        lt = local(t)
+        key = (lt.device, lt.dtype)
+        entry = out.get(key)
+        if entry is None:
+            entry = ([], tuple([] for _ in tensor_lists))
+            out[key] = entry
+        entry[0].append(i)
+        for k, lst in enumerate(tensor_lists):
+            entry[1][k].append(local(lst[i]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# mesh reductions (DTensor)
+
+
+def _mesh_reduce_dims(t: Tensor) -> tuple | None:
+    """(mesh, dims) over which a whole-tensor reduction of DTensor ``t`` must combine local results."""
+    if not is_dtensor(t):
+        return None
+    dims = tuple(i for i, p in enumerate(t.placements) if p.is_shard() or p.is_partial())
+    if not dims:
+        return None
+    return (t.device_mesh, dims)
+
+
+def _all_reduce_over(mesh, dims: tuple[int, ...], value: Tensor, op) -> Tensor:
+    import torch.distributed as dist
+
+    for d in dims:
+        dist.all_reduce(value, op=op, group=mesh.get_group(d))
+    return value
+
+
+def _combine_partials(
+    tensors: Sequence[Tensor], partials: Sequence[Tensor], op: str
+) -> list[Tensor]:
+    """Turn per-tensor local partial results into whole-tensor results across meshes.
+
+    ``op`` is ``"sum"`` (partials are sums of squares) or ``"max"``. Batched: one collective per
+    (mesh, dims) group.
+    """
+    buckets: dict = defaultdict(list)
+    for i, t in enumerate(tensors):
+        key = _mesh_reduce_dims(t)
+        if key is not None:
+            buckets[key].append(i)
+    if not buckets:
+        return list(partials)
+    import torch.distributed as dist
+
+    out = list(partials)
+    rop = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    for (mesh, dims), idx in buckets.items():
+        stacked = torch.stack([partials[i] for i in idx])
+        _all_reduce_over(mesh, dims, stacked, rop)
+        for j, i in enumerate(idx):
+            out[i] = stacked[j]
+    return out
+
+
+def reduce_flag_(flag: Tensor, tensors: Sequence[Tensor]) -> Tensor:
+    """Make a 0-d 0/1 flag (e.g. ``found_inf``) agree on every rank holding a shard of ``tensors``.
+
+    Takes the maximum over every mesh that any DTensor in ``tensors`` lives on (all of its dims, so replicated
+    ranks agree too). Plain tensors need no reduction. In place; returns ``flag``.
+    """
+    meshes = {}
+    for t in tensors:
+        if is_dtensor(t):
+            meshes[id(t.device_mesh)] = t.device_mesh
+    if not meshes:
+        return flag
+    import torch.distributed as dist
+
+    for mesh in meshes.values():
+        _all_reduce_over(mesh, tuple(range(mesh.ndim)), flag, dist.ReduceOp.MAX)
+    return flag
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reductions
+
+
+def _foreach_norm(ts: list[Tensor], ord: float, dtype: torch.dtype) -> list[Tensor]:
+    if ts[0].dtype == dtype:
+        return list(torch._foreach_norm(ts, ord))
+    try:
+        return list(torch._foreach_norm(ts, ord, dtype=dtype))
+    except (TypeError, RuntimeError):  # pragma: no cover - older torch without the dtype argument
+        return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in ts]
+
+
+def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
+    """Per-tensor norms of every element, accumulated in fp32 (fp64 for fp64 input).
+
+    ``ord`` is 2 (L2) or ``inf`` (max-abs). Sparse tensors use their raw values. DTensors give the norm of
+    the whole tensor: local partials are combined across the mesh. Empty input gives an empty list.
+    """
+    if len(tensors) == 0:
+        return []
+    vals = [values_of(t) for t in tensors]
+    out: list[Tensor | None] = [None] * len(vals)
+    for (_, dtype), (idx, (group,)) in group_by_device_dtype(vals).items():
+        res = _foreach_norm(group, ord, acc_dtype(dtype))
+        for i, r in zip(idx, res):
+            out[i] = r
+    if any(is_dtensor(t) for t in tensors):
+        if ord == 2:
+            sq = _combine_partials(tensors, [r * r for r in out], "sum")
+            out = [s.sqrt() for s in sq]
+        else:
+            out = _combine_partials(tensors, out, "max")
+    return out  # type: ignore[return-value]
+
+
+def _common_result(parts: list[Tensor]) -> tuple[torch.dtype, torch.device]:
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+    return dtype, parts[0].device
+
+
+def sum_of_squares(tensors: Sequence[Tensor | None]) -> Tensor:
+    """Σ over tensors and elements of x², as a 0-d fp32 (fp64 if any input is fp64) tensor.
+
+    ``None`` entries are skipped; an empty or all-``None`` list gives 0.0 (TF's ``global_norm`` of ``[]``).
+    """
+    ts = present(tensors)
+    if not ts:
+        return torch.zeros((), dtype=torch.float32)
+    n = norms(ts, 2.0)
+    dtype, device = _common_result(n)
+    stacked = torch.stack([x.to(device=device, dtype=dtype) for x in n])
+    return (stacked * stacked).sum()
+
+
+def global_norm(tensors: Sequence[Tensor | None]) -> Tensor:
+    """sqrt(Σ_i ‖t_i‖²) over the non-``None`` entries, fp32 accumulation (fp64 for fp64 input).
+
+    The norm over all tensors as one vector (TF ``tf.linalg.global_norm``); DTensor shards are combined
+    across their meshes, several meshes included.
+    """
+    ts = present(tensors)
+    if not ts:
+        return torch.zeros((), dtype=torch.float32)
+    n = norms(ts, 2.0)
+    dtype, device = _common_result(n)
+    if len(n) == 1:
+        return n[0].to(dtype)
+    return torch.linalg.vector_norm(torch.stack([x.to(device=device, dtype=dtype) for x in n]))
+
+
+def max_abs(tensors: Sequence[Tensor | None]) -> Tensor:
+    """max over tensors and elements of |x| (NaN if any element is NaN), 0-d fp32; 0.0 for no tensors."""
+    ts = present(tensors)
+    if not ts:
+        return torch.zeros((), dtype=torch.float32)
+    n = norms(ts, math.inf)
+    dtype, device = _common_result(n)
+    return torch.stack([x.to(device=device, dtype=dtype) for x in n]).amax()
+
+
+def any_non_finite(tensors: Sequence[Tensor | None]) -> Tensor:
+    """0-d fp32 flag: 1.0 if any element of any tensor is NaN or ±inf, else 0.0 (read-only pass)."""
+    ts = present(tensors)
+    if not ts:
+        return torch.zeros((), dtype=torch.float32)
+    flag = (~torch.isfinite(sum_of_squares_raw(ts))).to(torch.float32)
+    return reduce_flag_(flag, ts)
+
+
+def sum_of_squares_raw(ts: Sequence[Tensor]) -> Tensor:
+    """Like :func:`sum_of_squares` but without mesh reduction (local shards only)."""
+    vals = [values_of(t) for t in ts]
+    parts = []
+    for (_, dtype), (_, (group,)) in group_by_device_dtype(vals).items():
+        res = _foreach_norm(group, 2.0, acc_dtype(dtype))
+        s = torch.stack(res)
+        parts.append((s * s).sum())
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+    return torch.stack([p.to(dtype=dtype, device=parts[0].device) for p in parts]).sum()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# in-place kernels
+
+
+def scale_(tensors: Sequence[Tensor | None], scale: float | Tensor | Sequence[Tensor]) -> None:
+    """t ← t·s for every non-``None`` tensor (sparse: values scaled). ``scale`` is a number, a 0-d tensor
+    shared by all, or one 0-d tensor per tensor."""
+    ts = present(tensors)
+    if not ts:
+        return
+    per_tensor = isinstance(scale, (list, tuple))
+    if per_tensor:
+        scales = [s for t, s in zip(tensors, scale) if t is not None]
+    vals = [values_of(t) for t in ts]
+    for (device, dtype), (idx, (group,)) in group_by_device_dtype(vals).items():
+        if per_tensor:
+            s = [scales[i].to(device=device, dtype=dtype) for i in idx]
+            torch._foreach_mul_(group, s)
+        elif isinstance(scale, Tensor):
+            torch._foreach_mul_(group, scale.to(device=device, dtype=dtype))
+        else:
+            torch._foreach_mul_(group, float(scale))
+
+
+def clamp_(tensors: Sequence[Tensor | None], min_value: float, max_value: float) -> None:
+    """t ← clamp(t, min, max) elementwise for every non-``None`` tensor (sparse: values)."""
+    ts = present(tensors)
+    if not ts:
+        return
+    vals = [values_of(t) for t in ts]
+    for _, (_, (group,)) in group_by_device_dtype(vals).items():
+        torch._foreach_clamp_min_(group, min_value)
+        torch._foreach_clamp_max_(group, max_value)
+
+
+def lerp_(targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | Tensor) -> None:
+    """target ← target + w·(source − target), one pass per (device, dtype) group.
+
+    ``weight`` may be a 0-d tensor (e.g. zero on a skipped step), so no host sync is needed.
+    """
+    if len(targets) == 0:
+        return
+    for (device, dtype), (_, (tg, src)) in group_by_device_dtype(targets, sources).items():
+        if isinstance(weight, Tensor):
+            w = weight.to(device=device, dtype=dtype)
+            torch._foreach_lerp_(tg, src, [w] * len(tg))
+        else:
+            torch._foreach_lerp_(tg, src, float(weight))
+
+
+def non_finite_check_and_unscale_(
+    grads: Sequence[Tensor | None], found_inf: Tensor, inv_scale: Tensor
+) -> Tensor:
+    """g ← g·inv_scale in place and found_inf ← 1 if any element is NaN/±inf (one fused pass per group).
+
+    Uses ``torch._amp_foreach_non_finite_check_and_unscale_``, falling back to a norm-based check for dtypes
+    the fused kernel does not take. ``found_inf`` is a 0-d fp32 tensor that is OR-ed into, so a caller can
+    accumulate over several calls. DTensor shards: the flag is made to agree across their meshes.
+    """
+    ts = present(grads)
+    if not ts:
+        return found_inf
+    vals = [values_of(t) for t in ts]
+    for (device, dtype), (_, (group,)) in group_by_device_dtype(vals).items():
+        fi = found_inf if found_inf.device == device else torch.zeros((), device=device)
+        inv = inv_scale.to(device=device, dtype=torch.float32)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, fi, inv)
+        except RuntimeError:  # pragma: no cover - dtype not supported by the fused kernel
+            flag = (~torch.isfinite(sum_of_squares_raw(group))).to(torch.float32)
+            fi.copy_(torch.maximum(fi, flag))
+            torch._foreach_mul_(group, inv.to(dtype))
+        if fi is not found_inf:
+            found_inf.copy_(torch.maximum(found_inf, fi.to(found_inf.device)))
+    return reduce_flag_(found_inf, ts)
