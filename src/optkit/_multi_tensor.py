@@ -41,6 +41,7 @@ __all__ = [
     "non_finite_check_and_unscale_",
     "any_non_finite",
     "reduce_flag_",
+    "blocks",
 ]
 
 try:  # DTensor is public from torch 2.5 on; keep the import optional for minimal builds.
@@ -183,6 +184,14 @@ def reduce_flag_(flag: Tensor, tensors: Sequence[Tensor]) -> Tensor:
 
 
 def _foreach_norm(ts: list[Tensor], ord: float, dtype: torch.dtype) -> list[Tensor]:
+    if ord != 2 and any(t.numel() == 0 for t in ts):
+        # torch's inf-norm has no identity for empty tensors; their max-abs is 0 by convention.
+        full = [i for i, t in enumerate(ts) if t.numel() > 0]
+        out = [torch.zeros((), dtype=dtype, device=t.device) for t in ts]
+        if full:
+            for i, r in zip(full, _foreach_norm([ts[i] for i in full], ord, dtype)):
+                out[i] = r
+        return out
     if ts[0].dtype == dtype:
         return list(torch._foreach_norm(ts, ord))
     try:
@@ -296,10 +305,12 @@ def scale_(tensors: Sequence[Tensor | None], scale: float | Tensor | Sequence[Te
     vals = [values_of(t) for t in ts]
     for (device, dtype), (idx, (group,)) in group_by_device_dtype(vals).items():
         if per_tensor:
-            s = [scales[i].to(device=device, dtype=dtype) for i in idx]
+            s = [scales[i].to(device=device, dtype=acc_dtype(dtype)) for i in idx]
             torch._foreach_mul_(group, s)
         elif isinstance(scale, Tensor):
-            torch._foreach_mul_(group, scale.to(device=device, dtype=dtype))
+            # Keep the factor in fp32 for half groups: the product is then rounded once (exact-product
+            # rounding); casting the factor to fp16/bf16 first adds a second, larger rounding error.
+            torch._foreach_mul_(group, scale.to(device=device, dtype=acc_dtype(dtype)))
         else:
             torch._foreach_mul_(group, float(scale))
 
@@ -330,6 +341,51 @@ def lerp_(targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | 
             torch._foreach_lerp_(tg, src, float(weight))
 
 
+def blocks(
+    lists: Sequence[Sequence[Tensor]], block_numel: int = 1 << 20
+) -> list[tuple[list[int], tuple[list[Tensor], ...]]]:
+    """Cut parallel tensor lists into cache-sized blocks for a chain of elementwise kernels.
+
+    On CPU each kernel of a chain is a full sweep over memory; running the whole chain block by block keeps
+    the block in cache between kernels, so the chain costs about one sweep. Returns a list of
+    ``(owner_indices, (list0_chunks, list1_chunks, ...))`` where ``owner_indices[j]`` is the index of the
+    tensor chunk ``j`` came from. Tensors larger than ``block_numel`` are split into flat chunk views when every
+    tensor at that position is contiguous with the same shape; otherwise they stay whole. Small tensors are
+    packed together until a block holds about ``block_numel`` elements.
+    """
+    out: list = []
+    cur_idx: list[int] = []
+    cur: tuple[list[Tensor], ...] = tuple([] for _ in lists)
+    cur_n = 0
+
+    def flush():
+        nonlocal cur_idx, cur, cur_n
+        if cur_idx:
+            out.append((cur_idx, cur))
+        cur_idx, cur, cur_n = [], tuple([] for _ in lists), 0
+
+    first = lists[0]
+    for i in range(len(first)):
+        ts = [lst[i] for lst in lists]
+        n = ts[0].numel()
+        splittable = n > block_numel and all(t.is_contiguous() and t.shape == ts[0].shape for t in ts)
+        if not splittable:
+            cur_idx.append(i)
+            for k, t in enumerate(ts):
+                cur[k].append(t)
+            cur_n += n
+            if cur_n >= block_numel:
+                flush()
+            continue
+        flush()
+        flats = [t.view(-1) for t in ts]
+        for start in range(0, n, block_numel):
+            stop = min(start + block_numel, n)
+            out.append(([i], tuple([f[start:stop]] for f in flats)))
+    flush()
+    return out
+
+
 def non_finite_check_and_unscale_(
     grads: Sequence[Tensor | None], found_inf: Tensor, inv_scale: Tensor
 ) -> Tensor:
@@ -355,3 +411,60 @@ def non_finite_check_and_unscale_(
         if fi is not found_inf:
             found_inf.copy_(torch.maximum(found_inf, fi.to(found_inf.device)))
     return reduce_flag_(found_inf, ts)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# out-of-place kernels (out-of-place clipping, ``clipping.clip_by_global_norm``)
+
+
+def _rebuild_like(orig: Tensor, new_values: Tensor) -> Tensor:
+    """A tensor shaped like ``orig`` (sparse COO layout, DTensor placement) holding ``new_values``."""
+    lt = local(orig)
+    out = new_values
+    if lt.is_sparse:
+        out = torch.sparse_coo_tensor(
+            lt._indices(), new_values, lt.shape, is_coalesced=lt.is_coalesced()
+        )
+    if is_dtensor(orig):
+        out = _DTensor.from_local(  # type: ignore[union-attr]
+            out, orig.device_mesh, orig.placements, run_check=False, shape=orig.shape, stride=orig.stride()
+        )
+    return out
+
+
+def scaled_copies(
+    tensors: Sequence[Tensor | None],
+    scale: Tensor,
+    out_dtypes: Sequence[torch.dtype] | None = None,
+) -> list[Tensor | None]:
+    """New tensors out_i = cast(t_i · s, out_dtypes[i]); ``None`` stays ``None``; inputs are not modified.
+
+    The product is formed in fp32 (fp64 for fp64 input) and rounded once to the output dtype, so a half
+    tensor comes back as round(fp32(t)·s). ``scale`` is a 0-d tensor shared by all entries; ``out_dtypes``
+    defaults to each input's own dtype (OpenSeq2Seq casts to the *variable's* dtype instead). One foreach
+    multiply per (device, dtype) group. Sparse COO entries keep their indices, size and coalesced flag with
+    their raw values scaled; DTensor entries keep their mesh and placements.
+    """
+    out: list[Tensor | None] = [None] * len(tensors)
+    where = [i for i, t in enumerate(tensors) if t is not None]
+    if not where:
+        return out
+    vals = [values_of(tensors[i]) for i in where]
+    for (device, dtype), (idx, (group,)) in group_by_device_dtype(vals).items():
+        acc = acc_dtype(dtype)
+        s = scale.to(device=device, dtype=acc)
+        want = [dtype if out_dtypes is None else out_dtypes[where[j]] for j in idx]
+        same = [k for k, w in enumerate(want) if w == dtype]
+        other = [k for k, w in enumerate(want) if w != dtype]
+        results: dict[int, Tensor] = {}
+        if same:
+            for k, r in zip(same, torch._foreach_mul([group[k] for k in same], s)):
+                results[k] = r
+        if other:
+            wide = [group[k].to(acc) for k in other]
+            for k, r in zip(other, torch._foreach_mul(wide, s)):
+                results[k] = r.to(want[k])
+        for k, j in enumerate(idx):
+            i = where[j]
+            out[i] = _rebuild_like(tensors[i], results[k])  # type: ignore[arg-type]
+    return out
