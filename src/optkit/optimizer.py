@@ -414,7 +414,8 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        self._apply(grad_scale, found_inf)
+        multipliers = getattr(self, "grad_multipliers", None)
+        self._apply(grad_scale, found_inf, multipliers)
         return loss
 
     def _gather(self, group: dict) -> tuple[list[int], list[Tensor], list[Tensor]]:
@@ -427,7 +428,12 @@ class Optimizer(torch.optim.Optimizer):
                 grads.append(g)
         return idx, params, grads
 
-    def _apply(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+    def _apply(
+        self, grad_scale: Tensor | None, found_inf: Tensor | None, multipliers: dict | None = None
+    ) -> None:
+        """The pipeline. ``multipliers`` maps ``id(param)`` to a 0-d tensor that multiplies that parameter's
+        gradient before clipping (used by wrappers such as LARC to fold a per-tensor factor into the blocked
+        pass instead of a separate sweep)."""
         dev = self._state_device
         gathered = [self._gather(g) for g in self.param_groups]
         all_grads = [g for _, _, gs in gathered for g in gs]
@@ -477,7 +483,8 @@ class Optimizer(torch.optim.Optimizer):
                     self._ema_group(group, list(range(len(group["params"]))), applied)
                 continue
             lr = self._current_lr(group)
-            self._run_group(group, idx, params, grads, lr, k, found_inf, applied, sparse_handled)
+            mult = None if multipliers is None else [multipliers.get(id(p)) for p in params]
+            self._run_group(group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult)
 
         self._after_update(found_inf, applied)
 
@@ -489,7 +496,7 @@ class Optimizer(torch.optim.Optimizer):
                     grads[j] = g.to_dense()
         return set()
 
-    def _run_group(self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled) -> None:
+    def _run_group(self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None) -> None:
         names = [group["param_names"][i] for i in idx]
         slots = {s: [self.state[p][s] for p in params] for s in self.slot_names}
         aux = self._prepare(group, names, params, grads, slots, lr, k)
@@ -507,7 +514,9 @@ class Optimizer(torch.optim.Optimizer):
         ema_w = self._ema_weight(applied) if self.use_ema else None
         averages = [self.state[p]["average"] for p in params] if self.use_ema else None
 
-        chain = 1 + (decay is not None) + (ema_w is not None)
+        if mult is not None and all(m is None for m in mult):
+            mult = None
+        chain = 1 + (decay is not None) + (ema_w is not None) + (mult is not None)
         lists: list[list[Tensor]] = [params, grads]
         slot_keys = list(self.slot_names)
         lists += [slots[s] for s in slot_keys]
@@ -523,6 +532,10 @@ class Optimizer(torch.optim.Optimizer):
 
         for owners, chunk_lists in blocks:
             bp, bg = chunk_lists[0], chunk_lists[1]
+            if mult is not None:
+                sel = [(t, mult[o]) for t, o in zip(bg, owners) if mult[o] is not None]
+                if sel:
+                    mt.scale_([t for t, _ in sel], [m for _, m in sel])
             bslots = {s: chunk_lists[2 + j] for j, s in enumerate(slot_keys)}
             if decay is not None:
                 if masks is not None and not all(masks[o] for o in owners):
