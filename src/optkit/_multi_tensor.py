@@ -42,6 +42,7 @@ __all__ = [
     "any_non_finite",
     "reduce_flag_",
     "blocks",
+    "norms_along",
 ]
 
 try:  # DTensor is public from torch 2.5 on; keep the import optional for minimal builds.
@@ -88,14 +89,40 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _all_plain(tensors: Sequence[Tensor]) -> bool:
+    """True when every entry is exactly a ``Tensor`` or ``nn.Parameter`` (no DTensor, no other subclass).
+
+    A type check costs ~50 ns per tensor, much less than :func:`local` on each; it gates the fast paths.
+    """
+    return all(type(t) in _PLAIN_TYPES for t in tensors)
+
+
+def _values_list(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``[values_of(t) for t in tensors]``, without the per-tensor calls when all are plain dense tensors."""
+    if _all_plain(tensors) and not any(t.is_sparse for t in tensors):
+        return list(tensors)
+    return [values_of(t) for t in tensors]
+
+
 def group_by_device_dtype(
     *tensor_lists: Sequence[Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], tuple[list[int], tuple[list[Tensor], ...]]]:
     """Group parallel tensor lists by the (device, dtype) of the first list.
 
     Returns ``{(device, dtype): (indices, (list0, list1, ...))}`` where ``listK`` holds the local views
-    (DTensor shards) of ``tensor_lists[K]`` at ``indices``. Lists must have equal length.
+    (DTensor shards) of ``tensor_lists[K]`` at ``indices``. Lists must have equal length. Indices within a
+    group are increasing. Plain tensors take torch's C++ grouping (about 0.3 us per tensor instead of ~1 us).
     """
+    if all(_all_plain(lst) for lst in tensor_lists):
+        try:
+            grouped = torch._C._group_tensors_by_device_and_dtype([list(x) for x in tensor_lists], True)
+        except RuntimeError:  # e.g. parallel lists that disagree on device or dtype: Python grouping below
+            pass
+        else:
+            return {key: (list(idx), tuple(list(x) for x in lists)) for key, (lists, idx) in grouped.items()}
     first = tensor_lists[0]
     out: dict = {}
     for i, t in enumerate(first):
@@ -208,13 +235,13 @@ def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
     """
     if len(tensors) == 0:
         return []
-    vals = [values_of(t) for t in tensors]
+    vals = _values_list(tensors)
     out: list[Tensor | None] = [None] * len(vals)
     for (_, dtype), (idx, (group,)) in group_by_device_dtype(vals).items():
         res = _foreach_norm(group, ord, acc_dtype(dtype))
         for i, r in zip(idx, res):
             out[i] = r
-    if any(is_dtensor(t) for t in tensors):
+    if not _all_plain(tensors) and any(is_dtensor(t) for t in tensors):
         if ord == 2:
             sq = _combine_partials(tensors, [r * r for r in out], "sum")
             out = [s.sqrt() for s in sq]
@@ -246,11 +273,22 @@ def global_norm(tensors: Sequence[Tensor | None]) -> Tensor:
     """sqrt(Σ_i ‖t_i‖²) over the non-``None`` entries, fp32 accumulation (fp64 for fp64 input).
 
     The norm over all tensors as one vector (TF ``tf.linalg.global_norm``); DTensor shards are combined
-    across their meshes, several meshes included.
+    across their meshes, several meshes included. Without DTensors, each (device, dtype) group is reduced
+    as ``vector_norm(stack(_foreach_norm(group)))`` (``torch.nn.utils.get_total_norm``'s arithmetic, without
+    its per-tensor ``.to``), and the group results are combined the same way.
     """
     ts = present(tensors)
     if not ts:
         return torch.zeros((), dtype=torch.float32)
+    if _all_plain(ts):
+        parts = []
+        for (_, dtype), (_, (group,)) in group_by_device_dtype(_values_list(ts)).items():
+            res = _foreach_norm(group, 2.0, acc_dtype(dtype))
+            parts.append(res[0] if len(res) == 1 else torch.linalg.vector_norm(torch.stack(res)))
+        dtype, device = _common_result(parts)
+        if len(parts) == 1:
+            return parts[0].to(dtype)
+        return torch.linalg.vector_norm(torch.stack([x.to(device=device, dtype=dtype) for x in parts]))
     n = norms(ts, 2.0)
     dtype, device = _common_result(n)
     if len(n) == 1:
@@ -273,13 +311,19 @@ def any_non_finite(tensors: Sequence[Tensor | None]) -> Tensor:
     ts = present(tensors)
     if not ts:
         return torch.zeros((), dtype=torch.float32)
-    flag = (~torch.isfinite(sum_of_squares_raw(ts))).to(torch.float32)
+    vals = [values_of(t) for t in ts]
+    worst = []
+    for (_, dtype), (_, (group,)) in group_by_device_dtype(vals).items():
+        # the largest per-tensor norm is finite iff every element is finite (NaN propagates through amax);
+        # no squaring, so large finite gradients are not mistaken for overflow
+        worst.append(torch.stack(_foreach_norm(group, 2.0, acc_dtype(dtype))).amax().to(torch.float64))
+    flag = (~torch.isfinite(torch.stack(worst).amax())).to(torch.float32)
     return reduce_flag_(flag, ts)
 
 
 def sum_of_squares_raw(ts: Sequence[Tensor]) -> Tensor:
     """Like :func:`sum_of_squares` but without mesh reduction (local shards only)."""
-    vals = [values_of(t) for t in ts]
+    vals = _values_list(ts)
     parts = []
     for (_, dtype), (_, (group,)) in group_by_device_dtype(vals).items():
         res = _foreach_norm(group, 2.0, acc_dtype(dtype))
@@ -302,7 +346,7 @@ def scale_(tensors: Sequence[Tensor | None], scale: float | Tensor | Sequence[Te
     per_tensor = isinstance(scale, (list, tuple))
     if per_tensor:
         scales = [s for t, s in zip(tensors, scale) if t is not None]
-    vals = [values_of(t) for t in ts]
+    vals = _values_list(ts)
     for (device, dtype), (idx, (group,)) in group_by_device_dtype(vals).items():
         if per_tensor:
             s = [scales[i].to(device=device, dtype=acc_dtype(dtype)) for i in idx]
@@ -311,6 +355,8 @@ def scale_(tensors: Sequence[Tensor | None], scale: float | Tensor | Sequence[Te
             # Keep the factor in fp32 for half groups: the product is then rounded once (exact-product
             # rounding); casting the factor to fp16/bf16 first adds a second, larger rounding error.
             torch._foreach_mul_(group, scale.to(device=device, dtype=acc_dtype(dtype)))
+        elif acc_dtype(dtype) != dtype:  # a Python scalar would be rounded to fp16/bf16 first
+            torch._foreach_mul_(group, torch.tensor(float(scale), dtype=torch.float32, device=device))
         else:
             torch._foreach_mul_(group, float(scale))
 
@@ -320,7 +366,7 @@ def clamp_(tensors: Sequence[Tensor | None], min_value: float, max_value: float)
     ts = present(tensors)
     if not ts:
         return
-    vals = [values_of(t) for t in ts]
+    vals = _values_list(ts)
     for _, (_, (group,)) in group_by_device_dtype(vals).items():
         torch._foreach_clamp_min_(group, min_value)
         torch._foreach_clamp_max_(group, max_value)
@@ -398,7 +444,7 @@ def non_finite_check_and_unscale_(
     ts = present(grads)
     if not ts:
         return found_inf
-    vals = [values_of(t) for t in ts]
+    vals = _values_list(ts)
     for (device, dtype), (_, (group,)) in group_by_device_dtype(vals).items():
         fi = found_inf if found_inf.device == device else torch.zeros((), device=device)
         inv = inv_scale.to(device=device, dtype=torch.float32)
@@ -459,7 +505,7 @@ def scaled_copies(
         results: dict[int, Tensor] = {}
         if same:
             for k, r in zip(same, torch._foreach_mul([group[k] for k in same], s)):
-                results[k] = r
+                results[k] = r if r.dtype == dtype else r.to(dtype)  # a 0-d half input promotes to fp32
         if other:
             wide = [group[k].to(acc) for k in other]
             for k, r in zip(other, torch._foreach_mul(wide, s)):
@@ -468,3 +514,81 @@ def scaled_copies(
             i = where[j]
             out[i] = _rebuild_like(tensors[i], results[k])  # type: ignore[arg-type]
     return out
+
+
+def add_scaled_(targets: Sequence[Tensor | None], sources: Sequence[Tensor], alpha: float) -> None:
+    """t ← t + alpha·s for every non-``None`` target (dense), one foreach pass per (device, dtype) group.
+
+    Used by wrappers that add a multiple of the parameters to the gradients (e.g. LARC's apex/timm form
+    ``g + wd·w``). ``sources`` are cast to the target's dtype per group when they differ.
+    """
+    pairs = [(t, s) for t, s in zip(targets, sources) if t is not None]
+    if not pairs:
+        return
+    tg = [local(t) for t, _ in pairs]
+    src = [local(s) for _, s in pairs]
+    for (_, dtype), (_, (g_t, g_s)) in group_by_device_dtype(tg, src).items():
+        g_s = [s if s.dtype == dtype else s.to(dtype) for s in g_s]
+        torch._foreach_add_(g_t, g_s, alpha=float(alpha))
+
+
+def commit_(targets: Sequence[Tensor], new_values: Sequence[Tensor], skip: Tensor | None = None) -> None:
+    """target ← new value, or (``skip`` a 0-d bool tensor that is True) leave every target unchanged.
+
+    For update rules without a fused kernel that takes ``found_inf``: the new values are computed out of
+    place, then written back here. With ``skip`` given, non-finite new values (from the gradients that caused
+    the skip) leave no trace, unlike a blend ``t + 0·(new − t)``; that path costs one ``torch.where`` per
+    tensor, without a host sync.
+    """
+    if len(targets) == 0:
+        return
+    if skip is None:
+        torch._foreach_copy_(list(targets), list(new_values))
+        return
+    for t, n in zip(targets, new_values):
+        torch.where(skip.to(t.device), t, n.to(t.dtype), out=t)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# norms along dims (variable clipping), mesh-aware
+
+
+def _crossing_mesh_dims(t: Tensor, dims: tuple[int, ...]) -> tuple | None:
+    """(mesh, mesh dims whose Shard splits one of ``dims``) for DTensor ``t``, or None if no reduction."""
+    if not is_dtensor(t):
+        return None
+    cross = tuple(i for i, p in enumerate(t.placements) if p.is_shard() and p.dim % t.ndim in dims)
+    return (t.device_mesh, cross) if cross else None
+
+
+def norms_along(tensors: Sequence[Tensor], dims: Sequence[Sequence[int]]) -> list[Tensor]:
+    """Per-tensor L2 norms over ``dims[i]`` with ``keepdim=True``: sqrt(Σ_{dims} x²), fp32 accumulation
+    (fp64 for fp64 input); TF ``clip_by_norm(axes=...)``'s norm.
+
+    DTensors give the local-shard-shaped slice of the whole tensor's norms: when a reduced dim is split by a
+    ``Shard`` placement, local sums of squares are summed across that mesh dim (one collective per (mesh,
+    mesh-dims) group, all such tensors flattened into one buffer); a dim not reduced keeps its sharding.
+    """
+    sq: list[Tensor] = []
+    buckets: dict = defaultdict(list)
+    for i, (t, d) in enumerate(zip(tensors, dims)):
+        lt = local(t)
+        red = tuple(sorted({k % max(t.ndim, 1) for k in d}))
+        acc = acc_dtype(lt.dtype)
+        sq.append(lt.to(acc).square().sum(dim=red, keepdim=True) if red else lt.to(acc).square())
+        key = _crossing_mesh_dims(t, red)
+        if key is not None:
+            buckets[key].append(i)
+    if buckets:
+        import torch.distributed as dist
+
+        for (mesh, mdims), idx in buckets.items():
+            by_dtype: dict = defaultdict(list)
+            for i in idx:
+                by_dtype[sq[i].dtype].append(i)
+            for ids in by_dtype.values():
+                flat = torch.cat([sq[i].reshape(-1) for i in ids])
+                _all_reduce_over(mesh, mdims, flat, dist.ReduceOp.SUM)
+                for i, part in zip(ids, torch.split(flat, [sq[i].numel() for i in ids])):
+                    sq[i] = part.view(sq[i].shape)
+    return [s.sqrt() for s in sq]

@@ -1,0 +1,265 @@
+"""Learning-rate schedule objects, a builder, and the adapter that drives any ``torch.optim`` optimizer.
+
+* :class:`LearningRateSchedule`: a callable ``schedule(step) -> lr`` with ``get_config()`` /
+  ``from_config(config)`` (the Keras contract). A python-number step gives a python float, a 0-d tensor step a
+  0-d tensor on its device (no host sync), exactly like the policies in :mod:`optkit.lr_policies`.
+* :class:`PolicySchedule`: any OpenSeq2Seq policy (by name or function) with its parameters bound. Parameters
+  are checked against the policy's signature *and* evaluated once at construction, so a bad config fails
+  before training starts. Its config is ``{"policy": name, **params}``.
+* :func:`build_schedule`: one entry point for a name, a config dict, a policy function or a schedule.
+* :class:`ScheduleLR`: a ``torch.optim.lr_scheduler.LRScheduler`` that sets each param group's ``lr`` from a
+  schedule, as a closed form of the step (so resuming never drifts; see pytorch/pytorch#162591).
+
+Step counting: the step is the number of *applied* updates, as in OpenSeq2Seq (``spec/openseq2seq.md`` §3.7).
+Call ``scheduler.step()`` once after every optimizer update that was applied, and not after skipped ones
+(overflow, accumulation micro-steps); update ``k`` (0-based) then runs with ``schedule(k)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import numbers
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from .lr_policies import LR, LR_POLICIES, Step, get_policy
+
+__all__ = ["LearningRateSchedule", "PolicySchedule", "build_schedule", "ScheduleLR"]
+
+
+class LearningRateSchedule(ABC):
+    """Base class: a learning rate as a function of the (applied-update) step.
+
+    Subclasses implement ``__call__(step)`` and ``get_config()``; ``cls.from_config(s.get_config())``
+    rebuilds an equivalent schedule. A subclass that sets ``config_tag`` (a key its configs always contain)
+    can be rebuilt from ``LearningRateSchedule.from_config``, which dispatches on that key.
+    """
+
+    config_tag: ClassVar[str | None] = None
+    _by_tag: ClassVar[dict[str, type[LearningRateSchedule]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        tag = cls.__dict__.get("config_tag")
+        if tag is not None:
+            LearningRateSchedule._by_tag[tag] = cls
+
+    @abstractmethod
+    def __call__(self, step: Step) -> LR:
+        """The learning rate at ``step`` (python float for a number, 0-d tensor for a tensor)."""
+
+    @abstractmethod
+    def get_config(self) -> dict[str, Any]:
+        """The constructor arguments that rebuild this schedule through :meth:`from_config`."""
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> LearningRateSchedule:
+        """Rebuild a schedule from :meth:`get_config`'s output (the base class dispatches on the tag)."""
+        if not isinstance(config, Mapping):
+            raise TypeError(f"from_config: config must be a mapping, got {config!r}")
+        if cls is LearningRateSchedule:
+            for tag, sub in LearningRateSchedule._by_tag.items():
+                if tag in config:
+                    return sub.from_config(config)
+            raise ValueError(
+                f"from_config: config names no schedule type (expected one of the keys "
+                f"{sorted(LearningRateSchedule._by_tag)}), got keys {sorted(config)}"
+            )
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={getattr(v, '__name__', v)!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _resolve(policy: str | Callable[..., LR]) -> tuple[Callable[..., LR], str | Callable[..., LR]]:
+    """(function, config entry): a registered policy is named in configs, others are kept as is."""
+    if isinstance(policy, str):
+        fn = get_policy(policy)
+    elif callable(policy):
+        fn = policy
+    else:
+        raise TypeError(f"PolicySchedule: policy must be a policy name or function, got {policy!r}")
+    for name, registered in LR_POLICIES.items():
+        if registered is fn:
+            return fn, name
+    return fn, fn
+
+
+def _check_params(fn: Callable[..., LR], params: Mapping[str, Any]) -> None:
+    """Unknown or missing keyword arguments for ``fn(global_step, **params)`` raise ``ValueError``."""
+    label = getattr(fn, "__name__", repr(fn))
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: rely on the trial call
+        return
+    ps = list(sig.parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not ps or ps[0].kind not in positional:
+        raise TypeError(f"PolicySchedule: policy {label} must take global_step as its first argument")
+    named = {
+        p.name: p
+        for p in ps[1:]
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    if ps[0].name in params:
+        raise ValueError(f"PolicySchedule: {ps[0].name} is supplied by the schedule, not a parameter")
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in ps):
+        unknown = sorted(set(params) - set(named))
+        if unknown:
+            raise ValueError(
+                f"PolicySchedule: unknown parameter(s) {unknown} for policy {label}; "
+                f"accepted: {sorted(named)}"
+            )
+    missing = [n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in params]
+    if missing:
+        raise ValueError(f"PolicySchedule: missing required parameter(s) {missing} for policy {label}")
+
+
+class PolicySchedule(LearningRateSchedule):
+    """A learning-rate policy with its parameters bound: ``schedule(step) = policy(step, **params)``.
+
+    ``policy`` is a name from :data:`~optkit.lr_policies.LR_POLICIES` (case-insensitive) or any function
+    ``policy(global_step, **params)``. The parameters are matched against the policy's signature (an unknown
+    or missing one raises ``ValueError`` naming it) and the policy is evaluated at step 0, so invalid values
+    raise here rather than in the middle of training.
+
+    ``get_config()`` is ``{"policy": name, **params}``; for an unregistered function the ``"policy"`` entry is
+    the function itself (register it in ``LR_POLICIES`` to get a serialisable name).
+    """
+
+    config_tag = "policy"
+
+    def __init__(self, policy: str | Callable[..., LR], **params: Any) -> None:
+        fn, entry = _resolve(policy)
+        _check_params(fn, params)
+        params = copy.deepcopy(params)
+        fn(0, **params)
+        self.policy = fn
+        self._entry = entry
+        self.params = params
+
+    def __call__(self, step: Step) -> LR:
+        return self.policy(step, **self.params)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"policy": self._entry, **copy.deepcopy(self.params)}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> PolicySchedule:
+        if not isinstance(config, Mapping):
+            raise TypeError(f"from_config: config must be a mapping, got {config!r}")
+        if "policy" not in config:
+            raise ValueError(f"from_config: a PolicySchedule config needs a 'policy' key, got {list(config)}")
+        params = dict(config)
+        return cls(params.pop("policy"), **params)
+
+
+def build_schedule(
+    name_or_config: str | Mapping[str, Any] | Callable[..., LR] | LearningRateSchedule, **params: Any
+) -> LearningRateSchedule:
+    """A schedule from a policy name or function plus ``params``, a config dict (``params`` override its
+    entries), or an existing schedule (returned unchanged; ``params`` must then be empty)."""
+    if isinstance(name_or_config, LearningRateSchedule):
+        if params:
+            raise ValueError(f"build_schedule: params {sorted(params)} given with a ready schedule")
+        return name_or_config
+    if isinstance(name_or_config, Mapping):
+        return LearningRateSchedule.from_config({**name_or_config, **params})
+    if isinstance(name_or_config, str) or callable(name_or_config):
+        return PolicySchedule(name_or_config, **params)
+    raise TypeError(
+        f"build_schedule: name_or_config must be a policy name, config dict, function or schedule, "
+        f"got {name_or_config!r}"
+    )
+
+
+class ScheduleLR(LRScheduler):
+    """Drive a ``torch.optim`` optimizer's learning rate from a schedule.
+
+    After construction and after every ``step()``, with ``t = last_step``:
+
+    * ``mode="absolute"`` (default): every param group gets ``lr = schedule(t)``;
+    * ``mode="multiplier"``: group ``g`` gets ``lr = initial_lr_g·schedule(t)`` (``LambdaLR``'s form; build
+      the schedule with ``learning_rate=1.0`` to use a policy as a per-group multiplier).
+
+    Call ``step()`` once per *applied* optimizer update: update ``k`` (0-based) then uses ``schedule(k)``.
+    Tensor ``lr`` entries are updated in place (``fill_``), so a compiled step does not recompile.
+
+    ``state_dict()`` holds the position (``last_epoch``, i.e. ``last_step``) and the base lrs, not the
+    schedule (that is configuration: rebuild it). ``load_state_dict`` re-applies the closed-form lr for the
+    loaded position to every group, so the resumed lr sequence is identical whatever order optimizer and
+    scheduler states are loaded in.
+    """
+
+    _MODES = ("absolute", "multiplier")
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        schedule: LearningRateSchedule | Callable[[Step], LR],
+        last_step: int = -1,
+        *,
+        mode: str = "absolute",
+    ) -> None:
+        if not callable(schedule):
+            raise TypeError(f"ScheduleLR: schedule must be a schedule or callable, got {schedule!r}")
+        if mode not in self._MODES:
+            raise ValueError(f"ScheduleLR: mode must be one of {self._MODES}, got {mode!r}")
+        if isinstance(last_step, bool) or not isinstance(last_step, numbers.Integral):
+            raise TypeError(f"ScheduleLR: last_step must be an int, got {last_step!r}")
+        if last_step < -1:
+            raise ValueError(f"ScheduleLR: last_step must be >= -1, got {last_step!r}")
+        self.schedule = schedule
+        self.mode = mode
+        super().__init__(optimizer, last_epoch=int(last_step))
+
+    @property
+    def last_step(self) -> int:
+        """The step whose learning rate the optimizer holds now (torch's ``last_epoch``)."""
+        return self.last_epoch
+
+    def _closed_form(self) -> list[float | Tensor]:
+        lr = self.schedule(self.last_epoch)
+        if self.mode == "absolute":
+            return [lr for _ in self.optimizer.param_groups]
+        return [base * lr for base in self.base_lrs]
+
+    def get_lr(self) -> list[float | Tensor]:
+        return self._closed_form()
+
+    def _get_closed_form_lr(self) -> list[float | Tensor]:
+        return self._closed_form()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.pop("schedule", None)
+        state.pop("mode", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        last = state_dict.get("last_epoch")
+        if isinstance(last, bool) or not isinstance(last, numbers.Integral) or last < -1:
+            raise ValueError(f"ScheduleLR.load_state_dict: last_epoch must be an int >= -1, got {last!r}")
+        bases = state_dict.get("base_lrs", self.base_lrs)
+        if len(bases) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"ScheduleLR.load_state_dict: base_lrs has {len(bases)} entries for "
+                f"{len(self.optimizer.param_groups)} param groups"
+            )
+        state = {k: v for k, v in state_dict.items() if k not in ("schedule", "mode", "optimizer")}
+        super().load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, self._closed_form()):
+            if isinstance(group["lr"], Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        self._last_lr = [
+            g["lr"].clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in self.optimizer.param_groups
+        ]
