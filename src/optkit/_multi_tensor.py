@@ -51,7 +51,7 @@ except Exception:  # pragma: no cover - torch built without distributed
     _DTensor = None
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # tensor views
 
 
@@ -102,7 +102,7 @@ def _all_plain(tensors: Sequence[Tensor]) -> bool:
 
 def _values_list(tensors: Sequence[Tensor]) -> list[Tensor]:
     """``[values_of(t) for t in tensors]``, without the per-tensor calls when all are plain dense tensors."""
-    if _all_plain(tensors) and not any(t.is_sparse for t in tensors):
+    if all(type(t) in _PLAIN_TYPES and not t.is_sparse for t in tensors):
         return list(tensors)
     return [values_of(t) for t in tensors]
 
@@ -138,7 +138,7 @@ def group_by_device_dtype(
     return out
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # mesh reductions (DTensor)
 
 
@@ -206,7 +206,7 @@ def reduce_flag_(flag: Tensor, tensors: Sequence[Tensor]) -> Tensor:
     return flag
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # reductions
 
 
@@ -333,7 +333,7 @@ def sum_of_squares_raw(ts: Sequence[Tensor]) -> Tensor:
     return torch.stack([p.to(dtype=dtype, device=parts[0].device) for p in parts]).sum()
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # in-place kernels
 
 

@@ -1,0 +1,316 @@
+"""Benchmark harness: parameter sets, tensor builders, bandwidth floor, step timing, interleaved comparison.
+
+The method follows ``shared/spec/perf_baseline.md``:
+
+* **Parameter sets** (fp32): ``resnet50`` = the 161 real ResNet-50 parameter shapes (25,557,032 params),
+  ``many_small`` = 2,000 tensors of 4,096, ``one_big`` = one tensor of 25,000,000. Params are ``randn·0.1``
+  and grads ``randn·0.01`` from a seeded generator (never zero).
+* **Floor** = the in-place triad ``a.add_(c, alpha=s)`` on 256 MiB arrays (reads a and c, writes a: the access
+  pattern of an optimizer update), in GB/s (1e9 bytes/s). "% of floor" = a variant's effective GB/s over it.
+* **Timing** = the median of per-step ``perf_counter_ns`` after 3 warm-up steps, with the number of steps
+  chosen to fill about 0.8 s (at least 15, at most 400). Minor page faults per step come from
+  ``resource.getrusage``: a non-zero value means the step touches freshly mapped memory every time.
+* **Comparisons** run their variants in rotation in one process (:func:`compare`): each round runs a slice
+  of every variant's steps, so bandwidth drift on this shared VM hits all variants alike. Ratios are only
+  meaningful between rows of one table.
+* ``torch.set_num_threads(2)`` on import (the baseline's setting).
+
+``OPTKIT_BENCH_QUICK=1`` is a smoke run: ``many_small`` shrinks to 200 tensors and ``one_big`` to 2.5M params
+(``resnet50`` keeps its real shapes), about 0.1 s per variant, 2 rounds, a 5-repeat floor.
+
+Bench modules (``bench/bench_*.py``) each define ``main() -> str`` returning their Markdown; progress goes to
+stderr. ``python -m bench.run_all`` runs them all and stores the tables in ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "QUICK",
+    "THREADS",
+    "SET_NAMES",
+    "resnet50_shapes",
+    "param_set",
+    "n_params",
+    "make_tensors",
+    "make_params",
+    "floor_gbps",
+    "Timing",
+    "time_steps",
+    "Variant",
+    "Row",
+    "compare",
+    "markdown_table",
+    "header",
+    "log",
+]
+
+QUICK: bool = os.environ.get("OPTKIT_BENCH_QUICK", "") not in ("", "0")
+THREADS = 2
+torch.set_num_threads(THREADS)
+
+SET_NAMES = ("resnet50", "many_small", "one_big")
+RESNET50_PARAMS = 25_557_032
+
+# timing knobs (perf_baseline.md "Method"); QUICK shrinks them for a smoke run
+TARGET_S = 0.1 if QUICK else 0.8
+MIN_STEPS = 3 if QUICK else 15
+MAX_STEPS = 40 if QUICK else 400
+WARMUP = 2 if QUICK else 3
+ROUNDS = 2 if QUICK else 5
+FLOOR_REPEATS = 5 if QUICK else 15
+FLOOR_MIB = 256
+
+
+def log(msg: str) -> None:
+    """Progress message on stderr (stdout is reserved for the Markdown result)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# parameter sets
+
+
+def resnet50_shapes() -> list[tuple[int, ...]]:
+    """The 161 parameter shapes of ResNet-50 (torchvision v1.5 layout: stride on the 3x3 conv), in order.
+
+    conv1 7x7/2 (3→64) and its BatchNorm (weight, bias); 4 stages of bottlenecks ([3, 4, 6, 3] blocks,
+    widths 64/128/256/512, expansion 4), each block conv 1x1 → BN → conv 3x3 → BN → conv 1x1 → BN, and the
+    first block of every stage a 1x1 projection conv + BN on the shortcut; then fc 2048→1000 with bias.
+    Convs have no bias. 1 + 2 + 16·9 + 4·3 + 2 = 161 tensors, 25,557,032 parameters.
+    """
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    in_ch = 64
+    for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3)):
+        out_ch = width * 4
+        for b in range(blocks):
+            shapes += [(width, in_ch, 1, 1), (width,), (width,)]
+            shapes += [(width, width, 3, 3), (width,), (width,)]
+            shapes += [(out_ch, width, 1, 1), (out_ch,), (out_ch,)]
+            if b == 0:
+                shapes += [(out_ch, in_ch, 1, 1), (out_ch,), (out_ch,)]
+            in_ch = out_ch
+    shapes += [(1000, 2048), (1000,)]
+    assert len(shapes) == 161, len(shapes)
+    assert n_params(shapes) == RESNET50_PARAMS, n_params(shapes)
+    return shapes
+
+
+def param_set(name: str) -> list[tuple[int, ...]]:
+    """Shapes of a named parameter set (QUICK shrinks ``many_small`` and ``one_big``)."""
+    if name == "resnet50":
+        return resnet50_shapes()
+    if name == "many_small":
+        return [(4096,)] * (200 if QUICK else 2000)
+    if name == "one_big":
+        return [(2_500_000 if QUICK else 25_000_000,)]
+    raise ValueError(f"param_set: unknown set {name!r}; known: {SET_NAMES}")
+
+
+def n_params(shapes: Sequence[Sequence[int]]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def make_tensors(
+    shapes: Sequence[Sequence[int]], *, seed: int, scale: float, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """``randn(shape)·scale`` for every shape, from a generator seeded with ``seed`` (reproducible)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(tuple(s), generator=g) * scale).to(dtype) for s in shapes]
+
+
+def make_params(
+    name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> list[torch.nn.Parameter]:
+    """Parameters of set ``name`` (``randn·0.1``) with ``.grad`` set (``randn·0.01``, another seed)."""
+    shapes = param_set(name)
+    params = [torch.nn.Parameter(t) for t in make_tensors(shapes, seed=seed, scale=0.1, dtype=dtype)]
+    for p, g in zip(params, make_tensors(shapes, seed=seed + 1, scale=0.01, dtype=dtype)):
+        p.grad = g
+    return params
+
+
+# ------------------------------------------------------------------------------------------------------------
+# floor and timing
+
+
+def floor_gbps(mib: int = FLOOR_MIB, repeats: int = FLOOR_REPEATS) -> float:
+    """In-place triad ``a.add_(c, alpha=s)`` on two ``mib``-MiB fp32 arrays: median GB/s (3 streams counted).
+
+    ``s`` alternates in sign so ``a`` does not drift.
+    """
+    n = mib * (1 << 20) // 4
+    a = torch.randn(n)
+    c = torch.randn(n)
+    for _ in range(2):
+        a.add_(c, alpha=1e-3)
+    times = []
+    for i in range(repeats):
+        s = 1e-3 if i % 2 else -1e-3
+        t0 = time.perf_counter_ns()
+        a.add_(c, alpha=s)
+        times.append(time.perf_counter_ns() - t0)
+    return 3 * n * 4 / statistics.median(times)  # bytes per ns == GB/s
+
+
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@dataclass
+class Timing:
+    """Per-step samples of one variant (ns) and the minor page faults they took."""
+
+    samples: list[int] = field(default_factory=list)
+    faults: int = 0
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples) / 1e6
+
+    @property
+    def faults_per_step(self) -> float:
+        return self.faults / max(len(self.samples), 1)
+
+
+def _run(step: Callable[[], object], setup: Callable[[], object] | None, n: int, out: Timing) -> None:
+    for _ in range(n):
+        if setup is not None:
+            setup()
+        f0 = _minflt()
+        t0 = time.perf_counter_ns()
+        step()
+        t1 = time.perf_counter_ns()
+        out.faults += _minflt() - f0
+        out.samples.append(t1 - t0)
+
+
+def _calibrate(step: Callable[[], object], setup: Callable[[], object] | None) -> int:
+    """Run the warm-up steps and return how many steps fill ``TARGET_S`` (within [MIN_STEPS, MAX_STEPS])."""
+    warm = Timing()
+    _run(step, setup, WARMUP, warm)
+    per_step = max(statistics.median(warm.samples), 1) / 1e9
+    return int(min(MAX_STEPS, max(MIN_STEPS, round(TARGET_S / per_step))))
+
+
+def time_steps(step: Callable[[], object], setup: Callable[[], object] | None = None) -> Timing:
+    """Time ``step`` alone: warm-up, then enough steps for ``TARGET_S``; ``setup`` runs untimed first."""
+    n = _calibrate(step, setup)
+    out = Timing()
+    _run(step, setup, n, out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# interleaved comparison and tables
+
+
+@dataclass
+class Variant:
+    """One contender: ``step`` is timed; ``setup`` (untimed) runs before every step, e.g. to restore grads."""
+
+    name: str
+    step: Callable[[], object]
+    setup: Callable[[], object] | None = None
+
+
+@dataclass
+class Row:
+    variant: str
+    ms: float
+    ratio: float
+    bytes_per_param: float
+    gbps: float
+    pct_floor: float
+    faults_per_step: float
+    steps: int
+
+
+def compare(
+    variants: Sequence[Variant],
+    *,
+    n_params: int,
+    bytes_per_param: float,
+    floor: float,
+    reference: str | None = None,
+    rounds: int = ROUNDS,
+) -> list[Row]:
+    """Time ``variants`` interleaved in this process; the first (or ``reference``) is the ratio's base.
+
+    Each variant is warmed up and calibrated, then ``rounds`` rounds each run ``ceil(steps/rounds)`` steps of
+    every variant, the starting variant rotating from round to round. A variant's time is the median over all
+    its per-step samples. GB/s = ``n_params·bytes_per_param`` (the minimal traffic) / time.
+    """
+    if not variants:
+        return []
+    names = [v.name for v in variants]
+    ref = reference if reference is not None else names[0]
+    if ref not in names:
+        raise ValueError(f"compare: reference {ref!r} is not one of {names}")
+    per_round = {}
+    for v in variants:
+        per_round[v.name] = max(1, math.ceil(_calibrate(v.step, v.setup) / rounds))
+    timings = {v.name: Timing() for v in variants}
+    for r in range(rounds):
+        k = r % len(variants)
+        for v in [*variants[k:], *variants[:k]]:
+            _run(v.step, v.setup, per_round[v.name], timings[v.name])
+    ref_ms = timings[ref].median_ms
+    rows = []
+    total_bytes = n_params * bytes_per_param
+    for v in variants:
+        t = timings[v.name]
+        gbps = total_bytes / (t.median_ms * 1e6)
+        rows.append(Row(v.name, t.median_ms, t.median_ms / ref_ms, bytes_per_param, gbps,
+                        100.0 * gbps / floor, t.faults_per_step, len(t.samples)))
+    return rows
+
+
+def _fmt_ms(x: float) -> str:
+    return f"{x:.3f}" if x < 1 else f"{x:.2f}"
+
+
+def markdown_table(rows: Sequence[Row], title: str | None = None, note: str | None = None) -> str:
+    """Rows as a Markdown table: variant, ms/step, ratio vs the reference, bytes/param, GB/s, % of floor,
+    faults/step (and the number of timed steps)."""
+    lines = []
+    if title:
+        lines += [f"### {title}", ""]
+    lines.append(
+        "| variant | ms/step | ratio vs ref | bytes/param | GB/s | % of floor | faults/step | steps |"
+    )
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        lines.append(
+            f"| {r.variant} | {_fmt_ms(r.ms)} | {r.ratio:.3f} | {r.bytes_per_param:g} | {r.gbps:.1f} | "
+            f"{r.pct_floor:.0f} | {r.faults_per_step:.0f} | {r.steps} |"
+        )
+    if note:
+        lines += ["", note]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def header(title: str, floor: float) -> str:
+    """Environment line for the top of a bench's Markdown."""
+    mode = "QUICK (smoke run: shrunken sets, few steps; not for conclusions)" if QUICK else "full"
+    return (
+        f"## {title}\n\n"
+        f"torch {torch.__version__}, python {platform.python_version()}, threads={torch.get_num_threads()}, "
+        f"{os.cpu_count()} cpus, {platform.machine()}; mode: {mode}; "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC\n\n"
+        f"Floor (in-place triad `a.add_(c, alpha=s)`, {FLOOR_MIB} MiB arrays, median of {FLOOR_REPEATS}): "
+        f"**{floor:.1f} GB/s**. Times are medians of per-step `perf_counter_ns`; variants of one table ran "
+        f"interleaved in one process ({ROUNDS} rounds), so compare ratios within a table only.\n"
+    )

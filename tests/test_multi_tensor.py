@@ -1,0 +1,502 @@
+"""Tests of the multi-tensor layer (``optkit._multi_tensor``) against float64 NumPy references.
+
+Every kernel is checked on fp32, fp64, fp16 and bf16 inputs, mixed dtypes, ``None`` entries and sparse COO
+tensors with duplicate indices. References are written from the formulas in the module's docstrings.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from optkit import _multi_tensor as mt
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# relative tolerance of a reduction accumulated in fp32 (fp64 for fp64 input), vs a float64 reference
+RTOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 1e-5, torch.bfloat16: 1e-5}
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+
+
+def np64(t: torch.Tensor) -> np.ndarray:
+    """float64 NumPy copy of a dense tensor (the reference sees exactly the stored, rounded values)."""
+    return t.detach().to(torch.float64).numpy().copy()
+
+
+def make(rng: np.random.Generator, shape, dtype, scale=1.0) -> torch.Tensor:
+    arr = rng.standard_normal(shape) * scale + 0.01  # never all zeros
+    return torch.tensor(arr, dtype=torch.float64).to(dtype)
+
+
+def make_list(rng, dtype, shapes=((7,), (3, 5), (), (2, 3, 4), (1,))):
+    return [make(rng, s, dtype) for s in shapes]
+
+
+def sparse_with_duplicates(rng, dtype=torch.float32) -> torch.Tensor:
+    """Uncoalesced COO [6, 3] tensor whose rows 1 and 4 appear twice (raw values keep both copies)."""
+    idx = torch.tensor([[1, 4, 1, 0, 4]])
+    vals = make(rng, (5, 3), dtype)
+    t = torch.sparse_coo_tensor(idx, vals, (6, 3))
+    assert not t.is_coalesced()
+    return t
+
+
+# ------------------------------------------------------------------------------------------------------------
+# views and grouping
+
+
+def test_views_and_present(rng):
+    t = make(rng, (3,), torch.float32)
+    assert not mt.is_dtensor(t) and not mt.is_dtensor(3.0)
+    assert mt.local(t) is t
+    assert mt.values_of(t) is t
+    sp = sparse_with_duplicates(rng)
+    assert mt.values_of(sp).shape == (5, 3)
+    assert mt.values_of(sp).data_ptr() == sp._values().data_ptr()
+    assert mt.present([None, t, None, sp]) == [t, sp]
+    assert mt.present([]) == []
+
+
+def test_acc_dtype():
+    assert mt.acc_dtype(torch.float64) == torch.float64
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert mt.acc_dtype(dt) == torch.float32
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass: takes the Python grouping path instead of torch's C++ one."""
+
+
+def test_group_by_device_dtype_mixed_and_parallel(rng):
+    dts = [torch.float32, torch.float16, torch.float32, torch.float64, torch.float16, torch.bfloat16]
+    a = [make(rng, (i + 1,), dt) for i, dt in enumerate(dts)]
+    b = [make(rng, (i + 1,), dt) for i, dt in enumerate(dts)]
+    g = mt.group_by_device_dtype(a, b)
+    cpu = torch.device("cpu")
+    assert set(g) == {(cpu, torch.float32), (cpu, torch.float16), (cpu, torch.float64), (cpu, torch.bfloat16)}
+    assert g[(cpu, torch.float32)][0] == [0, 2]
+    assert g[(cpu, torch.float16)][0] == [1, 4]
+    for (_, dtype), (idx, (la, lb)) in g.items():
+        for j, i in enumerate(idx):
+            assert la[j] is a[i] and lb[j] is b[i] and la[j].dtype == dtype
+    # the Python path (a tensor subclass is not "plain") groups identically
+    sub = [x.as_subclass(_Sub) for x in a]
+    g2 = mt.group_by_device_dtype(sub, b)
+    assert {k: v[0] for k, v in g2.items()} == {k: v[0] for k, v in g.items()}
+    # parallel lists that disagree on dtype fall back to the Python path, grouped by the first list
+    c = [x.to(torch.float64) for x in a]
+    g3 = mt.group_by_device_dtype(a, c)
+    assert {k: v[0] for k, v in g3.items()} == {k: v[0] for k, v in g.items()}
+    assert mt.group_by_device_dtype([]) == {}
+
+
+def test_all_plain_and_values_list(rng):
+    t = make(rng, (3,), torch.float32)
+    p = torch.nn.Parameter(t.clone())
+    assert mt._all_plain([t, p])
+    assert not mt._all_plain([t, t.as_subclass(_Sub)])
+    sp = sparse_with_duplicates(rng)
+    vals = mt._values_list([t, sp])
+    assert vals[0] is t and vals[1].shape == (5, 3)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# reductions
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_l2_and_inf(rng, dtype):
+    ts = make_list(rng, dtype)
+    n2 = mt.norms(ts)
+    ninf = mt.norms(ts, math.inf)
+    for t, a, b in zip(ts, n2, ninf):
+        assert a.dtype == mt.acc_dtype(dtype) and a.shape == ()
+        np.testing.assert_allclose(a.item(), np.sqrt(np.sum(np64(t) ** 2)), rtol=RTOL[dtype])
+        np.testing.assert_allclose(b.item(), np.max(np.abs(np64(t))), rtol=RTOL[dtype])
+    assert mt.norms([]) == []
+
+
+def test_norms_half_accumulates_in_fp32():
+    # 4096 elements of 300: Σx² = 3.7e8 overflows fp16 (max 65504), the norm 19200 does not.
+    for dtype in (torch.float16, torch.bfloat16):
+        t = torch.full((4096,), 300.0, dtype=dtype)
+        (n,) = mt.norms([t])
+        assert n.dtype == torch.float32
+        np.testing.assert_allclose(n.item(), 300.0 * 64.0, rtol=1e-6)
+        np.testing.assert_allclose(mt.global_norm([t]).item(), 19200.0, rtol=1e-6)
+        np.testing.assert_allclose(mt.sum_of_squares([t]).item(), 19200.0**2, rtol=1e-6)
+    # many bf16 elements: the fp32 accumulator is within 1e-4 (a bf16 result is off by ~1e-3)
+    t = torch.full((100_000,), 0.1, dtype=torch.bfloat16)
+    ref = math.sqrt(100_000) * float(torch.tensor(0.1, dtype=torch.bfloat16))
+    np.testing.assert_allclose(mt.global_norm([t]).item(), ref, rtol=1e-4)
+    assert abs(t.norm().item() - ref) > 1e-4 * ref
+
+
+def test_norms_inf_of_empty_tensor_is_zero(rng):
+    ts = [torch.empty(0), make(rng, (4,), torch.float32), torch.empty(0, 3)]
+    res = mt.norms(ts, math.inf)
+    assert res[0].item() == 0.0 and res[2].item() == 0.0
+    np.testing.assert_allclose(res[1].item(), np.abs(np64(ts[1])).max(), rtol=1e-7)
+    assert mt.max_abs(ts).item() == res[1].item()
+    assert mt.norms([torch.empty(0)], 2.0)[0].item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_global_norm_sum_of_squares_max_abs(rng, dtype):
+    ts = make_list(rng, dtype)
+    with_none = [None, *ts[:2], None, *ts[2:]]
+    ref_sq = sum(np.sum(np64(t) ** 2) for t in ts)
+    ref_max = max(np.max(np.abs(np64(t))) for t in ts)
+    want = torch.float64 if dtype == torch.float64 else torch.float32
+    for fn, ref in ((mt.global_norm, np.sqrt(ref_sq)), (mt.sum_of_squares, ref_sq), (mt.max_abs, ref_max)):
+        out = fn(with_none)
+        assert out.shape == () and out.dtype == want
+        np.testing.assert_allclose(out.item(), ref, rtol=RTOL[dtype])
+    np.testing.assert_allclose(mt.sum_of_squares_raw(ts).item(), ref_sq, rtol=RTOL[dtype])
+    # one tensor: the norm itself
+    np.testing.assert_allclose(mt.global_norm([ts[0]]).item(), np.linalg.norm(np64(ts[0])), rtol=RTOL[dtype])
+
+
+def test_reductions_mixed_dtypes(rng):
+    ts = [make(rng, (5,), dt) for dt in DTYPES] + [make(rng, (2, 2), torch.float32)]
+    ref_sq = sum(np.sum(np64(t) ** 2) for t in ts)
+    out = mt.global_norm(ts)
+    assert out.dtype == torch.float64  # any fp64 input makes the result fp64
+    np.testing.assert_allclose(out.item(), np.sqrt(ref_sq), rtol=1e-6)
+    np.testing.assert_allclose(mt.sum_of_squares(ts).item(), ref_sq, rtol=1e-6)
+    np.testing.assert_allclose(mt.sum_of_squares_raw(ts).item(), ref_sq, rtol=1e-6)
+    no64 = [t for t in ts if t.dtype != torch.float64]
+    assert mt.global_norm(no64).dtype == torch.float32
+    np.testing.assert_allclose(
+        mt.max_abs(ts).item(), max(np.abs(np64(t)).max() for t in ts), rtol=1e-7)
+
+
+def test_reductions_empty_and_all_none():
+    for fn in (mt.global_norm, mt.sum_of_squares, mt.max_abs, mt.any_non_finite):
+        for arg in ([], [None, None]):
+            out = fn(arg)
+            assert out.shape == () and out.dtype == torch.float32 and out.item() == 0.0
+
+
+def test_reductions_sparse_count_raw_values(rng):
+    sp = sparse_with_duplicates(rng)
+    dense = make(rng, (4,), torch.float32)
+    raw = np64(sp._values())
+    coalesced = np64(sp.coalesce()._values())
+    assert not np.isclose(np.sum(raw**2), np.sum(coalesced**2))  # duplicates matter
+    ref = np.sqrt(np.sum(raw**2) + np.sum(np64(dense) ** 2))
+    np.testing.assert_allclose(mt.global_norm([sp, dense]).item(), ref, rtol=1e-6)
+    np.testing.assert_allclose(mt.norms([sp])[0].item(), np.sqrt(np.sum(raw**2)), rtol=1e-6)
+    np.testing.assert_allclose(mt.max_abs([sp]).item(), np.abs(raw).max(), rtol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_flags(rng, dtype):
+    ts = make_list(rng, dtype)
+    assert mt.any_non_finite(ts).item() == 0.0
+    for bad in (math.inf, -math.inf, math.nan):
+        t2 = [t.clone() for t in ts]
+        t2[3].view(-1)[5] = bad
+        flag = mt.any_non_finite([None, *t2])
+        assert flag.dtype == torch.float32 and flag.item() == 1.0
+        assert math.isnan(mt.max_abs(t2).item()) == math.isnan(bad)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# in-place kernels
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_number_and_tensor(rng, dtype):
+    ts = make_list(rng, dtype)
+    refs = [np64(t) for t in ts]
+    mt.scale_([None, *ts], 0.37)
+    factor = 0.37 if dtype == torch.float64 else float(np.float32(0.37))  # the factor's fp32 rounding
+    for t, r in zip(ts, refs):
+        np.testing.assert_array_equal(np64(t), np64(torch.tensor(r * factor).to(dtype)))
+    refs = [np64(t) for t in ts]
+    s = torch.tensor(0.4567891, dtype=torch.float32)
+    mt.scale_(ts, s)
+    for t, r in zip(ts, refs):
+        # the factor stays fp32 for half groups: one rounding of the exact product (fp64 product for fp64)
+        exact = r * (float(s) if dtype != torch.float64 else float(s.double()))
+        np.testing.assert_array_equal(np64(t), np64(torch.tensor(exact).to(dtype)))
+
+
+def test_scale_per_tensor_list_with_none(rng):
+    ts = [make(rng, (4,), torch.float32), None, make(rng, (2, 2), torch.float16),
+          make(rng, (3,), torch.float64)]
+    refs = [None if t is None else np64(t) for t in ts]
+    # one factor per entry of the full list, None positions included (their factor is ignored)
+    scales = [torch.tensor(0.5), torch.tensor(99.0), torch.tensor(2.0),
+              torch.tensor(-0.25, dtype=torch.float64)]
+    mt.scale_(ts, scales)
+    for t, r, s in zip(ts, refs, scales):
+        if t is not None:
+            np.testing.assert_array_equal(np64(t), r * float(s))  # powers of two: exact
+    mt.scale_([], 2.0)
+    mt.scale_([None], 2.0)
+
+
+def test_scale_sparse_scales_raw_values(rng):
+    sp = sparse_with_duplicates(rng)
+    raw = np64(sp._values())
+    mt.scale_([sp], torch.tensor(0.5))
+    np.testing.assert_allclose(np64(sp._values()), raw * 0.5, rtol=1e-7)
+    assert not sp.is_coalesced()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamp(rng, dtype):
+    ts = make_list(rng, dtype)
+    ts[0][0] = math.nan
+    refs = [np64(t) for t in ts]
+    mt.clamp_([None, *ts], -0.5, 0.25)
+    for t, r in zip(ts, refs):
+        np.testing.assert_array_equal(np64(t), np.clip(r, -0.5, 0.25))  # NaN stays NaN
+    sp = sparse_with_duplicates(rng)
+    raw = np64(sp._values())
+    mt.clamp_([sp], -0.1, 0.1)
+    np.testing.assert_array_equal(np64(sp._values()), np.clip(raw, -0.1, 0.1).astype(np.float32))
+    mt.clamp_([], 0.0, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lerp_float_and_tensor_weight(rng, dtype):
+    half = dtype in (torch.float16, torch.bfloat16)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if half else {"rtol": 1e-6, "atol": 1e-7}
+    tg = make_list(rng, dtype)
+    src = make_list(rng, dtype)
+    a, b = [np64(t) for t in tg], [np64(t) for t in src]
+    mt.lerp_(tg, src, 0.3)
+    for t, x, y in zip(tg, a, b):
+        np.testing.assert_allclose(np64(t), x + 0.3 * (y - x), **tol)
+    a = [np64(t) for t in tg]
+    w = torch.tensor(0.125)
+    mt.lerp_(tg, src, w)
+    for t, x, y in zip(tg, a, b):
+        np.testing.assert_allclose(np64(t), x + 0.125 * (y - x), **tol)
+    # a zero tensor weight (a skipped step) leaves the targets bit-identical
+    before = [t.clone() for t in tg]
+    mt.lerp_(tg, src, torch.tensor(0.0))
+    for t, bt in zip(tg, before):
+        assert torch.equal(t, bt)
+    mt.lerp_([], [], 0.5)
+
+
+def test_lerp_mixed_dtypes(rng):
+    tg = [make(rng, (3,), torch.float32), make(rng, (3,), torch.float64)]
+    src = [make(rng, (3,), torch.float32), make(rng, (3,), torch.float64)]
+    a, b = [np64(t) for t in tg], [np64(t) for t in src]
+    mt.lerp_(tg, src, torch.tensor(0.75))
+    for t, x, y in zip(tg, a, b):
+        np.testing.assert_allclose(np64(t), x + 0.75 * (y - x), rtol=1e-6)
+
+
+def test_blocks_cover_every_element_once(rng):
+    a = [make(rng, s, torch.float32) for s in [(5,), (40,), (3, 4), (7,), (2,)]]
+    b = [t.clone() for t in a]
+    bl = mt.blocks([a, b], block_numel=16)
+    seen = {i: 0 for i in range(len(a))}
+    for owners, (ca, cb) in bl:
+        assert len(owners) == len(ca) == len(cb)
+        for i, x, y in zip(owners, ca, cb):
+            seen[i] += x.numel()
+            assert torch.equal(x, y)
+    assert seen == {i: t.numel() for i, t in enumerate(a)}
+    # chunks are views: writing through them reaches the original tensors
+    for _, (ca, _) in bl:
+        for x in ca:
+            x.mul_(2.0)
+    for t, r in zip(a, b):
+        assert torch.equal(t, r * 2)
+    # the big tensor is split into chunks of at most block_numel
+    assert sum(1 for owners, _ in bl if owners == [1]) == 3
+    # non-contiguous big tensors stay whole
+    nc = make(rng, (8, 8), torch.float32).t()
+    assert [o for o, _ in mt.blocks([[nc]], block_numel=16)] == [[0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_check_and_unscale(rng, dtype):
+    ts = make_list(rng, dtype)
+    refs = [np64(t) for t in ts]
+    found = torch.zeros(())
+    inv = torch.tensor(0.25)
+    out = mt.non_finite_check_and_unscale_([None, *ts], found, inv)
+    assert out is found and found.item() == 0.0
+    for t, r in zip(ts, refs):
+        np.testing.assert_array_equal(np64(t), np64(torch.tensor(r * 0.25).to(dtype)))
+    for bad in (math.inf, math.nan):
+        t2 = [t.clone() for t in ts]
+        t2[1][1, 1] = bad
+        found = torch.zeros(())
+        mt.non_finite_check_and_unscale_(t2, found, inv)
+        assert found.item() == 1.0
+    # the flag is OR-ed into: a set flag stays set after a finite batch
+    found = torch.ones(())
+    mt.non_finite_check_and_unscale_(ts, found, torch.tensor(1.0))
+    assert found.item() == 1.0
+    assert mt.non_finite_check_and_unscale_([None], torch.zeros(()), inv).item() == 0.0
+
+
+def test_non_finite_check_mixed_and_sparse(rng):
+    ts = [make(rng, (4,), dt) for dt in DTYPES]
+    sp = sparse_with_duplicates(rng)
+    raw = np64(sp._values())
+    refs = [np64(t) for t in ts]
+    found = torch.zeros(())
+    mt.non_finite_check_and_unscale_([*ts, sp], found, torch.tensor(2.0))
+    assert found.item() == 0.0
+    np.testing.assert_allclose(np64(sp._values()), raw * 2.0)
+    for t, r in zip(ts, refs):
+        np.testing.assert_allclose(np64(t), r * 2.0)
+    sp._values()[2, 0] = math.inf
+    mt.non_finite_check_and_unscale_([ts[0], sp], found, torch.tensor(1.0))
+    assert found.item() == 1.0
+
+
+def test_reduce_flag_without_dtensors_is_identity(rng):
+    flag = torch.tensor(1.0)
+    assert mt.reduce_flag_(flag, [make(rng, (2,), torch.float32)]) is flag and flag.item() == 1.0
+    parts = [torch.tensor(1.0), torch.tensor(2.0)]
+    assert mt._combine_partials([torch.ones(1), torch.ones(1)], parts, "sum") == parts
+
+
+def test_add_scaled_mixed_dtypes_and_none(rng):
+    tg = [make(rng, (4,), torch.float32), None, make(rng, (2, 3), torch.float16),
+          make(rng, (3,), torch.float64)]
+    src = [make(rng, (4,), torch.float64), make(rng, (2,), torch.float32), make(rng, (2, 3), torch.float32),
+           make(rng, (3,), torch.float64)]
+    a = [None if t is None else np64(t) for t in tg]
+    b = [np64(x) for x in src]
+    mt.add_scaled_(tg, src, -0.3)
+    assert tg[1] is None
+    for t, x, y in zip(tg, a, b):
+        if t is not None:
+            tol = 2e-3 if t.dtype == torch.float16 else 1e-6
+            np.testing.assert_allclose(np64(t), x - 0.3 * y, rtol=tol, atol=tol)
+    mt.add_scaled_([None], [torch.ones(1)], 1.0)
+
+
+def test_commit_with_and_without_skip(rng):
+    tg = [make(rng, (4,), torch.float32), make(rng, (2, 2), torch.float64)]
+    new = [make(rng, (4,), torch.float32), make(rng, (2, 2), torch.float64)]
+    new[0][1] = math.nan  # a skipped step must leave no trace of non-finite values
+    before = [t.clone() for t in tg]
+    mt.commit_(tg, new, skip=torch.tensor(True))
+    assert all(torch.equal(t, b) for t, b in zip(tg, before))
+    mt.commit_(tg, new, skip=torch.tensor(False))
+    np.testing.assert_array_equal(np64(tg[0]), np64(new[0]))
+    np.testing.assert_array_equal(np64(tg[1]), np64(new[1]))
+    fresh = [make(rng, (4,), torch.float32), make(rng, (2, 2), torch.float64)]
+    mt.commit_(tg, fresh)
+    assert all(torch.equal(t, f) for t, f in zip(tg, fresh))
+    mt.commit_([], [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_along(rng, dtype):
+    ts = [make(rng, (4, 5), dtype), make(rng, (3, 2, 2), dtype), make(rng, (6,), dtype), make(rng, (), dtype)]
+    dims = [(1,), (0, -1), (0,), ()]
+    out = mt.norms_along(ts, dims)
+    for t, d, o in zip(ts, dims, out):
+        axes = tuple(k % max(t.ndim, 1) for k in d)
+        ref = np.sqrt(np.sum(np64(t) ** 2, axis=axes, keepdims=True)) if axes else np.abs(np64(t))
+        assert o.dtype == mt.acc_dtype(dtype) and o.shape == ref.shape
+        np.testing.assert_allclose(np64(o), ref, rtol=RTOL[dtype])
+    assert mt._crossing_mesh_dims(ts[0], (1,)) is None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# out-of-place kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_copies_dtype_and_rounding(rng, dtype):
+    ts = make_list(rng, dtype)
+    before = [t.clone() for t in ts]
+    s = torch.tensor(0.3141, dtype=torch.float32)
+    out = mt.scaled_copies([None, *ts, None], s)
+    assert out[0] is None and out[-1] is None
+    for t, o, b in zip(ts, out[1:-1], before):
+        assert o.dtype == dtype and o.shape == t.shape and o.data_ptr() != t.data_ptr()
+        assert torch.equal(t, b)  # inputs untouched
+        exact = np64(t) * (float(s) if dtype != torch.float64 else float(s.double()))
+        np.testing.assert_array_equal(np64(o), np64(torch.tensor(exact).to(dtype)))
+
+
+def test_scaled_copies_out_dtypes_and_sparse(rng):
+    g16 = make(rng, (5,), torch.float16)
+    g32 = make(rng, (3, 2), torch.float32)
+    sp = sparse_with_duplicates(rng)
+    s = torch.tensor(0.7)
+    out = mt.scaled_copies([g16, g32, sp, None], s, out_dtypes=[torch.float32, torch.float16, torch.float32,
+                                                                 torch.float32])
+    assert out[0].dtype == torch.float32
+    np.testing.assert_array_equal(np64(out[0]), np64(torch.tensor(np64(g16) * float(s)).float()))
+    assert out[1].dtype == torch.float16
+    np.testing.assert_array_equal(np64(out[1]), np64((g32 * s).half()))
+    assert out[2].is_sparse and not out[2].is_coalesced()
+    assert torch.equal(out[2]._indices(), sp._indices())
+    np.testing.assert_allclose(np64(out[2]._values()), np64(sp._values()) * float(s), rtol=1e-7)
+    assert out[3] is None
+    assert mt.scaled_copies([], s) == []
+
+
+# ------------------------------------------------------------------------------------------------------------
+# DTensor paths (one rank, in a subprocess so the test process keeps no process group)
+
+_DTENSOR_SCRIPT = textwrap.dedent(
+    """
+    import math, sys, tempfile, warnings
+    warnings.filterwarnings("ignore")
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from optkit import _multi_tensor as mt
+
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 3, generator=g) + 0.01
+        y = torch.randn(5, generator=g) + 0.01
+        dx = distribute_tensor(x, mesh, [Shard(0)])
+        dy = distribute_tensor(y, mesh, [Replicate()])
+        ts = [dx, dy, torch.ones(2)]
+        assert mt.is_dtensor(dx) and mt.local(dx).shape == (8, 3)
+        ref = math.sqrt(float((x.double() ** 2).sum() + (y.double() ** 2).sum() + 2))
+        assert abs(mt.global_norm(ts).item() - ref) < 1e-5 * ref
+        n = mt.norms(ts)
+        assert abs(n[0].item() - x.norm().item()) < 1e-5
+        assert abs(mt.max_abs(ts).item() - max(x.abs().max().item(), y.abs().max().item(), 1.0)) < 1e-7
+        out = mt.scaled_copies(ts, torch.tensor(0.5))
+        assert mt.is_dtensor(out[0]) and out[0].placements == dx.placements
+        assert torch.allclose(out[0].full_tensor(), x * 0.5)
+        flag = torch.zeros(())
+        mt.non_finite_check_and_unscale_(ts, flag, torch.tensor(2.0))
+        assert flag.item() == 0.0 and torch.allclose(dx.full_tensor(), x * 2)
+        assert mt.any_non_finite(ts).item() == 0.0
+        mt.scale_(ts, torch.tensor(0.5))
+        assert torch.allclose(dx.full_tensor(), x)
+        assert mt._crossing_mesh_dims(dx, (0,)) is not None and mt._crossing_mesh_dims(dx, (1,)) is None
+        rows, cols = mt.norms_along([dx, dx], [(1,), (0,)])
+        assert torch.allclose(rows, x.norm(dim=1, keepdim=True), rtol=1e-5)
+        assert torch.allclose(cols, x.norm(dim=0, keepdim=True), rtol=1e-5)
+        print("ok")
+    finally:
+        dist.destroy_process_group()
+    """
+)
+
+
+def test_dtensor_paths_single_rank():
+    res = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
