@@ -1,0 +1,445 @@
+"""The common base of optkit's optimizer wrappers (DESIGN §1.5): proxying, the step protocol, checkpoints.
+
+A wrapper holds an inner ``torch.optim.Optimizer`` (optkit's, torch's, or another wrapper) and is itself a
+``torch.optim.Optimizer`` instance (it subclasses it without running its ``__init__``), so
+``torch.optim.lr_scheduler`` schedulers, ``torch.amp.GradScaler`` and step hooks accept it.
+``param_groups``, ``state`` and ``defaults`` are the inner optimizer's objects (a scheduler that edits a
+group's ``lr`` edits the inner optimizer's group).
+
+**The step protocol.** optkit optimizers read three attributes in ``step()``: ``grad_scale`` (gradients are
+divided by it), ``found_inf`` (0-d float, 1.0 = skip: nothing changes) and ``grad_multipliers``
+(``{id(param): 0-d tensor}`` multiplying that gradient inside the optimizer's own pass). Wrappers accept the
+same three attributes (so ``GradScaler`` or an outer wrapper can set them), combine them with their own work,
+and hand the result to the inner optimizer (:meth:`OptimizerWrapper._delegate`) according to what it supports:
+
+* ``"full"`` (optkit optimizers and wrappers): set the attributes on the inner optimizer, step, delete them —
+  no extra memory pass and no host sync;
+* ``"amp"`` (torch fused optimizers, ``_step_supports_amp_scaling``): multipliers are applied to the
+  gradients in place, ``grad_scale``/``found_inf`` are passed on. torch creates state lazily with
+  ``empty_like`` even on a skipped step (``spec/pytorch_anchors.md`` P13), so on a step where a parameter
+  with a gradient has no state yet and a ``found_inf`` is given, ``found_inf`` is read on the host once and
+  a skipped step does not call the inner optimizer at all;
+* ``"none"`` (any other optimizer): gradients are unscaled in place with the fused non-finite check,
+  multipliers applied in place, and when a ``found_inf`` is given it is read on the host (one sync per step,
+  only for such optimizers) to skip the call.
+
+A wrapper's ``step_applied`` (0-d bool tensor) tells whether its last step changed anything.
+
+**Checkpoints.** ``state_dict()`` is ``{"optimizer": inner.state_dict(), "wrapper": {"type": <class
+name>, **own state}}``; stacked wrappers nest. ``load_state_dict`` checks the wrapper type and its own part
+before loading anything.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+
+__all__ = ["OptimizerWrapper", "protocol_level"]
+
+_PROTOCOL = ("grad_scale", "found_inf", "grad_multipliers")
+
+
+def protocol_level(opt: torch.optim.Optimizer) -> str:
+    """``"full"``, ``"amp"`` or ``"none"``: how much of the step protocol ``opt`` honours (module doc)."""
+    from .optimizer import Optimizer as OptkitOptimizer
+
+    if isinstance(opt, (OptimizerWrapper, OptkitOptimizer)):
+        return "full"
+    if getattr(opt, "_step_supports_amp_scaling", False):
+        return "amp"
+    return "none"
+
+
+def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    while isinstance(opt, OptimizerWrapper):
+        opt = opt.optimizer
+    return opt
+
+
+class OptimizerWrapper(torch.optim.Optimizer):
+    """Base of optkit wrappers: holds ``self.optimizer`` and proxies the ``torch.optim`` and TF surfaces.
+
+    Subclasses implement :meth:`_wrapped_step` (and optionally :meth:`_own_state`, :meth:`_load_own_state`,
+    :meth:`_own_config`, :meth:`_remap_params`).
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler may set grad_scale / found_inf on a wrapper
+    #: a wrapper that must not be wrapped by another optkit wrapper (it changes which tensors hold gradients)
+    _outermost_only = False
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"`opt` must be a torch.optim.Optimizer, got {type(opt).__name__}")
+        if getattr(opt, "_outermost_only", False):
+            raise TypeError(
+                f"{type(opt).__name__} must be the outermost wrapper: wrap the other wrappers inside it "
+                f"(e.g. MixedPrecisionOptimizerWrapper({type(self).__name__}(opt)))"
+            )
+        self.optimizer = opt
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
+        self._stateless_ids: set[int] = set()
+        self.step_applied = torch.ones((), dtype=torch.bool, device=self._device())
+
+    # ------------------------------------------------------------------------------------ proxies
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        """The inner optimizer's param groups (the same list and dicts)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        """The inner optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
+        """The inner optimizer's defaults."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict) -> None:
+        self.optimizer.defaults = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group to the inner optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+    def _inner_attr(self, name: str) -> Any:
+        inner = self.optimizer
+        if not hasattr(inner, name):
+            raise AttributeError(f"{type(inner).__name__} (inside {type(self).__name__}) has no {name!r}")
+        return getattr(inner, name)
+
+    @property
+    def iterations(self) -> Tensor:
+        """The inner optimizer's count of applied updates (optkit optimizers; skipped steps do not count)."""
+        return self._inner_attr("iterations")
+
+    @property
+    def learning_rate(self) -> Any:
+        """The inner optimizer's learning rate (optkit optimizers), else the first group's ``lr``."""
+        if hasattr(self.optimizer, "learning_rate"):
+            return self.optimizer.learning_rate
+        return self.param_groups[0]["lr"]
+
+    @learning_rate.setter
+    def learning_rate(self, value: Any) -> None:
+        if hasattr(self.optimizer, "learning_rate"):
+            self.optimizer.learning_rate = value
+        else:
+            for g in self.param_groups:
+                g["lr"] = value
+
+    def _device(self) -> torch.device:
+        for g in self.param_groups:
+            for p in g["params"]:
+                return mt.local(p).device
+        return torch.device("cpu")
+
+    def _current_lr(self, group: dict) -> Tensor:
+        """This step's learning rate of ``group`` as a 0-d fp32 tensor (the inner optimizer's own rule)."""
+        inner = self.optimizer
+        if hasattr(inner, "_current_lr"):
+            return inner._current_lr(group)
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            return lr.detach().to(device=self._device(), dtype=torch.float32).reshape(())
+        return torch.tensor(float(lr), dtype=torch.float32, device=self._device())
+
+    def _remap_params(self, mapping: dict[int, Tensor]) -> None:
+        """Parameters were replaced (``id(old) -> new``, e.g. by fp32 masters): update id-keyed records."""
+        inner = self.optimizer
+        if isinstance(inner, OptimizerWrapper):
+            inner._remap_params(mapping)
+        elif hasattr(inner, "_wd_exclude_ids"):
+            ids = inner._wd_exclude_ids
+            inner._wd_exclude_ids = {id(mapping[i]) if i in mapping else i for i in ids}
+
+    # --------------------------------------------------------------------------------------- step
+
+    def _take_protocol(self) -> tuple[Tensor | None, Tensor | None, dict | None]:
+        """The protocol attributes an outer caller set on this wrapper (read, not removed: the caller
+        deletes them after ``step()``)."""
+        d = self.__dict__
+        return d.get("grad_scale"), d.get("found_inf"), d.get("grad_multipliers")
+
+    def _params_with_grads(self) -> tuple[list[Tensor], list[Tensor]]:
+        params, grads = [], []
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    params.append(p)
+                    grads.append(p.grad)
+        return params, grads
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run the closure (if any, under ``enable_grad``), then the wrapper's step; returns the closure's
+        value (torch semantics). ``step_applied`` tells whether anything changed."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, found_inf, multipliers = self._take_protocol()
+        self._wrapped_step(grad_scale, found_inf, multipliers)
+        return loss
+
+    def _wrapped_step(
+        self, grad_scale: Tensor | None, found_inf: Tensor | None, multipliers: dict | None
+    ) -> None:
+        self._delegate(grad_scale, found_inf, multipliers)
+
+    def _delegate(
+        self, grad_scale: Tensor | None, found_inf: Tensor | None, multipliers: dict | None
+    ) -> Tensor:
+        """Step the inner optimizer with the given protocol values (see the module doc for the three
+        levels). Sets and returns ``self.step_applied``."""
+        inner = self.optimizer
+        level = protocol_level(inner)
+        dev = self._device()
+        if level == "full":
+            values = dict(zip(_PROTOCOL, (grad_scale, found_inf, multipliers)))
+            for k, v in values.items():
+                if v is not None:
+                    setattr(inner, k, v)
+            try:
+                inner.step()
+            finally:
+                for k, v in values.items():
+                    if v is not None and k in inner.__dict__:
+                        delattr(inner, k)
+            applied = getattr(inner, "step_applied", None)
+            if applied is None:
+                applied = self._applied_from(found_inf, dev)
+            self.step_applied = applied
+            return applied
+
+        params, grads = self._params_with_grads()
+        if level == "none" and grad_scale is not None:
+            fi = torch.zeros((), dtype=torch.float32, device=dev)
+            inv = torch.reciprocal(grad_scale.detach().to(device=dev, dtype=torch.float32).reshape(()))
+            mt.non_finite_check_and_unscale_(grads, fi, inv)
+            found_inf = fi if found_inf is None else torch.maximum(fi, found_inf.to(dev, torch.float32))
+            grad_scale = None
+        if multipliers:
+            factors = [multipliers.get(id(p)) for p in params]
+            sel = [(g, f) for g, f in zip(grads, factors) if f is not None]
+            if sel:
+                mt.scale_([g for g, _ in sel], [f for _, f in sel])
+
+        if level == "amp" and found_inf is not None and self._missing_state(params):
+            # torch would create uninitialised state on a skipped step (P13): decide on the host, once.
+            if bool(found_inf.detach().reshape(()).cpu() != 0):
+                self.step_applied = torch.zeros((), dtype=torch.bool, device=dev)
+                return self.step_applied
+            self._call_amp(inner, grad_scale, found_inf)
+            self._stateless_ids.update(id(p) for p in params if not inner.state.get(p))
+        elif level == "amp":
+            self._call_amp(inner, grad_scale, found_inf)
+        else:
+            if found_inf is not None and bool(found_inf.detach().reshape(()).cpu() != 0):
+                # generic optimizers cannot skip on the device: one host read per step (documented)
+                self.step_applied = torch.zeros((), dtype=torch.bool, device=dev)
+                return self.step_applied
+            inner.step()
+            found_inf = None
+        self.step_applied = self._applied_from(found_inf, dev)
+        return self.step_applied
+
+    @staticmethod
+    def _applied_from(found_inf: Tensor | None, dev: torch.device) -> Tensor:
+        if found_inf is None:
+            return torch.ones((), dtype=torch.bool, device=dev)
+        return found_inf.detach().to(dev).reshape(()) == 0
+
+    def _missing_state(self, params: list[Tensor]) -> bool:
+        st = self.optimizer.state
+        return any(not st.get(p) and id(p) not in self._stateless_ids for p in params)
+
+    @staticmethod
+    def _call_amp(inner: torch.optim.Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        if grad_scale is not None:
+            inner.grad_scale = grad_scale
+        if found_inf is not None:
+            inner.found_inf = found_inf
+        try:
+            inner.step()
+        finally:
+            for k in ("grad_scale", "found_inf"):
+                if k in inner.__dict__:
+                    delattr(inner, k)
+
+    # --------------------------------------------------------------------------------- TF surface
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def compute_gradients(
+        self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """``(gradient, variable)`` pairs of ``loss`` (a scalar tensor or zero-argument callable); the inner
+        optimizer's ``compute_gradients`` when it has one, else ``torch.autograd.grad``."""
+        if hasattr(self.optimizer, "compute_gradients"):
+            return self.optimizer.compute_gradients(loss, var_list)
+        return _autograd_pairs(loss, self._all_params() if var_list is None else list(var_list))
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Tensor | None, Tensor]]) -> Any:
+        """Apply ``(gradient, variable)`` pairs through this wrapper's ``step()`` (variables not listed keep
+        their ``.grad`` untouched and are not updated this step). Returns ``iterations`` when the inner
+        optimizer counts them, else ``step_applied``."""
+        pairs = _check_pairs(grads_and_vars, self._all_params())
+        self._with_grads(pairs, lambda: self._wrapped_step(*self._take_protocol()))
+        return self._result()
+
+    def _with_grads(self, pairs: list[tuple[Tensor | None, Tensor]], fn: Callable[[], Any]) -> Any:
+        saved = [(p, p.grad) for p in self._all_params()]
+        try:
+            with torch.no_grad():
+                for p, _ in saved:
+                    p.grad = None
+                for g, v in pairs:
+                    if g is not None:
+                        v.grad = g.detach().clone() if not g.is_sparse else g.detach().coalesce()
+                        if v.grad.dtype != v.dtype:
+                            v.grad = v.grad.to(v.dtype)
+                return fn()
+        finally:
+            for p, g in saved:
+                p.grad = g
+
+    def _result(self) -> Any:
+        return self.optimizer.iterations if hasattr(self.optimizer, "iterations") else self.step_applied
+
+    def minimize(self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None) -> Any:
+        """``apply_gradients(compute_gradients(loss, var_list))``."""
+        return self.apply_gradients(self.compute_gradients(loss, var_list))
+
+    def get_slot(self, var: Tensor, name: str) -> Tensor:
+        """The inner optimizer's slot ``name`` of ``var``."""
+        return self._inner_attr("get_slot")(var, name)
+
+    def get_slot_names(self) -> list[str]:
+        """The inner optimizer's slot names."""
+        return self._inner_attr("get_slot_names")()
+
+    def variables(self) -> list[Tensor]:
+        """The inner optimizer's variables followed by this wrapper's own (e.g. loss-scale state)."""
+        inner = self._inner_attr("variables")()
+        return list(inner) + self._own_variables()
+
+    def _own_variables(self) -> list[Tensor]:
+        return []
+
+    def get_config(self) -> dict:
+        """This wrapper's hyperparameters plus ``"inner_optimizer"`` (the inner ``get_config()`` when it has
+        one, else its class name and defaults)."""
+        inner = self.optimizer
+        inner_cfg = inner.get_config() if hasattr(inner, "get_config") else {
+            "class_name": type(inner).__name__, "defaults": dict(inner.defaults)}
+        return {"name": type(self).__name__, **self._own_config(), "inner_optimizer": inner_cfg}
+
+    def _own_config(self) -> dict:
+        return {}
+
+    # --------------------------------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """``{"optimizer": inner state_dict, "wrapper": {"type": class name, **own state}}``."""
+        return {"optimizer": self.optimizer.state_dict(),
+                "wrapper": {"type": type(self).__name__, **self._own_state()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a :meth:`state_dict`; the wrapper part is validated before anything changes."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"optimizer", "wrapper"}:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: expected a dict with keys "
+                             "'optimizer' and 'wrapper' (from a wrapper's state_dict())")
+        own = state_dict["wrapper"]
+        if not isinstance(own, dict) or own.get("type") != type(self).__name__:
+            got = own.get("type") if isinstance(own, dict) else type(own).__name__
+            raise ValueError(f"{type(self).__name__}.load_state_dict: state is for {got!r}")
+        own = {k: v for k, v in own.items() if k != "type"}
+        self._check_own_state(own)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._load_own_state(own)
+
+    def _own_state(self) -> dict[str, Any]:
+        return {}
+
+    def _check_own_state(self, own: dict[str, Any]) -> None:
+        if own:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: unexpected wrapper keys {sorted(own)}")
+
+    def _load_own_state(self, own: dict[str, Any]) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _autograd_pairs(
+    loss: Tensor | Callable[[], Tensor], vs: list[Tensor]
+) -> list[tuple[Tensor | None, Tensor]]:
+    if not vs:
+        raise ValueError("`var_list` is empty")
+    with torch.enable_grad():
+        value = loss() if callable(loss) else loss
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        raise ValueError("`loss` must be (or return) a scalar tensor")
+    grads = torch.autograd.grad(value, vs, allow_unused=True)
+    return list(zip(grads, vs))
+
+
+def _check_pairs(
+    grads_and_vars: Iterable[tuple[Tensor | None, Tensor]], known_params: list[Tensor]
+) -> list[tuple[Tensor | None, Tensor]]:
+    """Validate ``(gradient, variable)`` pairs against the optimizer's parameters (TF errors)."""
+    pairs = list(grads_and_vars)
+    known = {id(p) for p in known_params}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"`grads_and_vars` must hold (gradient, variable) pairs, got {pair!r}")
+        g, v = pair
+        if not isinstance(v, Tensor) or id(v) not in known:
+            raise ValueError("apply_gradients(): unknown variable (not one of the optimizer's parameters)")
+        if g is not None and not isinstance(g, Tensor):
+            raise TypeError(f"gradients must be Tensors or None, got {type(g).__name__}")
+        if g is not None and g.shape != v.shape:
+            raise ValueError(f"gradient shape {tuple(g.shape)} != variable shape {tuple(v.shape)}")
+    if all(g is None for g, _ in pairs):
+        raise ValueError("No gradients provided for any variable.")
+    return [tuple(p) for p in pairs]  # type: ignore[misc]

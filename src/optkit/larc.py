@@ -1,0 +1,213 @@
+"""``LARC``: layer-wise adaptive rate control around any optimizer (``spec/openseq2seq.md`` §4).
+
+Before the inner step every gradient ``g`` of a parameter ``v`` is multiplied by a trust ratio ``r`` computed
+from whole-tensor L2 norms (fp32) and the inner optimizer's **current** learning rate ``lr`` of its group:
+
+* ``larc_mode="clip"``:  ``r = min(max(η‖v‖ / (lr·(‖g‖ + ε)), min_update), 1)`` — the effective rate
+  ``lr·r = min(lr, η‖v‖/(‖g‖+ε))``, floored at ``lr·min_update``; with ``lr == 0`` (a warm-up step) ``r = 1``
+  (the original divided by zero and produced NaN for zero-norm variables);
+* ``larc_mode="scale"``: ``r = max(η‖v‖ / (‖g‖ + ε), min_update)`` (LARS, no lr and no upper bound).
+
+Options beyond the original (``spec/pytorch_anchors.md`` P1, P2, P19):
+
+* ``exclude(name, param) -> bool``: parameters for which it returns True keep ``r = 1`` (e.g. biases and
+  normalisation weights: ``exclude=lambda n, p: p.ndim <= 1``). Evaluated once per parameter position;
+  names come from ``named_parameters()`` groups (``param_names``), else ``"param_<i>"``.
+* ``wd_in_denominator=wd`` (the apex ``LARC`` / timm ``Lars`` form): the gradient becomes
+  ``r·(g + wd·v)`` with ``r`` computed as above but with ``‖g‖ + wd·‖v‖`` in place of ``‖g‖``, and ``r = 1``
+  where ``‖v‖ = 0`` or ``‖g‖ = 0`` (timm). Give the inner optimizer no weight decay of its own then.
+
+Performance: one grouped norm pass over the parameters and one over the gradients, the ratios computed as one
+vector (no host sync, no per-parameter Python arithmetic). optkit inner optimizers receive the ratios as
+``grad_multipliers`` and fold them into their own pass; other optimizers get the gradients scaled in place.
+A ``grad_scale`` from an outer loss-scale wrapper is taken into account (``‖g‖`` is the unscaled norm) and
+passed on; ``found_inf`` is passed on unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+from ._validation import check_params, check_real
+from ._wrapper import OptimizerWrapper, protocol_level
+
+__all__ = ["LARC"]
+
+_REQUIRED = {"larc_eta": float}
+_OPTIONAL = {"larc_mode": ["clip", "scale"], "min_update": float, "epsilon": float}
+
+
+class LARC(OptimizerWrapper):
+    """OpenSeq2Seq LARC as a wrapper (module doc for the formulas).
+
+    Args:
+        opt: the optimizer to wrap.
+        larc_eta: trust coefficient η (float, required; strict types as in OpenSeq2Seq: ``1`` is rejected,
+            ``1.0`` accepted), ``> 0``.
+        larc_mode: ``"clip"`` (default) or ``"scale"``.
+        min_update: lower bound of the ratio, float ``>= 0`` (default 1e-7).
+        epsilon: added to ``‖g‖``, float ``> 0`` (default 1e-7).
+        exclude: optional predicate ``(name, param) -> bool``; True keeps the gradient unscaled.
+        wd_in_denominator: ``None`` (OpenSeq2Seq) or a float ``>= 0`` (apex/timm variant).
+    """
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        larc_eta: float,
+        larc_mode: str = "clip",
+        min_update: float = 1e-7,
+        epsilon: float = 1e-7,
+        *,
+        exclude: Callable[[str, Tensor], bool] | None = None,
+        wd_in_denominator: float | None = None,
+    ) -> None:
+        where = "LARC larc_params"
+        params = {"larc_eta": larc_eta, "larc_mode": larc_mode, "min_update": min_update, "epsilon": epsilon}
+        check_params(params, _REQUIRED, _OPTIONAL, where)
+        check_real("larc_eta", larc_eta, where=where, minimum=0.0, min_inclusive=False)
+        check_real("min_update", min_update, where=where, minimum=0.0)
+        check_real("epsilon", epsilon, where=where, minimum=0.0, min_inclusive=False)
+        if exclude is not None and not callable(exclude):
+            raise TypeError(f"LARC: `exclude` must be a callable (name, param) -> bool, got {exclude!r}")
+        if wd_in_denominator is not None:
+            check_real("wd_in_denominator", wd_in_denominator, where="LARC", minimum=0.0)
+        super().__init__(opt)
+        self.larc_eta = float(larc_eta)
+        self.larc_mode = larc_mode
+        self.min_update = float(min_update)
+        self.epsilon = float(epsilon)
+        self.exclude = exclude
+        self.wd_in_denominator = None if wd_in_denominator is None else float(wd_in_denominator)
+        self._excluded: set[tuple[int, int]] = set()
+        self._scanned: set[tuple[int, int]] = set()
+        self._scan_exclusions()
+
+    @classmethod
+    def from_params(cls, opt: torch.optim.Optimizer, larc_params: Mapping[str, Any]) -> LARC:
+        """Build from an OpenSeq2Seq ``larc_params`` dict (unknown keys raise ``ValueError``)."""
+        check_params(larc_params, _REQUIRED, _OPTIONAL, "LARC larc_params")
+        return cls(opt, **dict(larc_params))
+
+    def _scan_exclusions(self) -> None:
+        if self.exclude is None:
+            return
+        counter = 0
+        for gi, g in enumerate(self.param_groups):
+            names = g.get("param_names")
+            for pi, p in enumerate(g["params"]):
+                key = (gi, pi)
+                name = names[pi] if names is not None and pi < len(names) else f"param_{counter}"
+                counter += 1
+                if key in self._scanned:
+                    continue
+                self._scanned.add(key)
+                if self.exclude(name, p):
+                    self._excluded.add(key)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._scan_exclusions()
+
+    # ------------------------------------------------------------------------------------------------ step
+
+    def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
+        dev = self._device()
+        params, grads, lrs = [], [], []
+        for gi, group in enumerate(self.param_groups):
+            sel = []
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None or (gi, pi) in self._excluded:
+                    continue
+                if p.grad.is_sparse:  # OpenSeq2Seq densifies: duplicates are summed
+                    p.grad = p.grad.coalesce().to_dense()
+                sel.append(p)
+            if sel:
+                lr = self._group_lr(group, dev)
+                params += sel
+                grads += [p.grad for p in sel]
+                lrs.append(lr.expand(len(sel)))
+        if not params:
+            self._delegate(grad_scale, found_inf, multipliers)
+            return
+        ratios = self._ratios(params, grads, torch.cat(lrs), grad_scale, multipliers, dev)
+        ids = {id(p) for p in params}
+        rest = {i: m for i, m in (multipliers or {}).items() if i not in ids}  # excluded parameters
+        outer = self._mult_vector(params, multipliers, dev)
+        if self.wd_in_denominator is not None:
+            # apex/timm: the gradient becomes r·(g + wd·v); materialise g + wd·v in place
+            if grad_scale is not None:
+                _, all_grads = self._params_with_grads()
+                mt.scale_(all_grads, torch.reciprocal(grad_scale.detach().to(dev, torch.float32).reshape(())))
+                grad_scale = None
+            if outer is not None:
+                mt.scale_(grads, list(outer.unbind()))
+            mt.add_scaled_(grads, params, self.wd_in_denominator)
+            factors = ratios
+        else:
+            factors = ratios if outer is None else ratios * outer
+        if protocol_level(self.optimizer) == "full":
+            mult = {**rest, **dict(zip((id(p) for p in params), factors.unbind()))}
+        else:
+            mt.scale_(grads, list(factors.unbind()))
+            mult = rest
+        self._delegate(grad_scale, found_inf, mult or None)
+
+    def _group_lr(self, group: dict, dev: torch.device) -> Tensor:
+        """The learning rate the inner optimizer will use for ``group`` this step (0-d tensor; a Python
+        float stays exact in float64)."""
+        if protocol_level(self.optimizer) == "full":
+            return self._current_lr(group).to(dev)
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            return lr.detach().to(dev).reshape(())
+        return torch.tensor(float(lr), dtype=torch.float64, device=dev)
+
+    @staticmethod
+    def _mult_vector(params: list[Tensor], multipliers: dict | None, dev: torch.device) -> Tensor | None:
+        if not multipliers:
+            return None
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        return torch.stack([multipliers.get(id(p), one).to(dev, torch.float32).reshape(()) for p in params])
+
+    def _outer_factors(self, params, grad_scale, multipliers, dev) -> Tensor | None:
+        """Per-parameter factor between the raw gradients and the gradients this wrapper should see."""
+        k = self._mult_vector(params, multipliers, dev)
+        if grad_scale is not None:
+            inv = torch.reciprocal(grad_scale.detach().to(dev, torch.float32).reshape(()))
+            k = inv if k is None else k * inv
+        return k
+
+    def _ratios(self, params, grads, lr: Tensor, grad_scale, multipliers, dev) -> Tensor:
+        """The trust ratio of every parameter as one fp32 vector (module doc)."""
+        wn, gn = mt.norms(params), mt.norms(grads)
+        dtype = torch.float64 if any(n.dtype == torch.float64 for n in wn + gn) else torch.float32
+        w_norm = torch.stack([n.to(dev, dtype) for n in wn])
+        g_norm = torch.stack([n.to(dev, dtype) for n in gn])
+        lr = lr.to(dtype)
+        k = self._outer_factors(params, grad_scale, multipliers, dev)
+        if k is not None:
+            g_norm = g_norm * k.abs().to(dtype)
+        eta, eps = self.larc_eta, self.epsilon
+        wd = self.wd_in_denominator
+        denom = g_norm + eps if wd is None else g_norm + wd * w_norm + eps
+        raw = eta * w_norm / denom
+        if self.larc_mode == "clip":
+            positive = lr > 0
+            safe_lr = torch.where(positive, lr, torch.ones_like(lr))
+            r = torch.clamp(torch.clamp_min(raw / safe_lr, self.min_update), max=1.0)
+            r = torch.where(positive, r, torch.ones_like(r))
+        else:
+            r = torch.clamp_min(raw, self.min_update)
+        if wd is not None:
+            r = torch.where((w_norm > 0) & (g_norm > 0), r, torch.ones_like(r))
+        return r
+
+    def _own_config(self) -> dict:
+        return {"larc_eta": self.larc_eta, "larc_mode": self.larc_mode, "min_update": self.min_update,
+                "epsilon": self.epsilon, "wd_in_denominator": self.wd_in_denominator}

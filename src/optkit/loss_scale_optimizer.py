@@ -1,0 +1,221 @@
+"""``LossScaleOptimizer``: loss scaling around any optimizer (seed 003, ``spec/tf_keras.md`` §3.2).
+
+Loss scaling multiplies the loss by ``S`` before ``backward`` and divides every gradient by ``S``; with a
+dynamic scale a step whose gradients hold a NaN or an inf is skipped and ``S`` shrinks (the rules live in
+:mod:`optkit.loss_scale`). One step, with ``S`` the scale the gradients carry::
+
+    found_inf = any(!isfinite(g))                  # read-only pass (max|g| for LogMax)
+    should_apply = scaler.update(found_inf)        # the state machine; S changes for the NEXT backward
+    inner step with grad_scale = S, found_inf = !should_apply
+
+When the inner optimizer takes ``grad_scale``/``found_inf`` (optkit optimizers, other optkit wrappers, torch
+fused optimizers) the unscale and the skip are folded into its own pass: one extra read of the gradients and
+no host sync. Any other optimizer gets the gradients unscaled in place with the fused non-finite check and
+the skip decided by one host read of ``found_inf`` per step (see :mod:`optkit._wrapper`). A skipped step
+changes no parameter and no optimizer state: ``iterations`` does not advance, so a learning-rate schedule
+driven by ``iterations`` does not tick either. ``step_applied`` (0-d bool) reports the outcome.
+
+Two ways to train:
+
+* ``opt.scale_loss(loss).backward(); opt.step(); opt.zero_grad()`` — gradients carry ``S``;
+* ``opt.step(closure)`` — the closure computes and **returns the unscaled loss without calling
+  backward** (zero the gradients inside it as usual); the wrapper calls ``(loss·S).backward()`` and steps.
+  ``step`` returns the unscaled loss.
+
+Stacking: wrappers see the gradients as their outer wrapper hands them on, so put ``LossScaleOptimizer``
+outside gradient-processing wrappers such as ``LARC`` (``LossScaleOptimizer(LARC(opt))``): LARC then
+receives ``grad_scale`` and computes its trust ratios on the unscaled gradients.
+
+TF1 surface: ``compute_gradients`` returns **unscaled** gradients, ``apply_gradients`` takes unscaled
+gradients (TF1 and tf.keras 2 semantics, not Keras 3's scaled ones), ``minimize`` combines them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs, protocol_level
+from .loss_scale import LossScale, get_loss_scale
+
+__all__ = ["LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer"]
+
+
+def _checks(scaler: LossScale) -> bool:
+    return bool(scaler.dynamic or getattr(scaler, "skip_non_finite", False) or scaler.needs_amax)
+
+
+def _times(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a * b.to(a.device, torch.float32).reshape(())
+
+
+def loss_scaled_step(
+    wrapper: OptimizerWrapper,
+    scaler: LossScale,
+    check_grads: Sequence[Tensor],
+    scale: Tensor | None,
+    outer_scale: Tensor | None,
+    outer_found: Tensor | None,
+    multipliers: dict | None,
+    step_grads: Sequence[Tensor] | None = None,
+) -> Tensor:
+    """Check, update the scaler and step ``wrapper.optimizer`` (the algorithm of the module doc).
+
+    ``check_grads``: the gradients to check (they carry ``scale·outer_scale``); ``scale``: the loss scale the
+    gradients carry, ``None`` when they are already unscaled; ``step_grads``: the gradients the inner
+    optimizer will read (default ``check_grads``; they differ for fp32 master gradients), unscaled in place
+    when the inner optimizer cannot take ``grad_scale``. Returns ``wrapper.step_applied``.
+    """
+    step_grads = check_grads if step_grads is None else step_grads
+    dev = wrapper._device()
+    total = _times(scale, outer_scale)
+    check = _checks(scaler)
+    level = protocol_level(wrapper.optimizer)
+    amax = None
+    if level in ("full", "amp"):
+        found = None
+        if scaler.needs_amax:
+            raw = mt.max_abs(check_grads).to(dev)
+            found = (~torch.isfinite(raw)).to(torch.float32)
+            amax = raw if total is None else raw / total.to(dev)
+        elif check:
+            found = mt.any_non_finite(check_grads).to(dev)
+        grad_scale = total
+    else:
+        found = torch.zeros((), dtype=torch.float32, device=dev)
+        if total is not None:
+            inv = torch.reciprocal(total.to(device=dev, dtype=torch.float32))
+            mt.non_finite_check_and_unscale_(step_grads, found, inv)
+        elif check:
+            found = mt.any_non_finite(step_grads).to(dev)
+        if scaler.needs_amax:
+            amax = mt.max_abs(step_grads).to(dev)
+        grad_scale = None
+    skip = outer_found
+    if check:
+        should_apply = scaler.update(found, amax)
+        skip = _max(skip, (~should_apply).to(torch.float32).to(dev))
+    return wrapper._delegate(grad_scale, skip, multipliers)
+
+
+def _max(a: Tensor | None, b: Tensor) -> Tensor:
+    if a is None:
+        return b
+    return torch.maximum(a.detach().to(b.device, torch.float32).reshape(()), b)
+
+
+class LossScaleOptimizer(OptimizerWrapper):
+    """Loss scaling around any ``torch.optim.Optimizer`` (TF1 ``MixedPrecisionLossScaleOptimizer``).
+
+    Args:
+        opt: the optimizer to wrap (optkit's, torch's or another wrapper).
+        loss_scale: a number (``FixedLossScale``: as in TF, non-finite gradients are applied), ``"dynamic"``
+            (``DynamicLossScale()``: 2^15, period 2000, ×2), ``"backoff"``/``"logmax"`` (OpenSeq2Seq), or any
+            :class:`~optkit.loss_scale.LossScale` object. ``None`` raises ``ValueError`` (TF).
+
+    Attributes: ``loss_scaler`` (the scale object), ``loss_scale`` (current ``S``, 0-d fp32 tensor),
+    ``step_applied`` (0-d bool), ``iterations`` (the inner optimizer's applied updates).
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, loss_scale: Any = "dynamic") -> None:
+        if loss_scale is None:
+            raise ValueError("`loss_scale` cannot be None")
+        scaler = get_loss_scale(loss_scale)
+        super().__init__(opt)
+        self.loss_scaler: LossScale = scaler.to(self._device())
+
+    @property
+    def loss_scale(self) -> Tensor:
+        """The current loss scale ``S`` (0-d float32 tensor, a snapshot)."""
+        return self.loss_scaler()
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss · S``: call ``backward()`` on this."""
+        return self.loss_scaler.scale_loss(loss)
+
+    get_scaled_loss = scale_loss
+
+    def get_unscaled_gradients(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """``g / S`` for every non-``None`` gradient (new tensors; tf.keras 2 name)."""
+        inv = torch.reciprocal(self.loss_scaler())
+        return mt.scaled_copies(list(grads), inv)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One loss-scaled step. With a closure: the closure returns the unscaled loss and does not call
+        ``backward``; the wrapper back-propagates ``loss·S``. Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+                if isinstance(loss, Tensor) and loss.requires_grad:
+                    self.scale_loss(loss).backward()
+        self._wrapped_step(*self._take_protocol())
+        return loss
+
+    def _wrapped_step(self, grad_scale, found_inf, multipliers, *, scaled: bool = True) -> None:
+        _, grads = self._params_with_grads()
+        scale = self.loss_scaler() if scaled else None
+        loss_scaled_step(self, self.loss_scaler, grads, scale, grad_scale, found_inf, multipliers)
+
+    # ---- TF1 surface ---------------------------------------------------------------------------------------
+
+    def compute_gradients(
+        self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """Gradients of ``loss·S``, divided by ``S``: the **unscaled** gradients (TF1)."""
+        scale = self.loss_scaler()
+
+        def scaled_loss() -> Tensor:
+            value = loss() if callable(loss) else loss
+            if not isinstance(value, Tensor):
+                raise ValueError("`loss` must be (or return) a scalar tensor")
+            return value * scale.to(value.device, value.dtype if value.is_floating_point() else torch.float32)
+
+        if hasattr(self.optimizer, "compute_gradients"):
+            pairs = self.optimizer.compute_gradients(scaled_loss, var_list)
+        else:
+            pairs = _autograd_pairs(scaled_loss, self._all_params() if var_list is None else list(var_list))
+        grads = mt.scaled_copies([g for g, _ in pairs], torch.reciprocal(scale))
+        return [(g, v) for g, (_, v) in zip(grads, pairs)]
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Tensor | None, Tensor]]) -> Any:
+        """Apply **unscaled** gradients if they are finite (dynamic scale); the scale is updated either way.
+        Returns the inner ``iterations`` (optkit) or ``step_applied``."""
+        pairs = _check_pairs(grads_and_vars, self._all_params())
+        self._with_grads(pairs, lambda: self._wrapped_step(*self._take_protocol(), scaled=False))
+        return self._result()
+
+    # ---- state ---------------------------------------------------------------------------------------------
+
+    def _own_variables(self) -> list[Tensor]:
+        sc = getattr(self.loss_scaler, "scaler", self.loss_scaler)
+        return list(sc._state.values())
+
+    def _own_config(self) -> dict:
+        return {"loss_scale": {"class_name": type(self.loss_scaler).__name__,
+                               "config": self.loss_scaler.get_config()}}
+
+    def _own_state(self) -> dict[str, Any]:
+        return {"loss_scale": self.loss_scaler.state_dict()}
+
+    def _check_own_state(self, own: dict[str, Any]) -> None:
+        if set(own) != {"loss_scale"} or not isinstance(own["loss_scale"], dict):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: wrapper part must hold 'loss_scale'")
+        copy.deepcopy(self.loss_scaler).load_state_dict(own["loss_scale"])  # validate before any change
+
+    def _load_own_state(self, own: dict[str, Any]) -> None:
+        self.loss_scaler.load_state_dict(own["loss_scale"])
+
+
+#: TF1 name (``tf.train.experimental.MixedPrecisionLossScaleOptimizer``).
+MixedPrecisionLossScaleOptimizer = LossScaleOptimizer

@@ -1,0 +1,407 @@
+"""fp32 master weights for half-precision models (``spec/openseq2seq.md`` §5, seed 000 ``mp_wrapper``).
+
+:class:`MixedPrecisionOptimizerWrapper` keeps exactly one float32 master copy of every float16/bfloat16
+parameter and runs the inner optimizer on the masters, so its state (momentum, moments, EMA) is float32.
+One step, with ``S`` the loss scale (:mod:`optkit.loss_scale`)::
+
+    master.grad ← fp32(p16.grad)                 (one reused fp32 buffer per master, no allocation)
+    [+ S·λ·master                       with l2_regularization=λ: OpenSeq2Seq's diverted regularizer]
+    found_inf = any(!isfinite(grads))            (read-only pass over the half gradients)
+    inner step on masters with grad_scale = S, found_inf = !should_apply   (unscale folded into its pass)
+    p16 ← clamp(half(master), ±finfo(half).max)  (saturating copy back: never ±inf)
+
+Parameters that are already float32 (e.g. normalisation layers kept in fp32) are updated directly. A skipped
+step (overflow under a dynamic scale) changes no master, no state and no model parameter.
+
+**How the inner optimizer gets the masters.** Build the inner optimizer (and any optkit wrappers such as
+``LARC`` or ``VariableClippingOptimizer``) on the model's parameters and wrap it: the constructor replaces
+every half parameter in the param groups by its master, casts any existing per-parameter state of it to
+float32 and tells the wrappers inside about the swap. Or use :meth:`MixedPrecisionOptimizerWrapper.wrap`,
+which builds the inner optimizer on the masters directly. Afterwards ``param_groups`` and ``state`` refer to
+the masters; ``model_params``/``master_params`` give both sides. This wrapper must be the outermost optkit
+wrapper (gradient-processing wrappers inside it see the fp32 master gradients, as in OpenSeq2Seq where LARC
+runs on the masters). If you change the model's half weights yourself, call :meth:`sync_masters`.
+
+Training loop: ``opt.scale_loss(loss).backward(); opt.step(); opt.zero_grad()`` or ``opt.step(closure)``
+with a closure that returns the unscaled loss without calling ``backward`` (as ``LossScaleOptimizer``).
+``zero_grad`` clears the model's gradients and keeps the master gradient buffers.
+
+:func:`convert_model_to_half` turns a model's parameters and buffers to float16/bfloat16, keeping
+normalisation layers in float32 (inputs cast to fp32 and outputs back to the half type around them).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _multi_tensor as mt
+from ._validation import check_real
+from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs
+from .loss_scale import FixedLossScale, LossScale, get_loss_scale
+from .loss_scale_optimizer import loss_scaled_step
+
+__all__ = ["MixedPrecisionOptimizerWrapper", "convert_model_to_half"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
+    """fp32 master weights and loss scaling for a half-precision model (module doc).
+
+    Args:
+        opt: the inner optimizer (optkit's, torch's, or optkit wrappers), built on the model's parameters.
+        loss_scale: ``None`` (a fixed scale of 1.0, OpenSeq2Seq), a number (fixed), ``"dynamic"``,
+            ``"backoff"``, ``"logmax"`` or a :class:`~optkit.loss_scale.LossScale` object.
+        l2_regularization: ``λ`` of an L2 regularizer ``λ·Σw²/2`` on the half parameters, evaluated on the
+            fp32 masters (OpenSeq2Seq ``mp_regularizer_wrapper``: in fp16 the gradient ``λ·w`` underflows).
+    """
+
+    _outermost_only = True
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        loss_scale: Any = None,
+        *,
+        l2_regularization: float | None = None,
+        _masters: dict[int, Tensor] | None = None,
+    ) -> None:
+        scaler = FixedLossScale(1.0) if loss_scale is None else get_loss_scale(loss_scale)
+        if l2_regularization is not None:
+            check_real("l2_regularization", l2_regularization, where="MixedPrecisionOptimizerWrapper",
+                       minimum=0.0)
+        super().__init__(opt)
+        self.loss_scaler: LossScale = scaler.to(self._device())
+        self.l2_regularization = None if l2_regularization is None else float(l2_regularization)
+        self._pairs: list[tuple[Tensor, Tensor]] = []  # (model half parameter, fp32 master)
+        self._grad_bufs: list[Tensor] = []
+        self._fp32_params: list[Tensor] = []
+        self._adopt_groups(self.param_groups, _masters or {})
+
+    # ------------------------------------------------------------------------------------ masters
+
+    def _adopt_groups(self, groups: list[dict], given: dict[int, Tensor]) -> None:
+        mapping: dict[int, Tensor] = {}
+        for group in groups:
+            ps = group["params"]
+            for i, p in enumerate(ps):
+                if id(p) in given:
+                    self._add_pair(given[id(p)], p)
+                elif p.dtype in _HALF:
+                    m = p.detach().to(torch.float32)
+                    ps[i] = m
+                    mapping[id(p)] = m
+                    self._move_state(p, m)
+                    self._add_pair(p, m)
+                else:
+                    self._fp32_params.append(p)
+        if mapping:
+            self._remap_params(mapping)
+
+    def _add_pair(self, p: Tensor, m: Tensor) -> None:
+        self._pairs.append((p, m))
+        self._grad_bufs.append(torch.zeros_like(m))
+
+    def _move_state(self, p: Tensor, m: Tensor) -> None:
+        st = self.state
+        if p not in st:
+            return
+        old = st.pop(p)
+        st[m] = {k: (v.to(torch.float32) if isinstance(v, Tensor) and v.dtype in _HALF and v.shape == p.shape
+                     else v) for k, v in old.items()}
+
+    @property
+    def model_params(self) -> list[Tensor]:
+        """The half parameters that have masters, in master order."""
+        return [p for p, _ in self._pairs]
+
+    @property
+    def master_params(self) -> list[Tensor]:
+        """The fp32 masters (what ``param_groups`` holds in place of the half parameters)."""
+        return [m for _, m in self._pairs]
+
+    def master_of(self, p: Tensor) -> Tensor:
+        """The fp32 master of half parameter ``p``."""
+        for q, m in self._pairs:
+            if q is p:
+                return m
+        raise ValueError("master_of(): not a half parameter of this wrapper")
+
+    @torch.no_grad()
+    def sync_masters(self) -> None:
+        """Masters ← fp32(model half parameters) (after changing the model's weights yourself)."""
+        if self._pairs:
+            torch._foreach_copy_([mt.local(m) for _, m in self._pairs], [mt.local(p) for p, _ in self._pairs])
+
+    @torch.no_grad()
+    def _copy_back(self) -> None:
+        if not self._pairs:
+            return
+        hp = [mt.local(p) for p, _ in self._pairs]
+        ms = [mt.local(m) for _, m in self._pairs]
+        for (_, dtype), (_, (lp, lm)) in mt.group_by_device_dtype(hp, ms).items():
+            torch._foreach_copy_(lp, lm)
+            big = float(torch.finfo(dtype).max)
+            mt.clamp_(lp, -big, big)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of model parameters; half ones get masters first."""
+        g = dict(param_group)
+        ps = g["params"]
+        g["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
+        given = {}
+        for i, p in enumerate(g["params"]):
+            if isinstance(p, Tensor) and p.dtype in _HALF:
+                m = p.detach().to(torch.float32)
+                given[id(m)] = p
+                g["params"][i] = m
+        self.optimizer.add_param_group(g)
+        self._adopt_groups(self.param_groups[-1:], given)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (half and fp32 parameters); master gradient buffers are kept."""
+        ps = [p for p, _ in self._pairs] + self._fp32_params
+        if set_to_none:
+            for p in ps:
+                p.grad = None
+        else:
+            grads = [p.grad for p in ps if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+
+    # --------------------------------------------------------------------------------------- step
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss · S``: call ``backward()`` on this."""
+        return self.loss_scaler.scale_loss(loss)
+
+    @property
+    def loss_scale(self) -> Tensor:
+        """The current loss scale ``S`` (0-d float32 tensor)."""
+        return self.loss_scaler()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step (module doc). A closure returns the unscaled loss and does not call ``backward``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+                if isinstance(loss, Tensor) and loss.requires_grad:
+                    self.scale_loss(loss).backward()
+        self._wrapped_step(*self._take_protocol())
+        return loss
+
+    def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
+        src, dst, half_grads = [], [], []
+        for (p, m), buf in zip(self._pairs, self._grad_bufs):
+            g = p.grad
+            if g is None:
+                m.grad = None
+            elif g.is_sparse:
+                m.grad = g.coalesce().to_dense().to(torch.float32)
+                half_grads.append(g)
+            else:
+                m.grad = buf
+                src.append(mt.local(g))
+                dst.append(mt.local(buf))
+                half_grads.append(g)
+        for _, (_, (s, d)) in mt.group_by_device_dtype(src, dst).items():
+            torch._foreach_copy_(d, s)
+        scale = self.loss_scaler()
+        self._add_regularization(scale)
+        fp32_grads = [p.grad for p in self._fp32_params if p.grad is not None]
+        self._step_masters(half_grads + fp32_grads, scale, grad_scale, found_inf, multipliers)
+
+    def _add_regularization(self, scale: Tensor | None) -> None:
+        lam = self.l2_regularization
+        if not lam:
+            return
+        ms = [m for _, m in self._pairs if m.grad is not None]
+        gs = [m.grad for m in ms]
+        if not ms:
+            return
+        if scale is None:
+            mt.add_scaled_(gs, ms, lam)
+        else:  # g + S·λ·w (survives the division by S); one temporary per step when the option is used
+            for (device, _), (_, (lg, lm)) in mt.group_by_device_dtype(gs, ms).items():
+                torch._foreach_add_(lg, torch._foreach_mul(lm, (scale * lam).to(device)))
+
+    def _step_masters(self, check_grads, scale, grad_scale, found_inf, multipliers) -> None:
+        loss_scaled_step(self, self.loss_scaler, check_grads, scale, grad_scale, found_inf, multipliers,
+                         step_grads=self._params_with_grads()[1])
+        self._copy_back()
+
+    # --------------------------------------------------------------------------------- TF surface
+
+    def compute_gradients(
+        self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """OpenSeq2Seq §5.2: gradients of ``loss·S`` w.r.t. the model variables; a half variable's pair is
+        ``(fp32(g)/S + λ·master, master)``, an fp32 variable's ``(g/S, v)``. ``None`` gradients stay
+        ``None`` (the original crashed)."""
+        vs = [p for p, _ in self._pairs] + self._fp32_params if var_list is None else list(var_list)
+        scale = self.loss_scaler()
+
+        def scaled() -> Tensor:
+            value = loss() if callable(loss) else loss
+            if not isinstance(value, Tensor):
+                raise ValueError("`loss` must be (or return) a scalar tensor")
+            return value.float() * scale.to(value.device)
+
+        pairs = _autograd_pairs(scaled, vs)
+        masters = {id(p): m for p, m in self._pairs}
+        inv = torch.reciprocal(scale)
+        out: list[tuple[Tensor | None, Tensor]] = []
+        with torch.no_grad():
+            for g, v in pairs:
+                m = masters.get(id(v))
+                if g is None:
+                    out.append((None, v if m is None else m))
+                elif m is None:
+                    out.append((mt.scaled_copies([g], inv)[0], v))
+                else:
+                    g32 = g.to(torch.float32)
+                    if self.l2_regularization:
+                        g32 = g32 + (scale * self.l2_regularization) * m
+                    out.append((g32 * inv, m))
+        return out
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Tensor | None, Tensor]]) -> Any:
+        """Apply **unscaled** gradients given for masters (or their half parameters) and fp32 variables;
+        skipped when non-finite under a dynamic scale. Returns the inner ``iterations`` or
+        ``step_applied``."""
+        masters = {id(p): m for p, m in self._pairs}
+        pairs = [(g, masters.get(id(v), v)) for g, v in grads_and_vars]
+        pairs = _check_pairs(pairs, self._all_params())
+
+        def run() -> None:
+            _, grads = self._params_with_grads()
+            self._step_masters(grads, None, *self._take_protocol())
+
+        self._with_grads(pairs, run)
+        return self._result()
+
+    # -------------------------------------------------------------------------------------- state
+
+    @classmethod
+    def wrap(
+        cls,
+        opt_cls: Callable[..., torch.optim.Optimizer],
+        params: Any,
+        loss_scale: Any = None,
+        *,
+        l2_regularization: float | None = None,
+        **kwargs: Any,
+    ) -> MixedPrecisionOptimizerWrapper:
+        """Build ``opt_cls(params_with_masters, **kwargs)`` on fp32 masters of the half parameters (so no
+        half state is ever created) and wrap it. ``params``: tensors, ``named_parameters()`` pairs or group
+        dicts; ``opt_cls`` may be any callable taking the params first (e.g. a lambda building
+        ``LARC(SGD(ps, ...), 0.001)``)."""
+        if isinstance(params, Tensor):
+            raise TypeError("`params` must be an iterable of tensors, (name, tensor) pairs or group dicts")
+        given: dict[int, Tensor] = {}
+
+        def conv(item: Any) -> Any:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Tensor):
+                return (item[0], conv(item[1]))
+            if isinstance(item, Tensor) and item.dtype in _HALF:
+                m = item.detach().to(torch.float32)
+                given[id(m)] = item
+                return m
+            return item
+
+        converted = []
+        for item in list(params):
+            if isinstance(item, dict):
+                g = dict(item)
+                ps = g["params"]
+                g["params"] = [conv(x) for x in ([ps] if isinstance(ps, Tensor) else list(ps))]
+                converted.append(g)
+            else:
+                converted.append(conv(item))
+        opt = opt_cls(converted, **kwargs)
+        return cls(opt, loss_scale, l2_regularization=l2_regularization, _masters=given)
+
+    def _own_variables(self) -> list[Tensor]:
+        sc = getattr(self.loss_scaler, "scaler", self.loss_scaler)
+        return list(sc._state.values())
+
+    def _own_config(self) -> dict:
+        return {"loss_scale": {"class_name": type(self.loss_scaler).__name__,
+                               "config": self.loss_scaler.get_config()},
+                "l2_regularization": self.l2_regularization}
+
+    def _own_state(self) -> dict[str, Any]:
+        return {"masters": [m.detach().clone() for _, m in self._pairs],
+                "loss_scale": self.loss_scaler.state_dict()}
+
+    def _check_own_state(self, own: dict[str, Any]) -> None:
+        where = f"{type(self).__name__}.load_state_dict"
+        if set(own) != {"masters", "loss_scale"}:
+            raise ValueError(f"{where}: wrapper part must hold 'masters' and 'loss_scale'")
+        ms = own["masters"]
+        if not isinstance(ms, (list, tuple)) or len(ms) != len(self._pairs):
+            raise ValueError(f"{where}: expected {len(self._pairs)} masters")
+        for t, (_, m) in zip(ms, self._pairs):
+            if not isinstance(t, Tensor) or tuple(t.shape) != tuple(m.shape):
+                raise ValueError(f"{where}: master shape mismatch")
+        copy.deepcopy(self.loss_scaler).load_state_dict(own["loss_scale"])
+
+    def _load_own_state(self, own: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for t, (_, m) in zip(own["masters"], self._pairs):
+                m.copy_(t)
+        self.loss_scaler.load_state_dict(own["loss_scale"])
+        self._copy_back()
+
+
+# ------------------------------------------------------------------------------------------------
+
+_NORM_TYPES: tuple[type, ...] = (
+    nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm
+)
+if hasattr(nn, "RMSNorm"):
+    _NORM_TYPES = _NORM_TYPES + (nn.RMSNorm,)
+
+
+def _to_fp32_inputs(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if isinstance(a, Tensor) and a.dtype in _HALF else a for a in args)
+
+
+def _make_cast_back(dtype: torch.dtype) -> Callable:
+    def hook(module: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, Tensor) and out.is_floating_point():
+            return out.to(dtype)
+        return out
+    return hook
+
+
+def convert_model_to_half(
+    model: nn.Module, dtype: torch.dtype = torch.float16, keep_norm_fp32: bool = True
+) -> nn.Module:
+    """Cast ``model``'s floating parameters and buffers to ``dtype`` (float16 or bfloat16), in place.
+
+    With ``keep_norm_fp32`` (default) batch/layer/group/RMS normalisation layers stay float32 (OpenSeq2Seq
+    keeps batch norm in fp32) and get hooks that cast their inputs to fp32 and their output back to
+    ``dtype``. Returns ``model``.
+    """
+    if dtype not in _HALF:
+        raise ValueError(f"`dtype` must be torch.float16 or torch.bfloat16, got {dtype}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be an nn.Module, got {type(model).__name__}")
+    keep = [m for m in model.modules() if keep_norm_fp32 and isinstance(m, _NORM_TYPES)]
+    kept = {id(t) for m in keep for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if id(t) not in kept and t.is_floating_point():
+                t.data = t.data.to(dtype)
+    for m in keep:
+        m.register_forward_pre_hook(_to_fp32_inputs)
+        m.register_forward_hook(_make_cast_back(dtype))
+    return model

@@ -1,0 +1,289 @@
+"""LARC: spec vectors (spec/openseq2seq.md §4), float64 NumPy references, lr handling, exclusion, the
+apex/timm variant (against timm's Lars when installed), strict parameter checks, checkpoints."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from optkit import LARC
+from optkit._validation import ParameterTypeError
+from optkit.sgd import SGD
+
+
+def _w(x, dtype=torch.float32):
+    return torch.tensor(x, dtype=dtype, requires_grad=True)
+
+
+def np_ratio(w, g, lr, eta, mode, min_update=1e-7, eps=1e-7):
+    """OpenSeq2Seq LARC ratio in float64 (with optkit's lr == 0 guard in clip mode)."""
+    wn, gn = np.linalg.norm(w), np.linalg.norm(g)
+    if mode == "clip":
+        if lr == 0:
+            return 1.0
+        return min(max(eta * wn / (lr * (gn + eps)), min_update), 1.0)
+    return max(eta * wn / (gn + eps), min_update)
+
+
+def _scaled_grad(v, g, eta, mode, lr=0.1, dtype=torch.float32):
+    """g' as left in p.grad by LARC over a plain torch SGD (gradients are scaled in place)."""
+    p = _w(v, dtype)
+    opt = LARC(torch.optim.SGD([p], lr=lr), eta, mode)
+    p.grad = torch.tensor(g, dtype=dtype)
+    opt.step()
+    return p.grad.numpy()
+
+
+@pytest.mark.parametrize("eta,mode,v,g,expect", [
+    (0.002, "clip", [3, 4], [0.3, 0.4], [0.05999999, 0.07999998]),
+    (0.002, "scale", [3, 4], [0.3, 0.4], [0.006, 0.008]),
+    (0.1, "clip", [3, 4], [0.3, 0.4], [0.3, 0.4]),
+    (0.1, "scale", [3, 4], [0.3, 0.4], [0.3 * 0.9999998, 0.4 * 0.9999998]),
+    (0.002, "clip", [0, 0], [0.3, 0.4], [3e-8, 4e-8]),
+    (0.002, "clip", [3, 4], [0, 0], [0, 0]),
+])
+def test_spec_vectors(eta, mode, v, g, expect):
+    got = _scaled_grad([float(x) for x in v], [float(x) for x in g], eta, mode)
+    np.testing.assert_allclose(got, expect, rtol=2e-6, atol=1e-12)
+
+
+def test_zero_grad_scale_mode_ratio_1e5():
+    """g = 0: scale mode gives r = η‖v‖/ε = 1e5 (no NaN); a gradient of 1e-9 shows it: r·g = 1e-4-ish."""
+    p = _w([3.0, 4.0], torch.float64)
+    opt = LARC(torch.optim.SGD([p], lr=0.1), 0.002, "scale")
+    p.grad = torch.zeros(2, dtype=torch.float64)
+    opt.step()
+    assert torch.equal(p.grad, torch.zeros(2, dtype=torch.float64)) and torch.equal(p.detach(), torch.tensor(
+        [3.0, 4.0], dtype=torch.float64))
+    g = np.array([0.0, 1e-9])
+    p.grad = torch.tensor(g)
+    opt.step()
+    r = np_ratio(np.array([3.0, 4.0]), g, 0.1, 0.002, "scale")
+    assert r == pytest.approx(0.01 / (1e-9 + 1e-7))
+    np.testing.assert_allclose(p.grad.numpy(), r * g, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["clip", "scale"])
+@pytest.mark.parametrize("inner_kind", ["torch", "optkit"])
+def test_float64_reference_two_groups_momentum(rng, mode, inner_kind):
+    shapes = [(4, 3), (5,), (2, 2, 2)]
+    ws = [rng.normal(size=s) for s in shapes]
+    ps = [torch.tensor(w, requires_grad=True) for w in ws]
+    lrs = [0.1, 0.02]
+    groups = [{"params": ps[:2], "lr": lrs[0]}, {"params": ps[2:], "lr": lrs[1]}]
+    if inner_kind == "torch":
+        inner = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    else:
+        groups = [{"params": ps[:2], "lr": lrs[0]}, {"params": ps[2:], "lr": lrs[1]}]
+        inner = SGD(groups, 0.1, momentum=0.9)
+    opt = LARC(inner, 0.01, mode)
+    ref_w = [w.copy() for w in ws]
+    ref_m = [np.zeros_like(w) for w in ws]
+    group_of = [0, 0, 1]
+    for _ in range(3):
+        gs = [rng.normal(size=s) * 0.5 for s in shapes]
+        for p, g in zip(ps, gs):
+            p.grad = torch.tensor(g)
+        opt.step()
+        for i, g in enumerate(gs):
+            lr = lrs[group_of[i]]
+            gp = np_ratio(ref_w[i], g, lr, 0.01, mode) * g
+            if inner_kind == "torch":  # m = μm + g; w -= lr m
+                ref_m[i] = 0.9 * ref_m[i] + gp
+                ref_w[i] = ref_w[i] - lr * ref_m[i]
+            else:  # Keras: v = μv − lr g; w += v
+                ref_m[i] = 0.9 * ref_m[i] - lr * gp
+                ref_w[i] = ref_w[i] + ref_m[i]
+        for p, rw in zip(ps, ref_w):
+            np.testing.assert_allclose(p.detach().numpy(), rw, rtol=1e-6, atol=1e-12)
+
+
+def test_uses_current_lr_tensor_and_schedule():
+    p = _w([3.0, 4.0])
+    inner = torch.optim.SGD([p], lr=torch.tensor(0.1))
+    opt = LARC(inner, 0.002)
+    p.grad = torch.tensor([0.3, 0.4])
+    opt.step()
+    np.testing.assert_allclose(p.grad.numpy(), [0.06, 0.08], rtol=1e-5)
+    # optkit schedule: the ratio uses schedule(iterations) of the step being taken
+    q = _w([3.0, 4.0], torch.float64)
+    sched_inner = SGD([q], lambda step: 0.1 if int(step) == 0 else 0.05)
+    opt2 = LARC(sched_inner, 0.002)
+    q.grad = torch.tensor([0.3, 0.4], dtype=torch.float64)
+    opt2.step()
+    g = np.array([0.3, 0.4])
+    w1 = np.array([3.0, 4.0]) - 0.1 * np_ratio(np.array([3.0, 4.0]), g, 0.1, 0.002, "clip") * g
+    np.testing.assert_allclose(q.detach().numpy(), w1, rtol=1e-9)  # optkit keeps lr in fp32
+    q.grad = torch.tensor([0.3, 0.4], dtype=torch.float64)
+    opt2.step()
+    w2 = w1 - 0.05 * np_ratio(w1, np.array([0.3, 0.4]), 0.05, 0.002, "clip") * np.array([0.3, 0.4])
+    np.testing.assert_allclose(q.detach().numpy(), w2, rtol=1e-9)
+
+
+def test_zero_lr_guard_no_nan():
+    p, q = _w([0.0, 0.0]), _w([3.0, 4.0])
+    opt = LARC(torch.optim.SGD([p, q], lr=0.0), 0.002)
+    p.grad, q.grad = torch.tensor([0.3, 0.4]), torch.tensor([0.3, 0.4])
+    opt.step()
+    assert torch.equal(p.grad, torch.tensor([0.3, 0.4])) and torch.equal(q.grad, torch.tensor([0.3, 0.4]))
+    assert torch.isfinite(p.detach()).all()
+
+
+def test_exclude_predicate_by_name_and_rank():
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(1.0)
+    seen = []
+
+    def exclude(name, p):
+        seen.append(name)
+        return p.ndim <= 1
+
+    opt = LARC(SGD(model.named_parameters(), 0.1), 0.001, exclude=exclude)
+    assert seen == ["weight", "bias"]
+    model.weight.grad = torch.full((2, 3), 0.5)
+    model.bias.grad = torch.full((2,), 0.5)
+    opt.step()
+    w_ratio = np_ratio(np.ones(6), np.full(6, 0.5), 0.1, 0.001, "clip")
+    np.testing.assert_allclose(model.weight.detach().numpy(), 1 - 0.1 * w_ratio * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(model.bias.detach().numpy(), 1 - 0.1 * 0.5, rtol=1e-6)
+
+
+def _load_timm_lars():
+    spec = importlib.util.find_spec("timm")
+    if spec is None or spec.origin is None:
+        return None
+    d = os.path.join(os.path.dirname(spec.origin), "optim")
+    name = "_optkit_test_timm_optim"
+    if name + ".lars" not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [d]
+        sys.modules[name] = pkg
+        lspec = importlib.util.spec_from_file_location(name + ".lars", os.path.join(d, "lars.py"))
+        mod = importlib.util.module_from_spec(lspec)
+        sys.modules[name + ".lars"] = mod
+        lspec.loader.exec_module(mod)
+    return sys.modules[name + ".lars"].Lars
+
+
+def np_timm_ratio(w, g, lr, tc, wd, eps=1e-8):
+    wn, gn = np.linalg.norm(w), np.linalg.norm(g)
+    r = tc * wn / (gn + wn * wd + eps) if wn > 0 and gn > 0 else 1.0
+    return min(r / lr, 1.0)
+
+
+def test_wd_in_denominator_matches_timm_formula(rng):
+    shapes = [(4, 3), (6,)]
+    ws = [rng.normal(size=s) for s in shapes]
+    ps = [torch.tensor(w, requires_grad=True) for w in ws]
+    opt = LARC(torch.optim.SGD(ps, lr=0.5, momentum=0.9), 0.02, epsilon=1e-8, min_update=0.0,
+               wd_in_denominator=1e-2)
+    ref_w = [w.copy() for w in ws]
+    ref_m = [np.zeros_like(w) for w in ws]
+    Lars = _load_timm_lars()
+    tps = [torch.tensor(w, requires_grad=True) for w in ws]
+    topt = None
+    if Lars is not None:
+        topt = Lars(tps, lr=0.5, momentum=0.9, weight_decay=1e-2, trust_coeff=0.02, trust_clip=True)
+    for _ in range(3):
+        gs = [rng.normal(size=s) for s in shapes]
+        for p, g in zip(ps, gs):
+            p.grad = torch.tensor(g)
+        opt.step()
+        for i, g in enumerate(gs):
+            gp = (g + 1e-2 * ref_w[i]) * np_timm_ratio(ref_w[i], g, 0.5, 0.02, 1e-2)
+            ref_m[i] = 0.9 * ref_m[i] + gp
+            ref_w[i] = ref_w[i] - 0.5 * ref_m[i]
+        if topt is not None:
+            for p, g in zip(tps, gs):
+                p.grad = torch.tensor(g)
+            topt.step()
+    for p, rw in zip(ps, ref_w):
+        np.testing.assert_allclose(p.detach().numpy(), rw, rtol=1e-10)
+    if topt is not None:
+        for p, tp in zip(ps, tps):
+            torch.testing.assert_close(p.detach(), tp.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_sparse_gradient_densified_duplicates_summed():
+    p = _w([[3.0, 4.0], [1.0, 1.0]])
+    opt = LARC(torch.optim.SGD([p], lr=0.1), 0.002, "scale")
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[0, 0]]), torch.tensor([[0.15, 0.2], [0.15, 0.2]]), (2, 2),
+                                     check_invariants=True)
+    opt.step()
+    w = np.array([[3.0, 4.0], [1.0, 1.0]])
+    g = np.array([[0.3, 0.4], [0.0, 0.0]])
+    np.testing.assert_allclose(p.grad.numpy(), np_ratio(w, g, 0.1, 0.002, "scale") * g, rtol=1e-6)
+
+
+def test_strict_parameter_checks_leave_optimizer_untouched():
+    p = _w([1.0, 2.0])
+    inner = torch.optim.SGD([p], lr=0.1)
+    with pytest.raises(ParameterTypeError):
+        LARC(inner, 1)  # int where float is declared (OpenSeq2Seq check_params)
+    with pytest.raises(ValueError, match="larc_mode"):
+        LARC(inner, 0.001, "clipped")
+    with pytest.raises(ValueError, match="larc_eta"):
+        LARC(inner, -0.001)
+    with pytest.raises(ValueError, match="epsilon"):
+        LARC(inner, 0.001, epsilon=0.0)
+    with pytest.raises(ValueError, match="min_update"):
+        LARC(inner, 0.001, min_update=-1.0)
+    with pytest.raises(TypeError, match="exclude"):
+        LARC(inner, 0.001, exclude="bias")
+    with pytest.raises(ValueError, match="wd_in_denominator"):
+        LARC(inner, 0.001, wd_in_denominator=-0.1)
+    with pytest.raises(ValueError, match="Unknown parameter"):
+        LARC.from_params(inner, {"larc_eta": 0.001, "eta": 0.1})
+    with pytest.raises(ValueError, match="required"):
+        LARC.from_params(inner, {"larc_mode": "scale"})
+    assert not inner.state and inner.param_groups[0]["lr"] == 0.1
+    opt = LARC.from_params(inner, {"larc_eta": 0.001, "larc_mode": "scale"})
+    assert opt.get_config()["larc_mode"] == "scale"
+
+
+def test_state_dict_round_trip_and_scheduler(rng):
+    grads = [rng.normal(size=(3, 2)) for _ in range(4)]
+    w0 = rng.normal(size=(3, 2))
+
+    def make():
+        p = torch.tensor(w0, dtype=torch.float32, requires_grad=True)
+        opt = LARC(SGD([p], 0.1, momentum=0.9), 0.01)
+        return p, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def run(p, opt, sched, gs):
+        for g in gs:
+            p.grad = torch.tensor(g, dtype=torch.float32)
+            opt.step()
+            sched.step()
+
+    p1, o1, s1 = make()
+    run(p1, o1, s1, grads)
+    p2, o2, s2 = make()
+    run(p2, o2, s2, grads[:2])
+    sd, ssd = o2.state_dict(), s2.state_dict()
+    p3, o3, s3 = make()
+    with torch.no_grad():
+        p3.copy_(p2)
+    o3.load_state_dict(sd)
+    s3.load_state_dict(ssd)
+    run(p3, o3, s3, grads[2:])
+    assert torch.equal(p1.detach(), p3.detach())
+    assert o3.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 4)
+
+
+def test_add_param_group_rescans_exclusions():
+    a, b = _w([[3.0, 4.0]]), _w([1.0, 1.0])
+    opt = LARC(torch.optim.SGD([a], lr=0.1), 0.002, exclude=lambda n, p: p.ndim == 1)
+    opt.add_param_group({"params": [b]})
+    a.grad, b.grad = torch.tensor([[0.3, 0.4]]), torch.tensor([0.5, 0.5])
+    opt.step()
+    assert torch.equal(b.grad, torch.tensor([0.5, 0.5]))
+    np.testing.assert_allclose(a.grad.numpy(), [[0.06, 0.08]], rtol=1e-5)

@@ -1,0 +1,288 @@
+"""LossScaleOptimizer: LS2/LS3 vectors (spec/tf_keras.md §3.5), float64 NumPy references, closure contract,
+skip semantics (optkit and torch inner optimizers, incl. fused SGD's lazy state), checkpoints, validation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from optkit import LossScaleOptimizer, MixedPrecisionLossScaleOptimizer
+from optkit.loss_scale import DynamicLossScale, FixedLossScale, LogMaxScaler
+from optkit.sgd import SGD
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _w(x=(1.0, 2.0), dtype=torch.float32):
+    return torch.tensor(x, dtype=dtype, requires_grad=True)
+
+
+@pytest.mark.parametrize("inner", ["optkit", "torch"])
+def test_ls2_tf1_minimize(inner):
+    """TF1 MixedPrecisionLossScaleOptimizer(GradientDescent(0.5), DynamicLossScale(8, 2)), loss = Σ w·x."""
+    w = _w()
+    base = SGD([w], 0.5) if inner == "optkit" else torch.optim.SGD([w], lr=0.5)
+    opt = MixedPrecisionLossScaleOptimizer(base, DynamicLossScale(8.0, increment_period=2))
+    table = [([1, 1], [0.5, 1.5], 1, 8), ([1, 1], [0, 1], 2, 16), ([INF, 1], [0, 1], 2, 8),
+             ([1, 2], [-0.5, 0], 3, 8)]
+    for x, w_after, step, scale in table:
+        xt = torch.tensor(x, dtype=torch.float32)
+        opt.minimize(lambda xt=xt: (w * xt).sum())
+        torch.testing.assert_close(w.detach(), torch.tensor(w_after, dtype=torch.float32))
+        assert float(opt.loss_scale) == scale
+        if inner == "optkit":
+            assert int(opt.iterations) == step
+        assert bool(opt.step_applied) == (x[0] != INF)
+
+
+@pytest.mark.parametrize("inner", ["optkit", "torch", "torch_fused"])
+def test_ls3_scaled_gradients_through_step(inner):
+    """Keras 3 LS3 vector with TF1's rule (they coincide here: the floor of 1 is never reached)."""
+    w = _w()
+    if inner == "optkit":
+        base = SGD([w], 0.5)
+    else:
+        base = torch.optim.SGD([w], lr=0.5, fused=inner == "torch_fused")
+    opt = LossScaleOptimizer(base, DynamicLossScale(8.0, increment_period=2))
+    assert float(opt.scale_loss(torch.tensor(3.0))) == 24.0
+    table = [([8, 16], [0.5, 1.0], 8, 1), ([8, 16], [0, 0], 16, 2), ([INF, 0], [0, 0], 8, 2),
+             ([NAN, 0], [0, 0], 4, 2), ([4, 4], [-0.5, -0.5], 4, 3), ([4, 4], [-1, -1], 8, 4)]
+    for g, w_after, scale, its in table:
+        w.grad = torch.tensor(g, dtype=torch.float32)
+        opt.step()
+        torch.testing.assert_close(w.detach(), torch.tensor(w_after, dtype=torch.float32))
+        assert float(opt.loss_scale) == scale
+        if inner == "optkit":
+            assert int(opt.iterations) == its
+        opt.zero_grad()
+
+
+def _np_dynamic(seq_finite, init, period):
+    """TF1 DynamicLossScale rule in Python (float64)."""
+    s, good, out = init, 0, []
+    for fin in seq_finite:
+        used = s
+        if fin:
+            if good + 1 >= period:
+                s, good = s * 2, 0
+            else:
+                good += 1
+        else:
+            s, good = max(s / 2, 1.0), 0
+        out.append((used, fin))
+    return out
+
+
+def test_float64_reference_momentum(rng):
+    shapes = [(3, 4), (5,)]
+    ws = [rng.normal(size=s) for s in shapes]
+    finite = [True, True, False, True, True, True, False, True]
+    grads = [[rng.normal(size=s) for s in shapes] for _ in finite]
+    ps = [torch.tensor(w, requires_grad=True) for w in ws]
+    opt = LossScaleOptimizer(SGD(ps, 0.1, momentum=0.9), DynamicLossScale(4.0, increment_period=2))
+    ref_w = [w.copy() for w in ws]
+    ref_v = [np.zeros_like(w) for w in ws]
+    for (scale, fin), gs in zip(_np_dynamic(finite, 4.0, 2), grads):
+        for p, g in zip(ps, gs):
+            sg = g * scale
+            if not fin:
+                sg = sg.copy()
+                sg.flat[0] = np.inf
+            p.grad = torch.tensor(sg)
+        opt.step()
+        if fin:
+            for i, g in enumerate(gs):
+                ref_v[i] = 0.9 * ref_v[i] - 0.1 * g
+                ref_w[i] = ref_w[i] + ref_v[i]
+        for p, rw in zip(ps, ref_w):
+            np.testing.assert_allclose(p.detach().numpy(), rw, rtol=1e-12, atol=1e-14)
+    assert int(opt.iterations) == sum(finite)
+
+
+def test_closure_contract_and_compute_gradients(rng):
+    x = torch.tensor(rng.normal(size=(6, 3)), dtype=torch.float32)
+    w0 = rng.normal(size=3)
+    w = torch.tensor(w0, dtype=torch.float32, requires_grad=True)
+    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.1), FixedLossScale(128.0))
+
+    def closure():
+        opt.zero_grad()
+        return (x @ w).pow(2).mean()
+
+    loss = opt.step(closure)
+    g_ref = 2 * x.numpy().T @ (x.numpy() @ w0) / 6
+    assert float(loss.detach()) == pytest.approx(float(np.mean((x.numpy() @ w0) ** 2)), rel=1e-5)
+    np.testing.assert_allclose(w.detach().numpy(), w0 - 0.1 * g_ref, rtol=1e-5)
+    (g, v), = opt.compute_gradients(lambda: (x @ w).pow(2).mean())
+    assert v is w
+    g_ref = 2 * x.numpy().T @ (x.numpy() @ w.detach().numpy()) / 6
+    np.testing.assert_allclose(g.numpy(), g_ref, rtol=1e-5)  # unscaled (TF1)
+    assert opt.get_unscaled_gradients([torch.tensor([256.0]), None])[0].item() == 2.0
+
+
+def test_fixed_scale_applies_non_finite_like_tf():
+    w = _w()
+    opt = LossScaleOptimizer(SGD([w], 0.5), 4)
+    w.grad = torch.tensor([INF, 4.0])
+    opt.step()
+    assert math.isnan(w[0].item()) or math.isinf(w[0].item())
+    w2 = _w()
+    opt2 = LossScaleOptimizer(SGD([w2], 0.5), FixedLossScale(4.0, skip_non_finite=True))
+    w2.grad = torch.tensor([INF, 4.0])
+    opt2.step()
+    assert torch.equal(w2.detach(), torch.tensor([1.0, 2.0])) and not bool(opt2.step_applied)
+
+
+def test_skip_bit_identical_optkit_with_ema_and_schedule():
+    w = _w((1.0, -2.0, 3.0))
+    base = SGD([w], lambda step: 0.1 / (1.0 + step), momentum=0.9, use_ema=True)
+    opt = LossScaleOptimizer(base, DynamicLossScale(16.0, increment_period=3))
+    w.grad = torch.tensor([16.0, 32.0, -16.0])
+    opt.step()
+    snap = {k: v.clone() for k, v in opt.state[w].items()}
+    w_snap, it_snap = w.detach().clone(), int(opt.iterations)
+    w.grad = torch.tensor([NAN, 1.0, 1.0])
+    opt.step()
+    assert torch.equal(w.detach(), w_snap) and int(opt.iterations) == it_snap
+    for k, v in opt.state[w].items():
+        assert torch.equal(v, snap[k]), k
+    # the next applied update uses schedule(1): v = 0.9 v - lr g; w += v
+    w.grad = torch.tensor([8.0, 8.0, 8.0])  # scale is now 8
+    opt.step()
+    v1 = -0.1 * np.array([1.0, 2.0, -1.0])
+    v2 = 0.9 * v1 - 0.05 * np.ones(3)
+    np.testing.assert_allclose(w.detach().numpy(), np.array([1.0, -2.0, 3.0]) + v1 + v2, rtol=1e-6)
+
+
+def test_skipped_first_step_torch_fused_sgd_momentum(rng):
+    """P13: a skipped FIRST step must not leave uninitialised momentum buffers behind."""
+    w0 = rng.normal(size=4)
+    w = torch.tensor(w0, dtype=torch.float32, requires_grad=True)
+    inner = torch.optim.SGD([w], lr=0.1, momentum=0.9, fused=True)
+    opt = LossScaleOptimizer(inner, DynamicLossScale(8.0, increment_period=100))
+    w.grad = torch.tensor([INF, 1.0, 1.0, 1.0])
+    opt.step()
+    assert not bool(opt.step_applied)
+    assert not inner.state.get(w) and torch.equal(w.detach(), torch.tensor(w0, dtype=torch.float32))
+    ref = torch.tensor(w0, dtype=torch.float32, requires_grad=True)
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    for _ in range(3):
+        g = torch.tensor(rng.normal(size=4), dtype=torch.float32)
+        w.grad = g * 4.0  # scale after the overflow
+        opt.step()
+        ref.grad = g.clone()
+        ref_opt.step()
+        torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    # later skips use the folded found_inf (state exists) and still change nothing
+    snap_w, snap_m = w.detach().clone(), inner.state[w]["momentum_buffer"].clone()
+    w.grad = torch.tensor([NAN, 1.0, 1.0, 1.0])
+    opt.step()
+    assert torch.equal(w.detach(), snap_w) and torch.equal(inner.state[w]["momentum_buffer"], snap_m)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=0.1),
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.0, foreach=True),
+    lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True),
+])
+def test_skip_generic_and_fused_adam(make, rng):
+    ws = [torch.tensor(rng.normal(size=s), dtype=torch.float32, requires_grad=True) for s in [(3, 2), (4,)]]
+    w_init = [p.detach().clone() for p in ws]
+    inner = make(ws)
+    opt = LossScaleOptimizer(inner, DynamicLossScale(4.0))
+    for p in ws:
+        p.grad = torch.full_like(p, INF)
+    opt.step()
+    assert all(not inner.state.get(p) for p in ws)
+    for p in ws:
+        p.grad = torch.ones_like(p) * 2.0
+    opt.step()
+    snap = [{k: v.clone() for k, v in inner.state[p].items()} for p in ws]
+    snap_w = [p.detach().clone() for p in ws]
+    for p in ws:
+        p.grad = torch.full_like(p, NAN)
+    opt.step()
+    for p, s, sw in zip(ws, snap, snap_w):
+        assert torch.equal(p.detach(), sw)
+        for k, v in inner.state[p].items():
+            assert torch.equal(v, s[k]), k
+    # the applied step was Adam's first step on the unscaled gradient 1 (scale 2 after the overflow):
+    # m̂ = 1, v̂ = 1, so every weight moved by -lr/(1 + eps)
+    for sw, wi in zip(snap_w, w_init):
+        torch.testing.assert_close(sw, wi - 0.1 / (1 + 1e-8), rtol=1e-6, atol=1e-7)
+
+
+def test_logmax_scaler_gets_unscaled_amax():
+    w = _w((1.0, -3.0))
+    scaler = LogMaxScaler()
+    opt = LossScaleOptimizer(SGD([w], 0.1), scaler)
+    s0 = float(opt.loss_scale)
+    w.grad = torch.tensor([0.5, -4.0]) * s0
+    opt.step()
+    ref = LogMaxScaler()
+    ref.update(torch.zeros(()), torch.tensor(4.0))
+    assert float(opt.loss_scale) == pytest.approx(float(ref()), rel=1e-6)
+
+
+def test_state_dict_round_trip_includes_scaler(rng):
+    grads = [rng.normal(size=3) for _ in range(6)]
+    bad = {1, 4}
+
+    def make():
+        w = _w((0.5, -0.5, 1.0))
+        return w, LossScaleOptimizer(SGD([w], 0.1, momentum=0.5), DynamicLossScale(8.0, increment_period=2))
+
+    def run(w, opt, gs, offset):
+        for i, g in enumerate(gs):
+            g = torch.tensor(g, dtype=torch.float32) * opt.loss_scale
+            if i + offset in bad:
+                g[0] = INF
+            w.grad = g
+            opt.step()
+
+    w1, o1 = make()
+    run(w1, o1, grads, 0)
+    w2, o2 = make()
+    run(w2, o2, grads[:3], 0)
+    sd = o2.state_dict()
+    assert set(sd["wrapper"]) == {"type", "loss_scale"}
+    w3, o3 = make()
+    with torch.no_grad():
+        w3.copy_(w2)
+    o3.load_state_dict(sd)
+    assert float(o3.loss_scale) == float(o2.loss_scale)
+    run(w3, o3, grads[3:], 3)
+    assert torch.equal(w1.detach(), w3.detach()) and float(o1.loss_scale) == float(o3.loss_scale)
+    # a bad wrapper part leaves everything untouched
+    scale_before = float(o3.loss_scale)
+    broken = {"optimizer": o3.optimizer.state_dict(), "wrapper": {"type": "LossScaleOptimizer",
+                                                                   "loss_scale": {"scale": "x"}}}
+    with pytest.raises(ValueError):
+        o3.load_state_dict(broken)
+    assert float(o3.loss_scale) == scale_before
+    with pytest.raises(ValueError):
+        o3.load_state_dict(o3.optimizer.state_dict())
+
+
+def test_validation_and_surface():
+    w = _w()
+    with pytest.raises(ValueError, match="None"):
+        LossScaleOptimizer(SGD([w], 0.1), None)
+    with pytest.raises(ValueError, match="interpret"):
+        LossScaleOptimizer(SGD([w], 0.1), "sometimes")
+    with pytest.raises(ValueError):
+        LossScaleOptimizer(SGD([w], 0.1), 0.5)
+    with pytest.raises(TypeError, match="opt"):
+        LossScaleOptimizer(object(), "dynamic")
+    opt = LossScaleOptimizer(SGD([w], 0.1))
+    assert float(opt.loss_scale) == 2.0**15
+    assert opt.get_config()["loss_scale"]["class_name"] == "DynamicLossScale"
+    assert len(opt.variables()) == 1 + 4  # inner iterations + the scaler's state tensors
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e)
+    w.grad = torch.ones(2) * float(opt.loss_scale)
+    opt.step()
+    sched.step()
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)

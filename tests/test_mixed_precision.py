@@ -1,0 +1,240 @@
+"""MixedPrecisionOptimizerWrapper: fp32 masters for fp16/bf16 models (spec/openseq2seq.md §5, §8.2),
+saturating copy-back, skip semantics, the fp16 underflow training run, the model converter, checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from optkit import LARC, LossScaleOptimizer, MixedPrecisionOptimizerWrapper, convert_model_to_half
+from optkit.loss_scale import DynamicLossScale
+from optkit.sgd import SGD
+
+MP = MixedPrecisionOptimizerWrapper
+HALF = [torch.float16, torch.bfloat16]
+
+
+def _half_params(rng, dtype, shapes=((4, 3), (5,))):
+    return [torch.tensor(rng.normal(size=s), dtype=torch.float32).to(dtype).requires_grad_() for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_masters_state_and_update_against_float64(rng, dtype):
+    ps = _half_params(rng, dtype)
+    b = torch.tensor(rng.normal(size=3), dtype=torch.float32, requires_grad=True)  # an fp32 param
+    opt = MP(torch.optim.SGD(ps + [b], lr=0.1, momentum=0.9), DynamicLossScale(64.0))
+    assert len(opt.master_params) == 2 and all(m.dtype == torch.float32 for m in opt.master_params)
+    group = opt.param_groups[0]["params"]
+    assert group[2] is b and all(m is q for m, q in zip(opt.master_params, group[:2]))
+    ref_w = [p.detach().double().numpy() for p in ps] + [b.detach().double().numpy()]
+    ref_m = [np.zeros_like(w) for w in ref_w]
+    bufs = None
+    for _ in range(3):
+        gs = [rng.normal(size=w.shape) for w in ref_w]
+        for p, g in zip(ps, gs):
+            p.grad = (torch.tensor(g, dtype=torch.float32) * 64.0).to(dtype)
+        b.grad = torch.tensor(gs[2], dtype=torch.float32) * 64.0
+        opt.step()
+        for i, g in enumerate(gs):
+            half_g = (torch.tensor(g, dtype=torch.float32) * 64).to(dtype)
+            g_seen = g if i == 2 else half_g.double().numpy() / 64
+            ref_m[i] = 0.9 * ref_m[i] + g_seen
+            ref_w[i] = ref_w[i] - 0.1 * ref_m[i]
+        for m, rw in zip(opt.master_params + [b], ref_w):
+            np.testing.assert_allclose(m.detach().numpy(), rw, rtol=2e-6, atol=1e-7)
+        for p, m in zip(ps, opt.master_params):
+            assert p.dtype == dtype and torch.equal(p.detach(), m.detach().to(dtype))
+        now = [m.grad.data_ptr() for m in opt.master_params]
+        assert bufs is None or now == bufs  # one reused fp32 gradient buffer per master
+        bufs = now
+        opt.zero_grad()
+    assert all(v["momentum_buffer"].dtype == torch.float32 for v in opt.state.values())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_saturating_copy_back(dtype):
+    big = float(torch.finfo(dtype).max)
+    p = torch.tensor([big, -big, 1.0], dtype=dtype, requires_grad=True)
+    opt = MP(torch.optim.SGD([p], lr=1.0))
+    delta = big / 2 if dtype == torch.float16 else 1e36  # bf16's max is close to fp32's
+    p.grad = torch.tensor([-delta, delta, 0.0], dtype=dtype)
+    opt.step()
+    assert torch.equal(p.detach(), torch.tensor([big, -big, 1.0], dtype=dtype))
+    m = opt.master_params[0]
+    assert big < m[0].item() < float(torch.finfo(torch.float32).max) and torch.isfinite(p).all()
+    assert torch.isinf(m.detach().to(dtype)[0])  # a plain cast would have given inf
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_skip_leaves_masters_model_and_state_bit_identical(rng, dtype):
+    ps = _half_params(rng, dtype)
+    opt = MP(SGD(ps, 0.1, momentum=0.9, use_ema=True), "dynamic")
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    snap = [(p.detach().clone(), m.detach().clone(), {k: v.clone() for k, v in opt.state[m].items()})
+            for p, m in zip(ps, opt.master_params)]
+    it = int(opt.iterations)
+    scale = float(opt.loss_scale)
+    ps[0].grad = torch.full_like(ps[0], float("inf"))
+    opt.step()
+    assert not bool(opt.step_applied) and int(opt.iterations) == it
+    assert float(opt.loss_scale) == scale / 2
+    for (p0, m0, st0), p, m in zip(snap, ps, opt.master_params):
+        assert torch.equal(p.detach(), p0) and torch.equal(m.detach(), m0)
+        for k, v in opt.state[m].items():
+            assert torch.equal(v, st0[k]), k
+
+
+def _regression(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 4, generator=g)
+    w_true = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    return x.to(dtype), (x @ w_true).to(dtype)
+
+
+@pytest.mark.parametrize("loss_scale,converges", [(None, False), ("dynamic", True)])
+def test_fp16_training_underflows_without_scaling(loss_scale, converges):
+    """The loss carries a factor 1e-9, so fp16 gradients (~1e-11) underflow to 0 without loss scaling."""
+    x, y = _regression(torch.float16)
+    w = torch.zeros(4, dtype=torch.float16, requires_grad=True)
+    opt = MP.wrap(torch.optim.Adam, [w], loss_scale, lr=0.05, fused=True)
+
+    def closure():
+        opt.zero_grad()
+        return ((x @ w - y).float() ** 2).mean() * 1e-9
+
+    first = float(closure().detach())
+    for _ in range(300):
+        last = float(opt.step(closure).detach())
+    if converges:
+        assert last < 0.05 * first
+    else:
+        assert last == first and torch.equal(w.detach(), torch.zeros(4, dtype=torch.float16))
+
+
+def test_regularization_vectors_8_2():
+    """mp_wrapper_test: the L2 gradient λ·w = 1e-8 underflows in fp16 but survives on the fp32 master."""
+    x = torch.full((3, 2), 0.5)
+    w32 = torch.full((2, 1), 1e-4, requires_grad=True)
+    reg32 = 1e-4 * (w32 ** 2).sum() / 2
+    assert reg32.item() == pytest.approx(1e-12, rel=1e-5)
+    (g32,) = torch.autograd.grad(reg32, [w32])
+    np.testing.assert_allclose(g32.numpy(), 1e-8, rtol=1e-5)
+    w16 = torch.full((2, 1), 1e-4, dtype=torch.float16, requires_grad=True)
+    reg16 = 1e-4 * (w16 ** 2).sum() / 2
+    (g16,) = torch.autograd.grad(reg16, [w16])
+    assert reg16.item() == 0.0 and torch.equal(g16, torch.zeros_like(g16))
+    opt = MP(torch.optim.SGD([w16], lr=0.1), l2_regularization=1e-4)
+    y = torch.full((3, 1), 1e-4, dtype=torch.float16)
+    (g, v), = opt.compute_gradients(lambda: ((x.half() @ w16 - y).float() ** 2).mean())
+    assert v is opt.master_params[0] and v.dtype == torch.float32
+    assert float(v[0]) == pytest.approx(1.0001659e-4, rel=1e-7)
+    np.testing.assert_allclose(g.numpy(), 1e-8, atol=1e-11)
+    opt.apply_gradients([(g, v)])
+    np.testing.assert_allclose(v.detach().numpy(), 1.0001659e-4 - 0.1 * g.numpy(), rtol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_wrap_equals_rebuild_and_named_params(dtype):
+    torch.manual_seed(0)
+    m1 = convert_model_to_half(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)), dtype)
+    m2 = convert_model_to_half(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)), dtype)
+    m2.load_state_dict(m1.state_dict())
+    o1 = MP(SGD(m1.named_parameters(), 0.1, momentum=0.9), "dynamic")
+    o2 = MP.wrap(SGD, m2.named_parameters(), "dynamic", learning_rate=0.1, momentum=0.9)
+    assert o2.param_groups[0]["param_names"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    x = torch.randn(8, 3).to(dtype)
+    for _ in range(3):
+        for model, opt in ((m1, o1), (m2, o2)):
+            opt.step(lambda model=model: model(x).float().pow(2).mean())
+            opt.zero_grad()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_larc_inside_sees_fp32_masters(rng):
+    p = torch.tensor([[3.0, 4.0]], dtype=torch.float16, requires_grad=True)
+    opt = MP(LARC(torch.optim.SGD([p], lr=0.1), 0.002), 8.0)
+    p.grad = torch.tensor([[0.3, 0.4]], dtype=torch.float16) * 8
+    opt.step()
+    m = opt.master_params[0]
+    g = torch.tensor([[0.3, 0.4]], dtype=torch.float16).double().numpy()
+    r = min(max(0.002 * 5.0 / (0.1 * (np.linalg.norm(g) + 1e-7)), 1e-7), 1.0)
+    np.testing.assert_allclose(m.detach().numpy(), np.array([[3.0, 4.0]]) - 0.1 * r * g, rtol=1e-6)
+
+
+def test_state_dict_round_trip(rng):
+    def make():
+        torch.manual_seed(1)
+        model = convert_model_to_half(torch.nn.Linear(3, 2))
+        return model, MP(SGD(model.parameters(), 0.05, momentum=0.9), DynamicLossScale(128.0, 2))
+
+    x = torch.randn(4, 3).half()
+
+    def run(model, opt, n):
+        for _ in range(n):
+            opt.step(lambda: model(x).float().pow(2).sum())
+            opt.zero_grad()
+
+    ma, oa = make()
+    run(ma, oa, 5)
+    mb, ob = make()
+    run(mb, ob, 2)
+    sd = ob.state_dict()
+    mc, oc = make()
+    oc.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(mb.parameters(), mc.parameters()))
+    run(mc, oc, 3)
+    assert all(torch.equal(a, b) for a, b in zip(ma.parameters(), mc.parameters()))
+    assert float(oa.loss_scale) == float(oc.loss_scale)
+    bad = {"optimizer": sd["optimizer"], "wrapper": dict(sd["wrapper"], masters=sd["wrapper"]["masters"][:1])}
+    before = [m.clone() for m in oc.master_params]
+    with pytest.raises(ValueError, match="masters"):
+        oc.load_state_dict(bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, oc.master_params))
+
+
+def test_validation_and_outermost():
+    p = torch.zeros(2, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(ValueError):
+        MP(torch.optim.SGD([p], lr=0.1), "sometimes")
+    with pytest.raises(ValueError, match="l2_regularization"):
+        MP(torch.optim.SGD([p], lr=0.1), l2_regularization=-1.0)
+    assert p.dtype == torch.float16  # nothing was swapped by the failed constructions
+    mp = MP(torch.optim.SGD([p], lr=0.1))
+    with pytest.raises(TypeError, match="outermost"):
+        LossScaleOptimizer(mp)
+    with pytest.raises(ValueError, match="dtype"):
+        convert_model_to_half(torch.nn.Linear(2, 2), torch.float32)
+
+
+def test_convert_model_keeps_norms_fp32():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.LayerNorm(4),
+                                torch.nn.Linear(4, 2))
+    convert_model_to_half(model, torch.bfloat16)
+    assert model[0].weight.dtype == torch.bfloat16 and model[3].bias.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32 and model[1].running_mean.dtype == torch.float32
+    assert model[2].weight.dtype == torch.float32
+    out = model(torch.randn(5, 3).to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    plain = convert_model_to_half(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)),
+                                  keep_norm_fp32=False)
+    assert plain[1].weight.dtype == torch.float16
+
+
+def test_add_param_group_creates_masters(rng):
+    a = torch.tensor(rng.normal(size=(2, 2)), dtype=torch.float16, requires_grad=True)
+    b = torch.tensor(rng.normal(size=3), dtype=torch.bfloat16, requires_grad=True)
+    opt = MP(SGD([a], 0.1), "dynamic")
+    opt.add_param_group({"params": [b], "lr": 0.5})
+    assert len(opt.master_params) == 2 and opt.param_groups[1]["params"][0] is opt.master_of(b)
+    assert opt.master_of(b).dtype == torch.float32
+    b0 = b.detach().float().numpy()
+    a.grad = torch.ones_like(a) * float(opt.loss_scale)
+    b.grad = (torch.ones(3) * float(opt.loss_scale)).to(torch.bfloat16)
+    opt.step()
+    np.testing.assert_allclose(opt.master_of(b).detach().numpy(), b0 - 0.5, rtol=1e-6)
+    with pytest.raises(ValueError, match="master_of"):
+        opt.master_of(torch.zeros(1))

@@ -1,0 +1,216 @@
+"""Stacked wrappers: LARC inside LossScaleOptimizer inside VariableClippingOptimizer over optkit SGD and torch
+AdamW (float64 references), protocol propagation, skips through the stack, GradScaler and lr schedulers on a
+stack, masters seen by inner wrappers, nested checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from optkit import LARC, LossScaleOptimizer, MixedPrecisionOptimizerWrapper, VariableClippingOptimizer
+from optkit.loss_scale import DynamicLossScale
+from optkit.sgd import SGD
+
+INF = float("inf")
+S0 = 1024.0
+
+
+def np_ratio_clip(w, g, lr, eta, eps=1e-7, min_update=1e-7):
+    return min(max(eta * np.linalg.norm(w) / (lr * (np.linalg.norm(g) + eps)), min_update), 1.0)
+
+
+def np_clip_rows(w, c):
+    n = np.sqrt((w * w).sum(axis=1, keepdims=True))
+    return w * c / np.maximum(n, c)
+
+
+def _stack(kind, ps, lr=0.1):
+    if kind == "optkit_sgd":
+        base = SGD(ps, lr, momentum=0.9)
+    elif kind == "torch_adamw":
+        base = torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)
+    else:
+        base = torch.optim.SGD(ps, lr=lr, momentum=0.9, fused=True)
+    lso = LossScaleOptimizer(LARC(base, 0.01), DynamicLossScale(S0, increment_period=1000))
+    return VariableClippingOptimizer(lso, {ps[0]: [1]}, 1.5), base
+
+
+@pytest.mark.parametrize("kind", ["optkit_sgd", "torch_adamw", "torch_fused_sgd"])
+def test_stack_matches_float64_reference(rng, kind):
+    shapes = [(4, 3), (6,)]
+    ws = [rng.normal(size=s) for s in shapes]
+    ps = [torch.tensor(w, requires_grad=True) for w in ws]
+    opt, _ = _stack(kind, ps)
+    ref = [torch.tensor(w, requires_grad=True) for w in ws]
+    if kind == "torch_adamw":
+        ref_opt = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.01)
+    else:
+        ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
+    keras_v = [np.zeros_like(w) for w in ws]
+    for _ in range(3):
+        gs = [rng.normal(size=s) for s in shapes]
+        for p, g in zip(ps, gs):
+            p.grad = torch.tensor(g * S0)
+        opt.step()
+        gps = [np_ratio_clip(r.detach().numpy(), g, 0.1, 0.01) * g for r, g in zip(ref, gs)]
+        if kind == "optkit_sgd":  # Keras form: v = μv − lr g; w += v
+            with torch.no_grad():
+                for i, (r, gp) in enumerate(zip(ref, gps)):
+                    keras_v[i] = 0.9 * keras_v[i] - 0.1 * gp
+                    r.add_(torch.tensor(keras_v[i]))
+        else:
+            for r, gp in zip(ref, gps):
+                r.grad = torch.tensor(gp)
+            ref_opt.step()
+        with torch.no_grad():
+            ref[0].copy_(torch.tensor(np_clip_rows(ref[0].numpy(), 1.5)))
+        for p, r in zip(ps, ref):
+            np.testing.assert_allclose(p.detach().numpy(), r.detach().numpy(), rtol=1e-6, atol=1e-9)
+    assert np.all(np.linalg.norm(ps[0].detach().numpy(), axis=1) <= 1.5 * (1 + 1e-12))
+
+
+@pytest.mark.parametrize("kind", ["optkit_sgd", "torch_adamw", "torch_fused_sgd"])
+def test_skip_through_stack_is_bit_identical(rng, kind):
+    ps = [torch.tensor(rng.normal(size=s) * 3, dtype=torch.float32, requires_grad=True)
+          for s in [(4, 3), (5,)]]
+    opt, base = _stack(kind, ps)
+    if kind != "optkit_sgd":  # first step skipped: torch must not create (uninitialised) state
+        ps[1].grad = torch.full((5,), INF)
+        ps[0].grad = torch.ones(4, 3)
+        opt.step()
+        assert not bool(opt.step_applied) and not any(base.state.get(p) for p in ps)
+    for p in ps:
+        p.grad = torch.ones_like(p) * float(opt.optimizer.loss_scale)
+    opt.step()
+    assert bool(opt.step_applied)
+    snap_p = [p.detach().clone() for p in ps]
+    snap_s = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in base.state[p].items()}
+              for p in ps]
+    its = int(opt.iterations) if kind == "optkit_sgd" else None
+    scale = float(opt.optimizer.loss_scale)
+    ps[0].grad = torch.ones(4, 3)
+    ps[1].grad = torch.tensor([float("nan")] * 5)
+    opt.step()
+    assert not bool(opt.step_applied) and float(opt.optimizer.loss_scale) == scale / 2
+    for p, sp_, ss in zip(ps, snap_p, snap_s):
+        assert torch.equal(p.detach(), sp_)
+        for k, v in base.state[p].items():
+            assert torch.equal(v, ss[k]) if isinstance(v, torch.Tensor) else v == ss[k]
+    if its is not None:
+        assert int(opt.iterations) == its
+
+
+def test_protocol_reaches_optkit_inner_and_is_removed():
+    p = torch.tensor([3.0, 4.0], requires_grad=True)
+    base = SGD([p], 0.1)
+    seen = {}
+
+    def hook(o, args, kwargs):
+        seen.update({k: getattr(o, k, None) for k in ("grad_scale", "found_inf", "grad_multipliers")})
+
+    base.register_step_pre_hook(hook)
+    opt = LossScaleOptimizer(LARC(base, 0.002), DynamicLossScale(8.0))
+    p.grad = torch.tensor([0.3, 0.4]) * 8
+    opt.step()
+    assert float(seen["grad_scale"]) == 8.0 and float(seen["found_inf"]) == 0.0
+    (key, mult), = seen["grad_multipliers"].items()
+    assert key == id(p) and float(mult) == pytest.approx(0.19999996, rel=1e-6)
+    for k in ("grad_scale", "found_inf", "grad_multipliers"):
+        assert k not in base.__dict__ and k not in opt.optimizer.__dict__
+    np.testing.assert_allclose(p.detach().numpy(), [3 - 0.1 * 0.06, 4 - 0.1 * 0.08], rtol=1e-6)
+
+
+def test_larc_outside_loss_scaling_over_fused_torch():
+    """Multipliers from an outer LARC travel through LossScaleOptimizer to a torch fused optimizer. (An
+    outer LARC sees the gradients as they come, i.e. scaled: put loss scaling outside LARC in real use.)"""
+    p = torch.tensor([3.0, 4.0], requires_grad=True)
+    opt = LARC(LossScaleOptimizer(torch.optim.SGD([p], lr=0.1, fused=True), 1.0), 0.002)
+    p.grad = torch.tensor([0.3, 0.4])
+    opt.step()
+    np.testing.assert_allclose(p.detach().numpy(), [3 - 0.1 * 0.06, 4 - 0.1 * 0.08], rtol=1e-6)
+
+
+def test_grad_scaler_drives_a_stack(rng):
+    x = torch.tensor(rng.normal(size=(8, 3)), dtype=torch.float32)
+    w0 = rng.normal(size=(2, 3))
+
+    def make():
+        w = torch.tensor(w0, dtype=torch.float32, requires_grad=True)
+        return w, VariableClippingOptimizer(LARC(SGD([w], 0.1, momentum=0.9), 0.01), {w: [1]}, 2.0)
+
+    w1, o1 = make()
+    w2, o2 = make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for _ in range(3):
+        o1.zero_grad()
+        (x @ w1.T).pow(2).mean().backward()
+        o1.step()
+        o2.zero_grad()
+        scaler.scale((x @ w2.T).pow(2).mean()).backward()
+        scaler.step(o2)
+        scaler.update()
+    torch.testing.assert_close(w1.detach(), w2.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_lr_scheduler_on_stack_reaches_larc():
+    p = torch.tensor([[3.0, 4.0]], requires_grad=True)
+    opt, base = _stack("optkit_sgd", [p], lr=0.2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert opt.param_groups is base.param_groups
+    for lr in (0.2, 0.1):
+        w = p.detach().numpy().copy()
+        g = np.array([[0.3, 0.4]])
+        p.grad = torch.tensor(g * S0, dtype=torch.float32)
+        opt.step()
+        sched.step()
+        expect = np_clip_rows(w - lr * np_ratio_clip(w, g, lr, 0.01) * g, 1.5)  # momentum buffer was zero
+        if lr == 0.2:
+            np.testing.assert_allclose(p.detach().numpy(), expect, rtol=1e-6)
+    assert base.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_nested_state_dict_round_trip(rng):
+    grads = [[rng.normal(size=s) for s in [(4, 3), (6,)]] for _ in range(5)]
+    w0 = [rng.normal(size=s) for s in [(4, 3), (6,)]]
+
+    def make():
+        ps = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in w0]
+        return ps, _stack("torch_adamw", ps)[0]
+
+    def run(ps, opt, gs):
+        for step_g in gs:
+            for p, g in zip(ps, step_g):
+                p.grad = torch.tensor(g, dtype=torch.float32) * opt.optimizer.loss_scale
+            opt.step()
+
+    pa, oa = make()
+    run(pa, oa, grads)
+    pb, ob = make()
+    run(pb, ob, grads[:2])
+    sd = ob.state_dict()
+    assert sd["wrapper"]["type"] == "VariableClippingOptimizer"
+    assert sd["optimizer"]["wrapper"]["type"] == "LossScaleOptimizer"
+    assert sd["optimizer"]["optimizer"]["wrapper"]["type"] == "LARC"
+    pc, oc = make()
+    with torch.no_grad():
+        for c, b in zip(pc, pb):
+            c.copy_(b)
+    oc.load_state_dict(sd)
+    run(pc, oc, grads[2:])
+    for a, c in zip(pa, pc):
+        assert torch.equal(a.detach(), c.detach())
+
+
+def test_masters_remapped_into_inner_wrappers():
+    """MixedPrecisionOptimizerWrapper(VariableClippingOptimizer(LARC(SGD))) built on fp16 model params."""
+    p = torch.tensor([[3.0, 4.0], [0.3, 0.4]], dtype=torch.float16, requires_grad=True)
+    vc = VariableClippingOptimizer(LARC(SGD([p], 0.1), 0.01), {p: [1]}, 1.0)
+    opt = MixedPrecisionOptimizerWrapper(vc, "dynamic")
+    m = opt.master_params[0]
+    assert vc.vars_to_clip_dims == {m: [1]}
+    p.grad = torch.full((2, 2), 0.01, dtype=torch.float16) * float(opt.loss_scale)
+    opt.step()
+    norms = np.linalg.norm(m.detach().numpy(), axis=1)
+    assert norms[0] == pytest.approx(1.0, rel=1e-6) and norms[1] < 1.0
+    torch.testing.assert_close(p.detach(), m.detach().half())
