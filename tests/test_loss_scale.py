@@ -503,7 +503,9 @@ def test_one_pass_over_gradients_and_no_host_sync(make):
         s.update(found)
     expected = ["_amp_foreach_non_finite_check_and_unscale_"]
     if s.needs_amax:
-        expected.append("_foreach_norm")  # LogMax's extra, read-only max-abs pass
+        # LogMax's extra, read-only max-abs pass: one aminmax per gradient on CPU (the CPU inf-norm kernel is
+        # ~10x slower), one _foreach_norm(inf) elsewhere
+        expected += ["aminmax"] * 6
     assert log.touching == expected
     assert "_local_scalar_dense" not in log.all  # no .item()/float()/bool() on a tensor
 
