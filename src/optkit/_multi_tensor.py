@@ -599,3 +599,25 @@ def norms_along(tensors: Sequence[Tensor], dims: Sequence[Sequence[int]]) -> lis
                 for i, part in zip(ids, torch.split(flat, [sq[i].numel() for i in ids])):
                     sq[i] = part.view(sq[i].shape)
     return [s.sqrt() for s in sq]
+
+
+def scale_local_(tensors: Sequence[Tensor], scale: Tensor, key: tuple | None) -> None:
+    """:func:`scale_` for plain local tensors; ``key`` = their common (device, dtype) when the caller knows
+    it (one foreach kernel, no per-tensor Python work), else None (the general path)."""
+    if key is None:
+        scale_(tensors, scale)
+        return
+    device, dtype = key
+    torch._foreach_mul_(list(tensors), scale.to(device=device, dtype=acc_dtype(dtype)))
+
+
+def lerp_local_(
+    targets: Sequence[Tensor], sources: Sequence[Tensor], weight: Tensor, key: tuple | None
+) -> None:
+    """:func:`lerp_` for plain local tensors of one known (device, dtype) ``key`` (else the general path)."""
+    if key is None:
+        lerp_(targets, sources, weight)
+        return
+    device, dtype = key
+    w = weight.to(device=device, dtype=dtype)
+    torch._foreach_lerp_(list(targets), list(sources), [w] * len(targets))
