@@ -214,3 +214,30 @@ def test_masters_remapped_into_inner_wrappers():
     norms = np.linalg.norm(m.detach().numpy(), axis=1)
     assert norms[0] == pytest.approx(1.0, rel=1e-6) and norms[1] < 1.0
     torch.testing.assert_close(p.detach(), m.detach().half())
+
+
+def test_finalize_variable_values_passes_through_wrappers_and_refreshes_half_params():
+    import torch
+
+    from optkit import SGD, LARC, LossScaleOptimizer, MixedPrecisionOptimizerWrapper
+
+    torch.manual_seed(3)
+    w32 = torch.nn.Parameter(torch.randn(6))
+    opt = LossScaleOptimizer(LARC(SGD([w32], 0.1, use_ema=True, ema_momentum=0.5), larc_eta=0.01), 4.0)
+    for _ in range(3):
+        w32.grad = torch.randn(6) * 4.0  # scaled by the fixed loss scale
+        opt.step()
+    avg = opt.optimizer.optimizer.state[w32]["average"].clone()
+    opt.finalize_variable_values()
+    assert torch.equal(w32.detach(), avg)
+
+    w16 = torch.nn.Parameter(torch.randn(5).half())
+    mp = MixedPrecisionOptimizerWrapper(SGD([w16], 0.1, use_ema=True, ema_momentum=0.5))
+    for _ in range(2):
+        w16.grad = torch.randn(5).half()
+        mp.step()
+    master = mp.master_of(w16)
+    avg = mp.optimizer.state[master]["average"].clone()
+    mp.finalize_variable_values()
+    assert torch.equal(master.detach(), avg)
+    assert torch.equal(w16.detach(), avg.half())

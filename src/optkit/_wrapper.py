@@ -150,6 +150,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """The inner optimizer's count of applied updates (optkit optimizers; skipped steps do not count)."""
         return self._inner_attr("iterations")
 
+    def finalize_variable_values(self, var_list: Sequence[Tensor] | None = None) -> None:
+        """Pass-through: swap in the inner optimizer's moving averages (optkit optimizers with EMA)."""
+        self._inner_attr("finalize_variable_values")(var_list)
+
     @property
     def learning_rate(self) -> Any:
         """The inner optimizer's learning rate (optkit optimizers), else the first group's ``lr``."""

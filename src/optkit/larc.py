@@ -185,7 +185,8 @@ class LARC(OptimizerWrapper):
 
     def _ratios(self, params, grads, lr: Tensor, grad_scale, multipliers, dev) -> Tensor:
         """The trust ratio of every parameter as one fp32 vector (module doc)."""
-        wn, gn = mt.norms(params), mt.norms(grads)
+        both = mt.norms(list(params) + list(grads))  # one batched mesh reduction for weights and gradients
+        wn, gn = both[: len(params)], both[len(params):]
         dtype = torch.float64 if any(n.dtype == torch.float64 for n in wn + gn) else torch.float32
         w_norm = torch.stack([n.to(dev, dtype) for n in wn])
         g_norm = torch.stack([n.to(dev, dtype) for n in gn])

@@ -149,6 +149,17 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             big = float(torch.finfo(dtype).max)
             mt.clamp_(lp, -big, big)
 
+    def finalize_variable_values(self, var_list: Sequence[Tensor] | None = None) -> None:
+        """Swap the moving averages into the fp32 masters, then refresh the half parameters from them.
+
+        ``var_list`` may name model (half) parameters; they are mapped to their masters."""
+        masters = None
+        if var_list is not None:
+            half = {id(p): m for p, m in self._pairs}
+            masters = [half.get(id(v), v) for v in var_list]
+        self._inner_attr("finalize_variable_values")(masters)
+        self._copy_back()
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group of model parameters; half ones get masters first."""
         g = dict(param_group)

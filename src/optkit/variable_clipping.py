@@ -141,19 +141,22 @@ class VariableClippingOptimizer(OptimizerWrapper):
             ns = mt.norms(whole)
             factors = [self._factor(n, c, gate) for n in ns]
             mt.scale_(whole, factors)
+        partial = [(v, dims) for v, dims, rows in todo if rows is None and len(dims) != mt.local(v).dim()]
+        if partial:
+            # norms along dims, reduced across the mesh when a clipped dim is sharded (one collective per group)
+            ns = mt.norms_along([v for v, _ in partial], [d for _, d in partial])
+            for (v, _), n in zip(partial, ns):
+                lv = mt.local(v)
+                lv.mul_(self._factor(n, c, gate).to(lv.device))
         for v, dims, rows in todo:
             lv = mt.local(v)
-            if rows is None and len(dims) == lv.dim():
+            if rows is None:
                 continue
             acc = mt.acc_dtype(lv.dtype)
-            if rows is None:
-                n = torch.linalg.vector_norm(lv, dim=dims, keepdim=True, dtype=acc)
-                lv.mul_(self._factor(n, c, gate).to(lv.device))
-            else:
-                block = lv.index_select(0, rows)
-                n = torch.linalg.vector_norm(block, dim=dims, keepdim=True, dtype=acc)
-                f = self._factor(n, c, gate).to(lv.device)
-                lv.index_copy_(0, rows, (block.to(acc) * f).to(lv.dtype))
+            block = lv.index_select(0, rows)
+            n = torch.linalg.vector_norm(block, dim=dims, keepdim=True, dtype=acc)
+            f = self._factor(n, c, gate).to(lv.device)
+            lv.index_copy_(0, rows, (block.to(acc) * f).to(lv.dtype))
 
     @staticmethod
     def _factor(n: Tensor, c: float, gate: Tensor) -> Tensor:

@@ -1,0 +1,642 @@
+"""Tests for optkit.train.optimize_loss: order of operations against float64 NumPy written from
+spec/openseq2seq.md §3.3/§4/§11, accumulation (§3.4, fixed semantics), the §8.1 and §8.2 vectors, the §5.3
+convergence test, overflow skips, checkpoint/resume and the validation paths."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from optkit import DynamicLossScale, fixed_lr, poly_decay
+from optkit.regularization import add_regularizer, clear_regularizers, get_regularization_loss, l2_regularizer
+from optkit.sgd import SGD
+from optkit.train import StepResult, TrainOp, optimize_loss
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry():
+    clear_regularizers()
+    yield
+    clear_regularizers()
+
+
+def lsq_problem(seed=0, n=12, d=4, dtype=F64):
+    r = np.random.default_rng(seed)
+    X = r.standard_normal((n, d))
+    y = r.standard_normal((n, 1))
+    w0 = r.standard_normal((d, 1)) * 0.5
+    return X, y, w0, torch.tensor(X, dtype=dtype), torch.tensor(y, dtype=dtype)
+
+
+def lsq_grad(X, y, w):
+    """∇ mean((Xw − y)²) in float64."""
+    return 2.0 * X.T @ (X @ w - y) / X.shape[0]
+
+
+def make_param(w0, dtype=F64):
+    return torch.nn.Parameter(torch.tensor(w0, dtype=dtype))
+
+
+def lsq_loss(w):
+    return lambda X, y: ((X @ w - y) ** 2).mean()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# order of operations, hand-computed (float64)
+
+
+def test_plain_sgd_step_matches_numpy():
+    X, y, w0, Xt, yt = lsq_problem()
+    w = make_param(w0)
+    op = optimize_loss(lsq_loss(w), SGD, None, 0.1, var_list=[w])
+    r = op(Xt, yt)
+    assert isinstance(r, StepResult) and isinstance(op, TrainOp)
+    np.testing.assert_allclose(w.detach().numpy(), w0 - 0.1 * lsq_grad(X, y, w0), rtol=1e-13)
+    assert bool(r.applied) and int(r.global_step) == 1 and int(op.global_step) == 1
+    np.testing.assert_allclose(float(r.loss), np.mean((X @ w0 - y) ** 2), rtol=1e-13)
+    assert r.grad_norm is None  # nothing needed it
+    assert w.grad is None  # gradients cleared after the update
+
+
+@pytest.mark.parametrize("clip", [0.05, 100.0])
+@pytest.mark.parametrize("loss_scaling", [1.0, 256.0, "dynamic", "Backoff"])
+def test_accumulate_scale_clip_order(clip, loss_scaling):
+    """unscale → mean over the window → global norm (summary) → clip s = min(1, c/N) → update."""
+    X, y, w0, Xt, yt = lsq_problem(seed=1)
+    w = make_param(w0)
+    op = optimize_loss(lsq_loss(w), SGD, {"momentum": 0.9}, 0.1, var_list=[w], clip_gradients=clip,
+                       loss_scaling=loss_scaling, iter_size=3)
+    parts = [(X[:4], y[:4]), (X[4:8], y[4:8]), (X[8:], y[8:])]
+    wn, m = w0.copy(), np.zeros_like(w0)
+    for _cycle in range(2):
+        gs = [lsq_grad(a, b, wn) for a, b in parts]
+        g = sum(gs) / 3
+        N = np.linalg.norm(g)
+        g = g * min(1.0, clip / N)
+        m = 0.9 * m - 0.1 * g  # Keras SGD
+        wn = wn + m
+        for k, (a, b) in enumerate(parts):
+            r = op(torch.tensor(a), torch.tensor(b))
+            assert bool(r.applied) == (k == 2)
+        np.testing.assert_allclose(float(r.grad_norm), N, rtol=1e-8)
+        # the optimizer runs with an fp32 lr and an fp32 grad_scale (1/(S·n) folded in): ~1e-7 of a step
+        np.testing.assert_allclose(w.detach().numpy(), wn, rtol=0, atol=1e-8)
+    assert int(op.global_step) == 2
+
+
+def test_k_micro_batches_equal_one_batch_k_times_larger():
+    X, y, w0, Xt, yt = lsq_problem(seed=2, n=24)
+    results = []
+    for k in (1, 4):
+        w = make_param(w0)
+        op = optimize_loss(lsq_loss(w), torch.optim.SGD, {"momentum": 0.5, "nesterov": True}, 0.05,
+                           var_list=[w], iter_size=k, clip_gradients=0.5)
+        for _ in range(3):
+            for j in range(k):
+                sl = slice(j * 24 // k, (j + 1) * 24 // k)
+                op(Xt[sl], yt[sl])
+        results.append(w.detach().clone())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-13, atol=1e-15)
+
+
+@settings(max_examples=15, deadline=None)
+@given(k=st.integers(1, 4), seed=st.integers(0, 10_000), clip=st.sampled_from([None, 0.3]),
+       scaling=st.sampled_from([1.0, 64.0, "dynamic"]))
+def test_property_window_mean_equals_big_batch(k, seed, clip, scaling):
+    """One update over k equal micro-batches (any scale, with or without clipping) equals plain gradient
+    descent on the mean gradient of the whole batch (float64 NumPy reference)."""
+    X, y, w0, Xt, yt = lsq_problem(seed=seed, n=4 * k, d=3)
+    w = make_param(w0)
+    op = optimize_loss(lsq_loss(w), torch.optim.SGD, None, 0.05, var_list=[w], iter_size=k,
+                       clip_gradients=clip, loss_scaling=scaling)
+    for j in range(k):
+        r = op(Xt[4 * j:4 * j + 4], yt[4 * j:4 * j + 4])
+    assert bool(r.applied)
+    g = lsq_grad(X, y, w0)
+    if clip is not None:
+        g = g * min(1.0, clip / np.linalg.norm(g))
+    np.testing.assert_allclose(w.detach().numpy(), w0 - 0.05 * g, rtol=0, atol=1e-8)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# spec §8.1, adapted to the fixed semantics (exact mean of the micro-batches accumulated)
+
+
+def test_iter_size_hand_vector():
+    """§8.1 hand vector. Original: accum k·g/8 then w = 0.1·4·g/8 = [0.35, 0.5]. Fixed: the update uses the
+    mean of the 4 micro-batches accumulated (each the full batch), so w = 0.1·[7, 10] = [0.7, 1.0]; the
+    accumulators hold k·g_full (sum of raw micro-batch gradients) and are cleared by the update."""
+    X = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=F64)
+    y = torch.tensor([[1.0], [2.0]], dtype=F64)
+    w = torch.nn.Parameter(torch.zeros(2, 1, dtype=F64))
+    skip = [True, True, True, False]
+    op = optimize_loss(lambda: ((X @ w - y) ** 2).mean(), "SGD", None,
+                       lambda gs: fixed_lr(gs, 0.1), var_list=[w], on_horovod=False, iter_size=8,
+                       skip_update_ph=lambda: skip[op.micro_steps])
+    g = np.array([[-7.0], [-10.0]])
+    for k in range(3):
+        r = op()
+        assert not bool(r.applied)
+        np.testing.assert_allclose(w.grad.numpy(), (k + 1) * g, rtol=1e-15)
+        np.testing.assert_array_equal(w.detach().numpy(), np.zeros((2, 1)))
+    r = op()
+    assert bool(r.applied) and int(r.global_step) == 1
+    np.testing.assert_allclose(w.detach().numpy(), [[0.7], [1.0]], rtol=1e-14)
+    assert w.grad is None and op.micro_steps == 0
+
+
+def test_iter_size_test_updates_vector():
+    """§8.1 ``test_updates`` (numpy seed 0, 10×10, SGD lr 0.1, iter_size 8, 3 cycles of 3 skips + 1 update):
+    with exact means every update is w ← w − 0.1·∇L(w) (the original's 4g/8 factor of ½ is gone)."""
+    rs = np.random.RandomState(0)
+    X, y = rs.rand(10, 10), rs.rand(10, 1)
+    w = torch.nn.Parameter(torch.zeros(10, 1, dtype=F64))
+    Xt, yt = torch.tensor(X), torch.tensor(y)
+    flags = iter([True, True, True, False] * 3)
+    op = optimize_loss(lambda: ((Xt @ w - yt) ** 2).mean(), SGD, None, lambda gs: fixed_lr(gs, 0.1),
+                       var_list=[w], on_horovod=False, iter_size=8, skip_update_ph=lambda: next(flags))
+    wn = np.zeros((10, 1))
+    for _ in range(3):
+        g = lsq_grad(X, y, wn)
+        for k in range(4):
+            op()
+            if k < 3:
+                np.testing.assert_allclose(w.grad.numpy(), (k + 1) * g, rtol=1e-12)
+        wn = wn - 0.1 * g
+        np.testing.assert_allclose(w.detach().numpy(), wn, rtol=1e-12, atol=1e-7)
+
+
+def test_automatic_windows_first_update_uses_full_window():
+    X, y, w0, Xt, yt = lsq_problem(seed=3)
+    w = make_param(w0)
+    op = optimize_loss(lsq_loss(w), SGD, None, 0.1, var_list=[w], iter_size=3)
+    applied = [bool(op(Xt, yt).applied) for _ in range(6)]
+    assert applied == [False, False, True, False, False, True]
+    # per-call override: update early with the 1 micro-batch accumulated (exact mean of 1)
+    before = w.detach().numpy().copy()
+    assert bool(op(Xt, yt, skip_update=False).applied)
+    np.testing.assert_allclose(w.detach().numpy(), before - 0.1 * lsq_grad(X, y, before), rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# LARC (§4 vectors)
+
+
+@pytest.mark.parametrize(
+    "mode,eta,w0,expected_ratio",
+    [
+        ("clip", 0.002, [3.0, 4.0], 0.01 / (0.1 * 0.5000001)),
+        ("scale", 0.002, [3.0, 4.0], 0.01 / 0.5000001),
+        ("clip", 0.1, [3.0, 4.0], 1.0),
+        ("scale", 0.1, [3.0, 4.0], 0.5 / 0.5000001),
+        ("clip", 0.002, [0.0, 0.0], 1e-7),
+    ],
+)
+def test_larc_vectors(mode, eta, w0, expected_ratio):
+    w = torch.nn.Parameter(torch.tensor(w0, dtype=F64))
+    g = torch.tensor([0.3, 0.4], dtype=F64)
+    op = optimize_loss(lambda: (w * g).sum(), SGD, None, 0.1, var_list=[w],
+                       larc_params={"larc_eta": eta, "larc_mode": mode})
+    op()
+    want = np.array(w0) - 0.1 * expected_ratio * np.array([0.3, 0.4])
+    # fp32 learning rate inside r and the update (as in TF): agreement to ~1e-8 of the step
+    np.testing.assert_allclose(w.detach().numpy(), want, rtol=0, atol=1e-9 * max(1.0, expected_ratio))
+
+
+def test_larc_zero_lr_has_no_nan():
+    w = torch.nn.Parameter(torch.zeros(2, dtype=F64))
+    op = optimize_loss(lambda: (w * torch.tensor([0.3, 0.4], dtype=F64)).sum(), torch.optim.SGD,
+                       {"momentum": 0.9}, 0.0, var_list=[w], larc_params={"larc_eta": 0.002})
+    op()
+    assert torch.isfinite(op.optimizer.state[w]["momentum_buffer"]).all()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# spec §8.2 mixed-precision regularization
+
+
+def _reg_model(dtype):
+    X = torch.full((3, 2), 0.5, dtype=dtype)
+    y = torch.full((3, 1), 1e-4, dtype=dtype)
+    w = torch.nn.Parameter(torch.full((2, 1), 1e-4, dtype=dtype))
+    add_regularizer(w, l2_regularizer(1e-4), name="dense/kernel")
+    return X, y, w
+
+
+def test_regularization_normal_fp32_and_fp16():
+    X, y, w = _reg_model(torch.float32)
+    reg = get_regularization_loss()
+    np.testing.assert_allclose(float(reg.detach()), 1e-12, rtol=1e-6)
+    (g,) = torch.autograd.grad(((X @ w - y) ** 2).mean() + reg, [w])
+    np.testing.assert_allclose(g.numpy().ravel(), [1e-8, 1e-8], rtol=1e-5)
+    clear_regularizers()
+    X, y, w = _reg_model(torch.float16)
+    reg = get_regularization_loss()
+    assert reg.dtype == torch.float32 and float(reg.detach()) == 0.0  # fp16 underflow
+    (g,) = torch.autograd.grad(((X @ w - y) ** 2).float().mean() + reg, [w])
+    assert float(g.abs().max()) == 0.0
+
+
+def test_regularization_mixed_master_gradient():
+    X, y, w = _reg_model(torch.float16)
+    seen = []
+
+    def loss():
+        reg = get_regularization_loss()
+        seen.append(reg)
+        return ((X @ w - y) ** 2).float().mean() + reg
+
+    lr = 1e4
+    op = optimize_loss(loss, torch.optim.SGD, None, lr, var_list=[w], dtype="mixed")
+    master0 = op.masters[0].detach().clone()
+    np.testing.assert_allclose(master0.numpy().ravel(), [1.0001659e-4] * 2, rtol=1e-7)
+    op()
+    assert float(seen[0]) == 0.0  # the fp16 weight's regularizer is diverted to the master
+    g = (master0 - op.masters[0].detach()) / lr
+    np.testing.assert_allclose(g.numpy().ravel(), [1e-8, 1e-8], atol=1e-11)
+    np.testing.assert_allclose(g.numpy().ravel(), 1e-4 * master0.numpy().ravel(), rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# convergence (§5.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, "mixed"])
+def test_convergence_adam_least_squares(dtype):
+    rs = np.random.RandomState(0)
+    X, y = rs.rand(10, 10), rs.rand(10, 1)
+    w_star = np.linalg.solve(X, y)
+    pd = torch.float16 if dtype == "mixed" else torch.float32
+    w = torch.nn.Parameter(torch.zeros(10, 1, dtype=pd))
+    Xt, yt = torch.tensor(X, dtype=pd), torch.tensor(y, dtype=pd)
+    op = optimize_loss(lambda: ((Xt @ w - yt).float() ** 2).mean(), "Adam", None, 0.05,
+                       var_list=[w], dtype=dtype, loss_scaling="Backoff" if dtype == "mixed" else 1.0)
+    for k in range(1, 3001):  # converges in about 2,200 updates; stop once within the tolerance
+        op()
+        if k % 100 == 0 and np.abs(op.masters[0].detach().double().numpy() - w_star).max() < 0.01:
+            break
+    np.testing.assert_allclose(op.masters[0].detach().double().numpy(), w_star, atol=0.01)
+    if dtype == "mixed":
+        assert w.dtype == torch.float16 and op.masters[0].dtype == torch.float32
+        torch.testing.assert_close(w.detach(), op.masters[0].detach().half())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# overflow: a skipped update touches nothing
+
+
+def _snapshot(op, w):
+    return (w.detach().clone(), {k: v.clone() for k, v in op.optimizer.state[op.masters[0]].items()},
+            int(op.global_step))
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(SGD, {"momentum": 0.9, "use_ema": True}),
+                                        ("Momentum", {"momentum": 0.9}),
+                                        ("Adam", {}),
+                                        (torch.optim.Adam, {})])
+def test_overflow_skips_everything(opt_cls, kw):
+    X, y, w0, Xt, yt = lsq_problem(seed=4)
+    w = make_param(w0)
+    bad = {"on": False}
+
+    def loss(X, y):
+        value = ((X @ w - y) ** 2).mean()
+        return value * float("inf") if bad["on"] else value
+
+    op = optimize_loss(loss, opt_cls, kw, lambda k: poly_decay(k, 0.1, 10), var_list=[w],
+                       loss_scaling="dynamic", loss_scaling_params={"initial_loss_scale": 1024.0})
+    op(Xt, yt)
+    lr_before = float(op.learning_rate)
+    before = _snapshot(op, w)
+    bad["on"] = True
+    r = op(Xt, yt)
+    assert not bool(r.applied)
+    after = _snapshot(op, w)
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)
+    for k in before[1]:
+        torch.testing.assert_close(after[1][k], before[1][k], rtol=0, atol=0)
+    assert after[2] == before[2] == 1
+    assert float(op.learning_rate) == lr_before  # the schedule did not advance
+    assert float(op.scaler.loss_scale) == 512.0
+    assert w.grad is None
+    bad["on"] = False
+    assert bool(op(Xt, yt).applied) and int(op.global_step) == 2
+
+
+def test_window_with_non_finite_micro_batch_is_dropped_whole():
+    X, y, w0, Xt, yt = lsq_problem(seed=5)
+    w = make_param(w0)
+    calls = {"n": 0}
+
+    def loss(X, y):
+        calls["n"] += 1
+        value = ((X @ w - y) ** 2).mean()
+        return value * float("nan") if calls["n"] == 2 else value
+
+    op = optimize_loss(loss, SGD, None, 0.1, var_list=[w], iter_size=3, loss_scaling="Backoff")
+    for _ in range(3):
+        r = op(Xt, yt)
+    assert not bool(r.applied) and int(op.global_step) == 0
+    np.testing.assert_array_equal(w.detach().numpy(), w0)
+    assert float(op.scaler.loss_scale) == 2.0**13  # backed off once (Backoff starts at 2^14)
+    for _ in range(3):
+        r = op(Xt, yt)
+    assert bool(r.applied)
+    np.testing.assert_allclose(w.detach().numpy(), w0 - 0.1 * lsq_grad(X, y, w0), rtol=0, atol=1e-8)
+
+
+def test_float16_with_dynamic_scaling_and_frozen_var():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).half()
+    frozen = model[0].bias
+    frozen0 = frozen.detach().clone()
+    x = torch.randn(16, 4).half()
+    t = torch.randn(16, 1).half()
+    var_list = [(n, p) for n, p in model.named_parameters() if n != "0.bias"]
+    op = optimize_loss(lambda: ((model(x) - t) ** 2).float().mean(), SGD, None, 0.05, var_list=var_list,
+                       dtype=torch.float16, loss_scaling="dynamic")
+    losses = [float(op().loss) for _ in range(20)]
+    assert losses[-1] < losses[0]
+    assert frozen.grad is None
+    torch.testing.assert_close(frozen.detach(), frozen0, rtol=0, atol=0)
+    assert model[0].weight.dtype == torch.float16
+
+
+# ------------------------------------------------------------------------------------------------------------
+# schedule and the AdamW quirk
+
+
+def test_schedule_uses_applied_update_count():
+    w = torch.nn.Parameter(torch.ones(3, dtype=F64))
+    op = optimize_loss(lambda: (w * w).sum(), SGD, None, lambda k: 0.1 / (1 + k), var_list=[w], iter_size=2)
+    lrs = []
+    for _ in range(6):
+        r = op()
+        lrs.append(float(r.lr))
+    np.testing.assert_allclose(lrs, [0.1, 0.1, 0.05, 0.05, 0.1 / 3, 0.1 / 3], rtol=1e-7)
+
+
+@pytest.mark.parametrize("opt", ["AdamW", torch.optim.AdamW])
+def test_adamw_weight_decay_not_mutated_and_lr_scaled_once(opt):
+    w = torch.nn.Parameter(torch.full((2,), 2.0, dtype=F64))
+    params = {"weight_decay": 0.1}
+    op = optimize_loss(lambda: (w * 0.0).sum(), opt, params, 0.5, var_list=[w])
+    op()
+    assert params == {"weight_decay": 0.1}
+    # zero gradient: only the decoupled decay moves w, by lr·wd·w (the original's wd_eff = wd·lr(k))
+    np.testing.assert_allclose(w.detach().numpy(), [2.0 * (1 - 0.5 * 0.1)] * 2, rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# checkpoint / resume
+
+
+def _resume_setup(dtype):
+    torch.manual_seed(0)
+    pd = torch.float16 if dtype == "mixed" else torch.float32
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).to(pd)
+    data = [(torch.randn(8, 5).to(pd), torch.randn(8, 1).to(pd)) for _ in range(11)]
+
+    def build(m):
+        return optimize_loss(lambda x, t: ((m(x) - t) ** 2).float().mean(), SGD,
+                             {"momentum": 0.9, "nesterov": True, "use_ema": True},
+                             lambda k: poly_decay(k, 0.1, 20), model=m, dtype=dtype, iter_size=2,
+                             clip_gradients=0.5, loss_scaling="dynamic",
+                             loss_scaling_params={"initial_loss_scale": 256.0, "increment_period": 2})
+    return model, data, build
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, "mixed"])
+def test_resume_is_bit_identical(dtype):
+    model, data, build = _resume_setup(dtype)
+    m1 = copy.deepcopy(model)
+    op1 = build(m1)
+    for x, t in data:
+        op1(x, t)
+
+    m2 = copy.deepcopy(model)
+    op2 = build(m2)
+    for x, t in data[:5]:  # stops inside an accumulation window
+        op2(x, t)
+    ckpt = copy.deepcopy({"model": m2.state_dict(), "train": op2.state_dict()})
+    m3 = copy.deepcopy(model)
+    op3 = build(m3)
+    m3.load_state_dict(ckpt["model"])
+    op3.load_state_dict(ckpt["train"])
+    for x, t in data[5:]:
+        op3(x, t)
+    for p1, p3 in zip(m1.parameters(), m3.parameters()):
+        torch.testing.assert_close(p1, p3, rtol=0, atol=0)
+    for q1, q3 in zip(op1.masters, op3.masters):
+        torch.testing.assert_close(q1, q3, rtol=0, atol=0)
+        for k in op1.optimizer.state[q1]:
+            torch.testing.assert_close(op1.optimizer.state[q1][k], op3.optimizer.state[q3][k], rtol=0, atol=0)
+    assert int(op1.global_step) == int(op3.global_step) == 5
+    assert float(op1.scaler.loss_scale) == float(op3.scaler.loss_scale)
+
+
+def test_load_state_dict_rejects_bad_input_untouched():
+    X, y, w0, Xt, yt = lsq_problem()
+    w = make_param(w0)
+    op = optimize_loss(lsq_loss(w), SGD, None, 0.1, var_list=[w])
+    op(Xt, yt)
+    sd = op.state_dict()
+    step = int(op.global_step)
+    with pytest.raises(TypeError):
+        op.load_state_dict([1])
+    with pytest.raises(ValueError, match="missing"):
+        op.load_state_dict({k: v for k, v in sd.items() if k != "scaler"})
+    bad = dict(sd, accumulators=[torch.zeros(7)])
+    with pytest.raises(ValueError, match="accumulator"):
+        op.load_state_dict(bad)
+    assert int(op.global_step) == step
+
+
+# ------------------------------------------------------------------------------------------------------------
+# validation: ValueError/TypeError naming the argument, nothing built or changed
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(summaries=["nope"]), ValueError, "Summaries"),
+        (dict(clip_gradients=1.0, larc_params={"larc_eta": 0.01}), ValueError, "LARC"),
+        (dict(dtype=torch.int32), ValueError, "dtype"),
+        (dict(dtype="half"), ValueError, "dtype"),
+        (dict(iter_size=0), ValueError, "iter_size"),
+        (dict(iter_size=2.0), ValueError, "iter_size"),
+        (dict(clip_gradients=-1.0), ValueError, "clip_gradients"),
+        (dict(clip_gradients="1"), TypeError, "clip_gradients"),
+        (dict(larc_params={"larc_eta": 1}), TypeError, "larc_eta"),
+        (dict(larc_params={}), ValueError, "larc_eta"),
+        (dict(larc_params={"larc_eta": 0.1, "larc_mode": "lars"}), ValueError, "larc_mode"),
+        (dict(larc_params={"larc_eta": 0.1, "foo": 1.0}), ValueError, "foo"),
+        (dict(loss_scaling="nope"), ValueError, "loss_scaling"),
+        (dict(loss_scaling=True), TypeError, "loss_scaling"),
+        (dict(loss_scaling=2.0, loss_scaling_params={"scale_min": 1.0}), ValueError, "loss_scaling_params"),
+        (dict(loss_scaling="dynamic", loss_scaling_params={"scale_min": 1.0}), ValueError, "scale_min"),
+        (dict(loss_scaling="Backoff", loss_scaling_params={"step_window": 2.0}), TypeError, "step_window"),
+        (dict(loss_scaling="LogMax", loss_scaling_params={"nope": 2.0}), ValueError, "nope"),
+        (dict(on_horovod=True), ValueError, "on_horovod"),
+        (dict(on_horovod=1), TypeError, "on_horovod"),
+        (dict(skip_update_ph="yes"), TypeError, "skip_update_ph"),
+        (dict(optimizer_params=[1]), TypeError, "optimizer_params"),
+        (dict(learning_rate_decay_fn=None), ValueError, "learning_rate_decay_fn"),
+        (dict(learning_rate_decay_fn="fast"), TypeError, "learning_rate_decay_fn"),
+        (dict(optimizer_params={"learning_rate": 0.1}), ValueError, "learning_rate"),
+        (dict(var_list=[]), ValueError, "var_list"),
+        (dict(summary_every=0), ValueError, "summary_every"),
+        (dict(summary_writer=object()), TypeError, "summary_writer"),
+        (dict(optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])), TypeError, "optimizer"),
+        (dict(optimizer=3), TypeError, "optimizer"),
+        (dict(loss=3), TypeError, "loss"),
+    ],
+)
+def test_validation_errors(kwargs, exc, match):
+    w = torch.nn.Parameter(torch.full((2,), 0.5, dtype=torch.float16))
+    add_regularizer(w, l2_regularizer(1.0))
+    args = dict(loss=lambda: (w.float() ** 2).sum(), optimizer=SGD, optimizer_params=None,
+                learning_rate_decay_fn=0.1, var_list=[w], dtype="mixed")
+    args.update(kwargs)
+    before = w.detach().clone()
+    with pytest.raises(exc, match=match):
+        optimize_loss(**args)
+    torch.testing.assert_close(w.detach(), before, rtol=0, atol=0)
+    assert float(get_regularization_loss().detach()) > 0  # not diverted by the failed call
+
+
+def test_unknown_registry_name():
+    w = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="Nadam"):
+        optimize_loss(lambda: w.sum(), "Nadam", None, 0.1, var_list=[w])
+
+
+def test_loss_must_be_scalar():
+    w = torch.nn.Parameter(torch.ones(2))
+    op = optimize_loss(lambda: w * 2, SGD, None, 0.1, var_list=[w])
+    with pytest.raises(ValueError, match="scalar"):
+        op()
+    torch.testing.assert_close(w.detach(), torch.ones(2))
+
+
+def test_var_list_from_model_and_dynamic_instance():
+    model = torch.nn.Linear(3, 1)
+    scaler = DynamicLossScale(initial_loss_scale=8.0)
+    op = optimize_loss(lambda x: model(x).pow(2).mean(), SGD, None, 0.1, model=model, loss_scaling=scaler)
+    assert op.scaler is scaler and op.names == ["weight", "bias"]
+    r = op(torch.randn(4, 3))
+    assert float(r.loss_scale) == 8.0 and bool(r.applied)
+
+
+# --------------------------------------------------------------------------------------------------------
+# no host reads in the hot path when summaries are off
+
+
+def test_no_host_sync_without_summaries(monkeypatch):
+    """With dynamic scaling, clipping, accumulation, SGD + EMA and a tensor-step schedule, no code of the
+    train op, the optimizer, clipping or the policies reads a tensor on the host (the scaler's CPU-only
+    floor-warning read in loss_scale.py is the one exception, and it is skipped on accelerators)."""
+    import inspect
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x, t = torch.randn(6, 4), torch.randn(6, 1)
+    op = optimize_loss(lambda: ((model(x) - t) ** 2).mean(), "SGD",
+                       {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-4, "use_ema": True},
+                       lambda k: poly_decay(k, 0.1, 100), model=model, clip_gradients=0.5,
+                       loss_scaling="dynamic", iter_size=2, summaries=[])
+    op()
+    op()  # warm: first update done
+    reads: list[str] = []
+    watched = ("train.py", "optimizer.py", "sgd.py", "clipping.py", "lr_policies.py", "schedules.py",
+               "_multi_tensor.py", "summaries.py", "regularization.py")
+
+    def spy(name):
+        orig = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **k):
+            caller = inspect.stack()[1].filename
+            if caller.endswith(watched) and "/optkit/" in caller:
+                reads.append(f"{name} from {caller}")
+            return orig(self, *a, **k)
+
+        return wrapper
+
+    for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, spy(name))
+    for _ in range(6):
+        op()
+    monkeypatch.undo()
+    assert reads == []
+    assert int(op.global_step) == 4
+
+
+def test_logmax_scaler_gets_amax_of_unscaled_clipped_grads():
+    """LogMax (§6.3) on the first clean update: x = log2(amax), μ = x, σ = 0, S = clip(2^(16 − x), 1, 2^14),
+    with amax = max|mean gradient · clip factor|."""
+    X, y, w0, Xt, yt = lsq_problem(seed=6)
+    w = make_param(w0)
+    op = optimize_loss(lsq_loss(w), SGD, None, 0.01, var_list=[w], loss_scaling="LogMax", clip_gradients=0.1)
+    g = lsq_grad(X, y, w0)
+    g = g * min(1.0, 0.1 / np.linalg.norm(g))
+    amax = np.abs(g).max()
+    assert bool(op(Xt, yt).applied)
+    want = min(max(2.0 ** (16 - np.log2(amax)), 1.0), 2.0**14)
+    np.testing.assert_allclose(float(op.scaler.loss_scale), want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_mixed_masters_and_saturating_copy_back(half):
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=half))
+    op = optimize_loss(lambda: (w.float() * torch.tensor([-1.0, 1.0])).sum(), torch.optim.SGD, None, 1e5,
+                       var_list=[w], dtype="mixed")
+    op()
+    master = op.masters[0]
+    assert master.dtype == torch.float32 and op.optimizer.param_groups[0]["params"][0] is master
+    np.testing.assert_allclose(master.detach().numpy(), [100001.0, -100002.0])
+    big = float(torch.finfo(half).max)
+    want = [min(100001.0, big), max(-100002.0, -big)]
+    torch.testing.assert_close(w.detach(), torch.tensor(want, dtype=torch.float32).to(half))
+    assert torch.isfinite(w).all()
+
+
+def test_no_gradient_at_all_raises():
+    w = torch.nn.Parameter(torch.ones(2))
+    z = torch.zeros((), requires_grad=True)
+    op = optimize_loss(lambda: z * 2.0, SGD, None, 0.1, var_list=[w])
+    with pytest.raises(ValueError, match="No gradients"):
+        op()
+    assert int(op.global_step) == 0 and op.micro_steps == 0
+    torch.testing.assert_close(w.detach(), torch.ones(2))
+
+
+@pytest.mark.parametrize("name,kw", [("SGD", {}), ("Momentum", {"momentum": 0.9}), ("Adam", {}),
+                                     ("AdamW", {"weight_decay": 0.01}), ("Adagrad", {}), ("RMSProp", {}),
+                                     ("Ftrl", {}), ("LARS", {})])
+def test_every_registry_optimizer_matches_a_hand_step(name, kw):
+    """Two updates through the train op (2 micro-batches each, scale 2^10, clip) equal the same registry
+    class stepped by hand with the clipped mean gradient."""
+    from optkit import get_optimizer
+
+    X, y, w0, Xt, yt = lsq_problem(seed=7, n=8)
+    w = make_param(w0)
+    op = optimize_loss(lsq_loss(w), name, dict(kw), 0.05, var_list=[w], iter_size=2, clip_gradients=0.2,
+                       loss_scaling=1024.0)
+    v = make_param(w0)
+    ref = get_optimizer(name)([v], learning_rate=0.05, **kw)
+    for _ in range(2):
+        g = lsq_grad(X, y, v.detach().numpy())
+        g = g * min(1.0, 0.2 / np.linalg.norm(g))
+        v.grad = torch.tensor(g)
+        ref.step()
+        v.grad = None
+        op(Xt[:4], yt[:4])
+        op(Xt[4:], yt[4:])
+    np.testing.assert_allclose(w.detach().numpy(), v.detach().numpy(), rtol=1e-6, atol=1e-8)
