@@ -41,7 +41,7 @@ from . import _multi_tensor as mt
 __all__ = ["Optimizer"]
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # argument checks (raise before any state is touched)
 
 
@@ -136,7 +136,87 @@ def _normalize_param_groups(params: Any) -> list[dict]:
     return groups
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
+    return [mt.local(p).data_ptr() for p in params] if dtensor else [p.data_ptr() for p in params]
+
+
+class _Block:
+    """One block of the dense pass: owner indices, the chunks of params/slots/averages (static views), how to
+    cut each owner's gradient (``split[j]`` = (start, stop) of the flat gradient, or None for the whole
+    tensor; ``split`` None when nothing is cut) and the block's (device, dtype) when homogeneous."""
+
+    __slots__ = ("owners", "params", "slots", "averages", "split", "key", "identity", "all_wd", "avg_same")
+
+
+class _Plan:
+    """Per-group structure of the dense pass, cached across steps: names, slot lists, weight-decay mask and
+    the cache-sized blocks. Building it costs Python work per parameter; reusing it costs O(1) per step plus
+    one check per chunked gradient."""
+
+    def __init__(self, opt: Optimizer, group: dict, idx, params, grads, blocked: bool, key) -> None:
+        self.key = key
+        self.names = [group["param_names"][i] for i in idx]
+        st = opt.state
+        self.slots = {s: [st[p][s] for p in params] for s in opt.slot_names}
+        self.averages = [st[p]["average"] for p in params] if opt.use_ema else None
+        self.use_wd = [opt._use_weight_decay(p, n) for p, n in zip(params, self.names)]
+        self.any_wd = any(self.use_wd)
+        self.any_dtensor = any(mt.is_dtensor(t) for t in params) or any(mt.is_dtensor(g) for g in grads)
+        self._ptrs = _data_ptrs(params, self.any_dtensor)
+        loc = mt.local
+        slot_keys = list(opt.slot_names)
+        lists = [[loc(p) for p in params], [loc(g) for g in grads]]
+        lists += [[loc(t) for t in self.slots[s]] for s in slot_keys]
+        if self.averages is not None:
+            lists.append([loc(a) for a in self.averages])
+        on_cpu = lists[0][0].device.type == "cpu"
+        if blocked and on_cpu:
+            raw = mt.blocks(lists, opt.block_numel)
+        else:
+            raw = [(list(range(len(params))), tuple(lists))]
+        self.blocks = []
+        self._split_owners: list[tuple[int, torch.Size]] = []
+        n = len(params)
+        for owners, chunk_lists in raw:
+            b = _Block()
+            b.owners = owners
+            b.params = chunk_lists[0]
+            b.slots = {s: chunk_lists[2 + j] for j, s in enumerate(slot_keys)}
+            b.averages = chunk_lists[-1] if self.averages is not None else None
+            split = []
+            for o, chunk in zip(owners, chunk_lists[1]):
+                g = lists[1][o]
+                if chunk.numel() == g.numel() and chunk.data_ptr() == g.data_ptr():
+                    split.append(None)
+                else:
+                    start = chunk.storage_offset() - g.storage_offset()
+                    split.append((start, start + chunk.numel()))
+                    self._split_owners.append((o, g.shape))
+            b.split = None if all(r is None for r in split) else split
+            kinds = {(t.device, t.dtype) for t in b.params}
+            b.key = next(iter(kinds)) if len(kinds) == 1 else None
+            b.identity = len(owners) == n and owners == list(range(n))
+            b.all_wd = all(self.use_wd[o] for o in owners)
+            b.avg_same = b.averages is not None and all(
+                a.dtype == p.dtype for a, p in zip(b.averages, b.params))
+            self.blocks.append(b)
+        self._split_owners = list(dict(self._split_owners).items())
+
+    def params_fit(self, params: list[Tensor]) -> bool:
+        """Whether the parameters still live where the plan's chunk views point (``p.data = ...`` or a move
+        to another device replaces the storage)."""
+        return self._ptrs == _data_ptrs(params, self.any_dtensor)
+
+    def grads_fit(self, grads: list[Tensor]) -> bool:
+        """Whether this step's gradients can be cut like the plan's (contiguous, same shape)."""
+        for o, shape in self._split_owners:
+            g = mt.local(grads[o])
+            if not g.is_contiguous() or g.shape != shape:
+                return False
+        return True
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -165,6 +245,10 @@ class Optimizer(torch.optim.Optimizer):
     _decoupled_weight_decay = True
     #: whether _update is purely elementwise given per-tensor aux values (may run on chunk views)
     _blockable = True
+    #: run the blocked pass even for a one-kernel chain (update rules made of several in-cache kernels)
+    _always_block = False
+    #: whether the optimizer has its own rule for sparse gradients (:meth:`_sparse_update`)
+    _sparse_rule = False
 
     def __init__(
         self,
@@ -226,7 +310,11 @@ class Optimizer(torch.optim.Optimizer):
         self._wd_exclude_ids: set[int] = set()
         self._wd_exclude_regex: re.Pattern | None = None
         self._extra_variables: list[Tensor] = []
-        self._compiled = None
+        self._compile_state = "untried"  # "ok" once a compiled step ran, "failed" after a fallback
+        self._plans: dict[int, _Plan] = {}  # id(group) -> cached structure of the dense pass
+        self._plan_version = 0
+        self._fp64_cache: dict[int, tuple] = {}
+        self._block_key: tuple | None = None
         self._host_iterations = 0  # exact while no found_inf was ever given
         self._host_exact = True
 
@@ -261,18 +349,18 @@ class Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _check_mesh(mesh: Any, groups: list[dict]) -> None:
-        for g in groups:
-            for name, p in zip(g["param_names"], g["params"]):
-                if mt.is_dtensor(p) and p.device_mesh != mesh:
-                    raise ValueError(
-                        f"parameter {name!r} lives on mesh {p.device_mesh}, not on the optimizer's `mesh` {mesh}"
-                    )
+        """Every parameter must be a DTensor on ``mesh`` or a sub-mesh of it
+        (``optkit.distributed.check_mesh``)."""
+        from .distributed import check_mesh
+
+        check_mesh(((n, p) for g in groups for n, p in zip(g["param_names"], g["params"])), mesh)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group (torch API); its parameters get their optimizer state right away."""
         if "param_names" not in param_group:
             (param_group,) = _normalize_param_groups([param_group])
         super().add_param_group(param_group)
+        self._invalidate_plans()
         self._build_group(self.param_groups[-1])
 
     def _build_group(self, group: dict) -> None:
@@ -304,6 +392,7 @@ class Optimizer(torch.optim.Optimizer):
             if id(v) not in known:
                 raise ValueError("build(): variable is not one of the optimizer's parameters")
             self._init_state(v, known[id(v)])
+        self._invalidate_plans()
 
     def add_variable(
         self,
@@ -349,7 +438,8 @@ class Optimizer(torch.optim.Optimizer):
         return float(v)
 
     def _current_lr(self, group: dict) -> Tensor:
-        """The learning rate of this step as a 0-d fp32 tensor on the state device."""
+        """The learning rate of this step as a 0-d fp32 tensor on the state device (fp64 when the group holds
+        fp64 parameters)."""
         fn = self._learning_rate
         if isinstance(fn, float):
             lr = group["lr"]
@@ -359,9 +449,23 @@ class Optimizer(torch.optim.Optimizer):
         else:
             lr = fn()
             group["lr"] = lr
+        dtype = torch.float64 if self._has_fp64(group) else torch.float32
         if isinstance(lr, Tensor):
-            return lr.detach().to(device=self._state_device, dtype=torch.float32)
-        return torch.tensor(float(lr), dtype=torch.float32, device=self._state_device)
+            return lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
+        return torch.tensor(float(lr), dtype=dtype, device=self._state_device)
+
+    def _has_fp64(self, group: dict) -> bool:
+        """Whether ``group`` holds float64 parameters (they get float64 hyperparameters); cached per group
+        until the plans are invalidated."""
+        key = (self._plan_version, len(group["params"]))
+        hit = self._fp64_cache.get(id(group))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        value = self._state_device.type in ("cpu", "cuda") and any(
+            mt.local(p).dtype == torch.float64 for p in group["params"]
+        )
+        self._fp64_cache[id(group)] = (key, value)
+        return value
 
     @property
     def iterations(self) -> Tensor:
@@ -380,6 +484,7 @@ class Optimizer(torch.optim.Optimizer):
             if not all(isinstance(v, Tensor) for v in vl):
                 raise TypeError("`var_list` must contain Tensors")
             self._wd_exclude_ids.update(id(v) for v in vl)
+            self._invalidate_plans()
         if var_names is not None:
             if isinstance(var_names, str):
                 raise TypeError("`var_names` must be a list of strings, not a single string")
@@ -391,6 +496,7 @@ class Optimizer(torch.optim.Optimizer):
                 if self._wd_exclude_regex is not None:
                     pattern = self._wd_exclude_regex.pattern + "|" + pattern
                 self._wd_exclude_regex = re.compile(pattern)
+                self._invalidate_plans()
 
     def _use_weight_decay(self, p: Tensor, name: str) -> bool:
         if id(p) in self._wd_exclude_ids:
@@ -460,16 +566,19 @@ class Optimizer(torch.optim.Optimizer):
             mt.clamp_(dense_grads, -self.clipvalue, self.clipvalue)
         elif self.clipnorm is not None:
             ns = mt.norms(dense_grads)
+            if len({(x.device, x.dtype) for x in ns}) > 1:
+                n_all = torch.stack([x.to(device=dev, dtype=torch.float64) for x in ns])
+            else:
+                n_all = torch.stack(ns).to(device=dev)
             c = self.clipnorm
-            coefs = []
-            for n in ns:
-                n_true = n if inv is None else n * inv
-                coef = c / torch.clamp(n_true, min=c)
-                coefs.append(coef if inv is None else coef * inv)
-            mt.scale_(dense_grads, coefs)
+            n_true = n_all if inv is None else n_all * inv
+            coef = c / torch.clamp(n_true, min=c)  # g·c/max(‖g‖, c), per tensor
+            if inv is not None:
+                coef = coef * inv
+            mt.scale_(dense_grads, list(coef.unbind()))
             k = None
         elif self.global_clipnorm is not None:
-            n = mt.global_norm(dense_grads).to(device=dev, dtype=torch.float32)
+            n = mt.global_norm(dense_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
             if inv is not None:
                 n = n * inv
             c = self.global_clipnorm
@@ -489,74 +598,187 @@ class Optimizer(torch.optim.Optimizer):
         self._after_update(found_inf, applied)
 
     def _handle_sparse(self, gathered, found_inf) -> set[int]:
-        """Densify sparse gradients (the dense fallback). Returns ids of params fully handled elsewhere."""
+        """Prepare sparse COO gradients before clipping.
+
+        Default (the dense fallback): densify, which sums duplicate indices. Optimizers with a sparse rule
+        (``_sparse_rule = True``) get their sparse gradients coalesced instead (duplicates summed, as TF1
+        de-duplicates ``IndexedSlices``); those stay sparse through unscaling and clipping and are updated by
+        :meth:`_sparse_update`. Returns the ids of the parameters handled by the sparse rule.
+        """
+        handled: set[int] = set()
         for _, params, grads in gathered:
             for j, g in enumerate(grads):
                 if g.is_sparse:
-                    grads[j] = g.to_dense()
-        return set()
+                    if self._sparse_rule:
+                        grads[j] = g.coalesce()
+                        handled.add(id(params[j]))
+                    else:
+                        grads[j] = g.to_dense()
+        return handled
 
-    def _run_group(self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None) -> None:
-        names = [group["param_names"][i] for i in idx]
-        slots = {s: [self.state[p][s] for p in params] for s in self.slot_names}
-        aux = self._prepare(group, names, params, grads, slots, lr, k)
+    def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
+        """The update rule for coalesced sparse gradients (only called when ``_sparse_rule`` is True)."""
+        raise TypeError(f"{type(self).__name__} sets _sparse_rule but does not implement _sparse_update()")
 
-        # decoupled weight decay factor, 1 − lr·wd (1 on a skipped step)
-        decay_mask = None
-        decay = None
-        wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
-        if wd:
-            decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
-            decay_mask = [self._use_weight_decay(p, n) for p, n in zip(params, names)]
-            if not any(decay_mask):
-                decay = None
-
-        ema_w = self._ema_weight(applied) if self.use_ema else None
-        averages = [self.state[p]["average"] for p in params] if self.use_ema else None
-
+    def _run_group(
+        self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None
+    ) -> None:
         if mult is not None and all(m is None for m in mult):
             mult = None
-        chain = 1 + (decay is not None) + (ema_w is not None) + (mult is not None)
-        lists: list[list[Tensor]] = [params, grads]
-        slot_keys = list(self.slot_names)
-        lists += [slots[s] for s in slot_keys]
-        if averages is not None:
-            lists.append(averages)
-        n_lists = len(lists)
-        masks = [float(m) for m in decay_mask] if decay_mask is not None else None
+        if sparse_handled and any(id(p) in sparse_handled for p in params):
+            sp = [j for j, p in enumerate(params) if id(p) in sparse_handled]
+            sp_grads = [grads[j] for j in sp]
+            if mult is not None:
+                sel = [(sp_grads[n], mult[j]) for n, j in enumerate(sp) if mult[j] is not None]
+                if sel:
+                    mt.scale_([t for t, _ in sel], [m for _, m in sel])
+            sp_params = [params[j] for j in sp]
+            self._sparse_update(group, sp_params, sp_grads,
+                                {s: [self.state[p][s] for p in sp_params] for s in self.slot_names},
+                                lr, k, found_inf)
+            keep = [j for j, p in enumerate(params) if id(p) not in sparse_handled]
+            idx, params, grads = [idx[j] for j in keep], [params[j] for j in keep], [grads[j] for j in keep]
+            mult = None if mult is None else [mult[j] for j in keep]
+            if not params:
+                if self.use_ema:
+                    self._ema_group(group, list(range(len(group["params"]))), applied)
+                return
+        wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
+        blocked = self._blockable and (
+            self._always_block or bool(wd) or self.use_ema or mult is not None
+        )
+        plan = self._plan_for(group, idx, params, grads, blocked)
+        names, slots = plan.names, plan.slots
+        if mult is not None and type(self)._prepare is not Optimizer._prepare:
+            # _prepare reads whole-tensor quantities (norms): it must see the multiplied gradients
+            sel = [(g, m) for g, m in zip(grads, mult) if m is not None]
+            mt.scale_([g for g, _ in sel], [m for _, m in sel])
+            mult = None
+        aux = self._prepare(group, names, params, grads, slots, lr, k)
 
-        if chain > 1 and self._blockable and all(mt.local(p).device.type == "cpu" for p in params[:1]):
-            blocks = mt.blocks([[mt.local(t) for t in lst] for lst in lists], self.block_numel)
-        else:
-            blocks = [(list(range(len(params))), tuple([mt.local(t) for t in lst] for lst in lists))]
+        decay_mask = plan.use_wd if (wd and plan.any_wd) else None
 
-        for owners, chunk_lists in blocks:
-            bp, bg = chunk_lists[0], chunk_lists[1]
+        if self.jit_compile and self._compile_state != "failed":
+            if self._run_compiled(group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
+                                  mult, aux):
+                return
+
+        # decoupled weight decay factor, 1 − lr·wd (1 on a skipped step)
+        decay = None
+        if decay_mask is not None:
+            decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
+        ema_w = self._ema_weight(applied) if self.use_ema else None
+
+        glocal = grads if not plan.any_dtensor else [mt.local(g) for g in grads]
+        for blk in plan.blocks:
+            owners, bp, bslots, bavg = blk.owners, blk.params, blk.slots, blk.averages
+            if blk.split is None:
+                bg = [glocal[o] for o in owners]
+            else:
+                bg = [glocal[o] if rng is None else glocal[o].view(-1)[rng[0]:rng[1]]
+                      for o, rng in zip(owners, blk.split)]
             if mult is not None:
                 sel = [(t, mult[o]) for t, o in zip(bg, owners) if mult[o] is not None]
                 if sel:
                     mt.scale_([t for t, _ in sel], [m for _, m in sel])
-            bslots = {s: chunk_lists[2 + j] for j, s in enumerate(slot_keys)}
             if decay is not None:
-                if masks is not None and not all(masks[o] for o in owners):
-                    dp = [t for t, o in zip(bp, owners) if masks[o]]
-                else:
-                    dp = bp
+                dp = bp if blk.all_wd else [t for t, o in zip(bp, owners) if plan.use_wd[o]]
                 if dp:
-                    mt.scale_(dp, decay)
-            baux = None if aux is None else [aux[o] for o in owners]
-            self._update(group, bp, bg, bslots, lr, k, found_inf, baux)
+                    mt.scale_local_(dp, decay, blk.key)
+            baux = None if aux is None else (aux if blk.identity else [aux[o] for o in owners])
+            self._block_key = blk.key
+            try:
+                self._update(group, bp, bg, bslots, lr, k, found_inf, baux)
+            finally:
+                self._block_key = None
             if ema_w is not None:
-                mt.lerp_(chunk_lists[n_lists - 1], bp, ema_w)
+                mt.lerp_local_(bavg, bp, ema_w, blk.key if blk.avg_same else None)
 
         if self.use_ema:
-            have = set(idx)
-            rest = [i for i in range(len(group["params"])) if i not in have]
-            if rest:
-                self._ema_group(group, rest, applied)
+            self._ema_rest(group, idx, applied)
+
+    def _plan_for(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor],
+                  blocked: bool) -> _Plan:
+        """The cached :class:`_Plan` of this group for this set of parameters with gradients (rebuilt when
+        the set, the optimizer state or the exclusions change, or a gradient no longer fits a chunking)."""
+        key = (tuple(idx), self._plan_version, blocked, self.block_numel)
+        plan = self._plans.get(id(group))
+        if plan is not None and plan.key == key and plan.grads_fit(grads) and plan.params_fit(params):
+            return plan
+        plan = _Plan(self, group, idx, params, grads, blocked, key)
+        self._plans[id(group)] = plan
+        return plan
+
+    def _invalidate_plans(self) -> None:
+        self._plan_version += 1
+        self._plans.clear()
+
+    def _by_device_dtype(self, *lists: Sequence[Tensor]) -> dict:
+        """``_multi_tensor.group_by_device_dtype`` with a fast path: inside the base's blocked pass the
+        block's (device, dtype) is known when it is homogeneous, and the lists come back as they are."""
+        key = self._block_key
+        if key is not None:
+            return {key: (list(range(len(lists[0]))), tuple(lists))}
+        return mt.group_by_device_dtype(*lists)
+
+    def _ema_rest(self, group: dict, idx: list[int], applied: Tensor | None) -> None:
+        """EMA over the group's parameters that took no part in this step's dense pass (Keras averages every
+        variable, with or without a gradient)."""
+        have = set(idx)
+        rest = [i for i in range(len(group["params"])) if i not in have]
+        if rest:
+            self._ema_group(group, rest, applied)
+
+    # ------------------------------------------------------------------------------------------------ jit
+
+    def _pointwise_hyper(self, group: dict) -> tuple:
+        """The group's static hyperparameters for :meth:`_pointwise` (Python constants; compile guards)."""
+        return ()
+
+    #: the update rule as out-of-place pointwise math for ``jit_compile`` (a staticmethod
+    #: ``(hyper, w, g, slots, lr, k, aux) -> (new_w, new_slots)``; ``g`` is the raw gradient, the true
+    #: gradient is ``k·g``); None means the optimizer has no compilable form and runs eagerly.
+    _pointwise: Callable | None = None
+
+    def _run_compiled(self, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
+                      mult, aux) -> bool:
+        """Run decay → update → EMA of one group as one ``torch.compile``-d function. Hyperparameters that
+        change during training (learning rate, clip/unscale factor, skip flag, EMA weight) are tensor inputs,
+        so they never trigger a recompile. Returns False (after a RuntimeWarning) if compilation fails."""
+        rule = type(self)._pointwise
+        if rule is None:
+            self._compile_state = "failed"
+            _warn_compile_fallback(TypeError(f"{type(self).__name__} has no pointwise update rule"))
+            return False
+        fn = _compiled_chain()
+        if fn is None:
+            self._compile_state = "failed"
+            _warn_compile_fallback(RuntimeError("torch.compile is not available"))
+            return False
+        loc = mt.local
+        slot_lists = tuple([loc(t) for t in slots[s]] for s in self.slot_names)
+        avgs = [loc(self.state[p]["average"]) for p in params] if self.use_ema else None
+        dev = loc(params[0]).device
+        ema_w = self._ema_weight(None).to(dev) if self.use_ema else None
+        wd_t = None if decay_mask is None else torch.tensor(float(wd), dtype=torch.float32, device=dev)
+        try:
+            fn(rule, self._pointwise_hyper(group), [loc(p) for p in params], [loc(g) for g in grads],
+               slot_lists, avgs, lr.to(dev), None if k is None else k.to(dev), wd_t,
+               None if decay_mask is None else tuple(decay_mask), ema_w,
+               None if found_inf is None else found_inf.to(dev),
+               None if mult is None else tuple(mult), aux)
+        except Exception as err:  # compilation unavailable or failed: eager from now on
+            self._compile_state = "failed"
+            _warn_compile_fallback(err)
+            return False
+        self._compile_state = "ok"
+        if self.use_ema:
+            self._ema_rest(group, idx, applied)
+        return True
 
     def _ema_weight(self, applied: Tensor | None) -> Tensor:
-        first = (self._iterations == 0).to(torch.float32)
+        hp = torch.float64 if self._state_device.type in ("cpu", "cuda") else torch.float32
+        first = (self._iterations == 0).to(hp)
         w = first + (1.0 - first) * (1.0 - self.ema_momentum)
         return w if applied is None else w * applied
 
@@ -613,15 +835,19 @@ class Optimizer(torch.optim.Optimizer):
         means 1); when ``found_inf`` is 1 nothing may change. Subclasses implement this."""
         raise TypeError(f"{type(self).__name__} must implement _update()")
 
-    # ------------------------------------------------------------------------------------------------ Keras/TF surface
+    # --------------------------------------------------------------------------------------- Keras/TF surface
 
-    def update_step(self, gradient: Tensor, variable: Tensor, learning_rate: float | Tensor | None = None) -> None:
+    def update_step(
+        self, gradient: Tensor, variable: Tensor, learning_rate: float | Tensor | None = None
+    ) -> None:
         """Apply the update rule to one variable (no clipping, decay, EMA or iteration count)."""
         group = next((g for g in self.param_groups if any(p is variable for p in g["params"])), None)
         if group is None:
             raise ValueError("update_step(): `variable` is not one of the optimizer's parameters")
         if gradient.shape != variable.shape:
-            raise ValueError(f"gradient shape {tuple(gradient.shape)} != variable shape {tuple(variable.shape)}")
+            raise ValueError(
+                f"gradient shape {tuple(gradient.shape)} != variable shape {tuple(variable.shape)}"
+            )
         lr = self._current_lr(group) if learning_rate is None else torch.as_tensor(
             learning_rate, dtype=torch.float32, device=self._state_device)
         g = gradient.to_dense() if gradient.is_sparse else gradient.detach().clone()
@@ -660,7 +886,9 @@ class Optimizer(torch.optim.Optimizer):
                 raise TypeError(f"`grads_and_vars` must hold (gradient, variable) pairs, got {pair!r}")
             g, v = pair
             if not isinstance(v, Tensor) or id(v) not in known:
-                raise ValueError("apply_gradients(): unknown variable (not one of the optimizer's parameters)")
+                raise ValueError(
+                    "apply_gradients(): unknown variable (not one of the optimizer's parameters)"
+                )
             if g is not None and not isinstance(g, Tensor):
                 raise TypeError(f"gradients must be Tensors or None, got {type(g).__name__}")
             if g is not None and g.shape != v.shape:
@@ -680,7 +908,9 @@ class Optimizer(torch.optim.Optimizer):
                 p.grad = g
         return self._iterations
 
-    def minimize(self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None) -> Tensor:
+    def minimize(
+        self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None
+    ) -> Tensor:
         """``apply_gradients(compute_gradients(loss, var_list))``."""
         return self.apply_gradients(self.compute_gradients(loss, var_list))
 
@@ -779,11 +1009,12 @@ class Optimizer(torch.optim.Optimizer):
             cfg["learning_rate"] = LearningRateSchedule.from_config(lr["config"])
         return cls(params, **cfg)
 
-    # ------------------------------------------------------------------------------------------------ checkpoint
+    # --------------------------------------------------------------------------------------------- checkpoint
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch semantics; afterwards every parameter shares one ``iterations`` counter again."""
         super().load_state_dict(state_dict)
+        self._invalidate_plans()
         steps = [st["step"] for st in self.state.values() if isinstance(st, dict) and "step" in st]
         it = steps[0] if steps else torch.zeros((), dtype=torch.int64)
         self._iterations = it.detach().to(device=self._state_device, dtype=torch.int64).clone()
@@ -801,5 +1032,51 @@ class Optimizer(torch.optim.Optimizer):
 
 
 def _warn_compile_fallback(err: Exception) -> None:
-    warnings.warn(f"jit_compile=True: torch.compile unavailable ({err}); running eagerly", RuntimeWarning,
-                  stacklevel=3)
+    warnings.warn(
+        f"jit_compile=True: torch.compile unavailable ({type(err).__name__}: {err}); running eagerly",
+        RuntimeWarning, stacklevel=4,
+    )
+
+
+def _chain_eager(rule, hyper, params, grads, slots, avgs, lr, k, wd, decay_mask, ema_w, found_inf, mult, aux):
+    """decay → update → EMA for one group, out of place per tensor, then written back (the body that
+    ``jit_compile`` hands to ``torch.compile``; inductor fuses each tensor's chain into one loop).
+
+    Keras order: ``w ← w − w·wd·lr`` (masked), the rule, ``avg ← avg + ema_w·(w − avg)``; when ``found_inf``
+    is 1 every result is replaced by its old value with ``torch.where`` (non-finite gradients leave no
+    trace).
+    """
+    skip = None if found_inf is None else found_inf > 0.5
+    for i in range(len(params)):
+        p = params[i]
+        g = grads[i]
+        if mult is not None and mult[i] is not None:
+            g = g * mult[i]
+        w = p
+        if decay_mask is not None and decay_mask[i]:
+            w = w - w * (wd * lr)
+        old_slots = [s[i] for s in slots]
+        new_w, new_slots = rule(hyper, w, g, old_slots, lr, k, None if aux is None else aux[i])
+        if skip is not None:
+            new_w = torch.where(skip, p, new_w)
+            new_slots = [torch.where(skip, o, n) for o, n in zip(old_slots, new_slots)]
+        for o, n in zip(old_slots, new_slots):
+            o.copy_(n)
+        if avgs is not None:
+            a = avgs[i]
+            w_ = ema_w if skip is None else torch.where(skip, torch.zeros_like(ema_w), ema_w)
+            a.copy_(a + w_ * (new_w.to(a.dtype) - a))
+        p.copy_(new_w)
+
+
+_COMPILED: list = []
+
+
+def _compiled_chain() -> Callable | None:
+    """The ``torch.compile``-d :func:`_chain_eager` (built once per process; None where unavailable)."""
+    if not _COMPILED:
+        try:
+            _COMPILED.append(torch.compile(_chain_eager, fullgraph=True, dynamic=False))
+        except Exception:  # pragma: no cover - torch without a working compile stack
+            _COMPILED.append(None)
+    return _COMPILED[0]

@@ -10,12 +10,17 @@ Update, with ``g`` the processed gradient and ``lr`` the current learning rate::
 The velocity holds ``−lr·accum`` (Keras form), so it differs from ``torch.optim.SGD`` / TF1 Momentum only when
 the learning rate changes between steps.
 
-Implementation: one call of torch's fused SGD kernel per (device, dtype) group. The kernel divides the gradient
-by its ``grad_scale`` operand before the momentum update; passing ``grad_scale = −1/(lr·k)`` (``k`` = unscale ×
-global-clip factor) makes the kernel's buffer exactly the Keras velocity and folds learning rate, unscaling and
-clipping into the same memory pass (``lr = −1`` then adds the buffer). ``found_inf`` makes it a no-op. As with
-``torch.amp.GradScaler`` + fused optimizers, the kernel writes the scaled gradient back: after ``step()``,
-``p.grad`` holds ``−lr·g``; call ``zero_grad()`` before the next backward as usual.
+Implementation: one call of torch's fused SGD kernel per (device, dtype) group. The kernel divides the
+gradient by its ``grad_scale`` operand before the momentum update; passing ``grad_scale = −1/(lr·k)`` (``k`` =
+unscale × global-clip factor) makes the kernel's buffer exactly the Keras velocity and folds learning rate,
+unscaling and clipping into the same memory pass (``lr = −1`` then adds the buffer). ``found_inf`` makes it
+a no-op. As with ``torch.amp.GradScaler`` + fused optimizers, the kernel writes the scaled gradient back:
+after ``step()``, ``p.grad`` holds ``−lr·g``; call ``zero_grad()`` before the next backward as usual.
+
+Exceptions: float64 groups fold ``−lr·k`` into the gradient in float64 (the kernel's ``grad_scale`` is
+float32), and float16/bfloat16 tensors on CPU take a foreach path (torch 2.13's vectorised CPU kernel is wrong
+for them). With ``weight_decay`` or EMA the base runs decay → kernel → EMA block by block over cache-sized
+chunks.
 """
 
 from __future__ import annotations
@@ -30,7 +35,18 @@ from .optimizer import Optimizer
 
 __all__ = ["SGD"]
 
-_FUSED_DEVICES = ("cpu", "cuda")
+
+
+def fused_sgd_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's fused SGD kernel is exact for this (device, dtype).
+
+    CUDA: every floating dtype. CPU: float32 and float64 only — the vectorised CPU kernel of torch 2.13 gives
+    wrong results for float16/bfloat16 tensors longer than one vector (checked against ``foreach=False``), so
+    half-precision CPU tensors take the foreach path.
+    """
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and dtype in (torch.float32, torch.float64)
 
 
 def _keras_sgd_foreach(
@@ -40,28 +56,36 @@ def _keras_sgd_foreach(
     eff_lr: Tensor,
     momentum: float,
     nesterov: bool,
-    applied: Tensor | None,
+    found_inf: Tensor | None,
 ) -> None:
-    """Reference foreach form (devices without the fused kernel): same math, a few passes."""
-    step = [g * (-eff_lr) for g in grads]
-    if applied is not None:
-        step = [s * applied for s in step]
+    """Foreach form (dtypes/devices without an exact fused kernel): new values out of place, then committed
+    (left unchanged on a skipped step, whatever the gradients hold)."""
+    step = torch._foreach_mul(grads, eff_lr)
+    skip = None if found_inf is None else found_inf > 0.5
     if momentum == 0.0:
-        torch._foreach_add_(params, step)
+        mt.commit_(params, torch._foreach_sub(params, step), skip)
         return
-    if applied is None:
-        torch._foreach_mul_(bufs, momentum)
-    else:
-        torch._foreach_mul_(bufs, 1.0 - (1.0 - momentum) * applied)
-    torch._foreach_add_(bufs, step)
+    v = torch._foreach_mul(bufs, momentum)
+    torch._foreach_sub_(v, step)
     if nesterov:
-        torch._foreach_add_(params, step)
-        torch._foreach_add_(params, [b * momentum if applied is None else b * (momentum * applied) for b in bufs])
+        delta = torch._foreach_mul(v, momentum)
+        torch._foreach_sub_(delta, step)
     else:
-        if applied is None:
-            torch._foreach_add_(params, bufs)
-        else:
-            torch._foreach_add_(params, [b * applied for b in bufs])
+        delta = v
+    mt.commit_(list(params) + list(bufs), torch._foreach_add(params, delta) + v, skip)
+
+
+def _keras_sgd_pointwise(hyper, w, g, slots, lr, k, aux):
+    """Out-of-place Keras SGD for ``jit_compile`` (``hyper = (momentum, nesterov)``; true gradient
+    ``k·g``)."""
+    momentum, nesterov = hyper
+    step = g * lr if k is None else g * (lr * k)
+    if momentum == 0.0:
+        return w - step, []
+    v = slots[0] * momentum - step
+    if nesterov:
+        return w + (v * momentum - step), [v]
+    return w + v, [v]
 
 
 class SGD(Optimizer):
@@ -94,8 +118,13 @@ class SGD(Optimizer):
         self.slot_names = ("momentum",) if momentum != 0 else ()
         super().__init__(params, learning_rate, momentum=float(momentum), nesterov=nesterov, **kwargs)
 
+    _pointwise = staticmethod(_keras_sgd_pointwise)
+
     def _hyper_config(self) -> dict:
         return {"momentum": self.defaults["momentum"], "nesterov": self.defaults["nesterov"]}
+
+    def _pointwise_hyper(self, group: dict) -> tuple:
+        return (float(group["momentum"]), bool(group["nesterov"]))
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         momentum = float(group["momentum"])
@@ -107,16 +136,22 @@ class SGD(Optimizer):
         eff = lr if k is None else lr * k
         bufs = slots.get("momentum", []) if momentum != 0.0 else []
         lists = (params, grads, bufs) if bufs else (params, grads)
-        for (device, _dtype), (_, grouped) in mt.group_by_device_dtype(*lists).items():
+        for (device, dtype), (_, grouped) in self._by_device_dtype(*lists).items():
             p, g = grouped[0], grouped[1]
             b = grouped[2] if bufs else []
-            e = eff.to(device)
             fi = None if found_inf is None else found_inf.to(device)
-            if device.type in _FUSED_DEVICES:
-                torch._fused_sgd_(
-                    p, g, b,
-                    weight_decay=0.0, momentum=momentum, lr=-1.0, dampening=0.0, nesterov=nesterov,
-                    maximize=False, is_first_step=False, grad_scale=-1.0 / e, found_inf=fi,
-                )
-            else:  # pragma: no cover - exercised only on other accelerators
-                _keras_sgd_foreach(p, g, b, e, momentum, nesterov, None if fi is None else 1.0 - fi)
+            if not fused_sgd_ok(device, dtype):
+                e = eff.to(device=device, dtype=mt.acc_dtype(dtype))
+                _keras_sgd_foreach(p, g, b, e, momentum, nesterov, fi)
+                continue
+            if dtype == torch.float64:
+                # the kernel's grad_scale is float32: fold −lr·k into the gradient in float64 instead
+                torch._foreach_mul_(g, -eff.to(device=device, dtype=dtype))
+                scale = None
+            else:
+                scale = (-1.0 / eff.to(device)).to(torch.float32)
+            torch._fused_sgd_(
+                p, g, b,
+                weight_decay=0.0, momentum=momentum, lr=-1.0, dampening=0.0, nesterov=nesterov,
+                maximize=False, is_first_step=False, grad_scale=scale, found_inf=fi,
+            )

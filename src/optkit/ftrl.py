@@ -1,0 +1,164 @@
+"""FTRL-proximal (``tf.compat.v1.train.FtrlOptimizer``; registry name ``"Ftrl"``, openseq2seq.md §3.9).
+
+Per element, with ``p = −learning_rate_power`` (TF's ``ApplyFtrlV2`` as documented; McMahan et al., "Ad Click
+Prediction: a View from the Trenches", KDD 2013, Algorithm 1)::
+
+    g_s       = g + 2·l2_shrinkage·w
+    n_new     = n + g²
+    σ         = (n_new^p − n^p) / lr
+    z         ← z + g_s − σ·w
+    quadratic = n_new^p / lr + 2·l2 + beta/lr            (beta/(2·lr) is added to l2, as TF 2's ``beta``)
+    w         ← (sign(z)·l1 − z) / quadratic   if |z| > l1,   else 0
+    n         ← n_new
+
+Slots: ``accum`` (``n``, initialised to ``initial_accumulator_value``) and ``linear`` (``z``, zeros). TF 1
+defaults: ``learning_rate_power=-0.5``, ``initial_accumulator_value=0.1``, all regularisation 0. Sparse
+gradients update only their (de-duplicated) rows, as TF's ``SparseApplyFtrlV2`` does.
+
+The dense rule runs as grouped foreach kernels over cache-sized blocks (the base's blocked pass); the
+soft threshold is written ``−sign(z)·max(|z| − l1, 0) / quadratic``, which equals the TF form exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+from .optimizer import Optimizer, check_number
+
+__all__ = ["Ftrl"]
+
+
+def _ftrl_pointwise(hyper, w, g, slots, lr, k, aux):
+    """Out-of-place FTRL-proximal step (``jit_compile`` and the sparse rows)."""
+    lr_power, l1, l2, l2_shrinkage, beta = hyper
+    accum, linear = slots
+    if k is not None:
+        g = g * k
+    g_s = g + w * (2.0 * l2_shrinkage) if l2_shrinkage else g
+    accum_new = accum + g * g
+    if lr_power == -0.5:
+        p_new, p_old = accum_new.sqrt(), accum.sqrt()
+    else:
+        p_new, p_old = accum_new.pow(-lr_power), accum.pow(-lr_power)
+    linear_new = linear + g_s - (p_new - p_old) / lr * w
+    quadratic = p_new / lr + (2.0 * l2 + beta / lr)
+    shrunk = (linear_new.abs() - l1).clamp_min(0.0)
+    w_new = -(linear_new.sign() * shrunk) / quadratic
+    return w_new, [accum_new, linear_new]
+
+
+class Ftrl(Optimizer):
+    """FTRL-proximal with TF1 semantics and defaults.
+
+    Args:
+        params: tensors, named parameters or param groups.
+        learning_rate: number, schedule or callable (> 0 when used).
+        learning_rate_power: ``<= 0`` (default −0.5; 0 gives a fixed learning rate).
+        initial_accumulator_value: ``>= 0`` (default 0.1), the starting value of the ``accum`` slot.
+        l1_regularization_strength, l2_regularization_strength: ``>= 0`` (default 0).
+        l2_shrinkage_regularization_strength: ``>= 0`` (default 0): an L2 term added to the gradient of the
+            linear term only (magnitude penalty, not in the accumulator).
+        beta: ``>= 0`` (default 0), adds ``beta/(2·lr)`` to the L2 strength (TF 2's argument).
+        **kwargs: base options (weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ...).
+    """
+
+    slot_names = ("accum", "linear")
+    _always_block = True
+    _sparse_rule = True
+
+    def __init__(
+        self,
+        params: Any,
+        learning_rate: Any = 0.001,
+        learning_rate_power: float = -0.5,
+        initial_accumulator_value: float = 0.1,
+        l1_regularization_strength: float = 0.0,
+        l2_regularization_strength: float = 0.0,
+        l2_shrinkage_regularization_strength: float = 0.0,
+        beta: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        check_number("learning_rate_power", learning_rate_power, high=0.0)
+        check_number("initial_accumulator_value", initial_accumulator_value, low=0.0)
+        check_number("l1_regularization_strength", l1_regularization_strength, low=0.0)
+        check_number("l2_regularization_strength", l2_regularization_strength, low=0.0)
+        check_number("l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength, low=0.0)
+        check_number("beta", beta, low=0.0)
+        super().__init__(
+            params, learning_rate,
+            learning_rate_power=float(learning_rate_power),
+            initial_accumulator_value=float(initial_accumulator_value),
+            l1_regularization_strength=float(l1_regularization_strength),
+            l2_regularization_strength=float(l2_regularization_strength),
+            l2_shrinkage_regularization_strength=float(l2_shrinkage_regularization_strength),
+            beta=float(beta),
+            **kwargs,
+        )
+
+    _KEYS = ("learning_rate_power", "initial_accumulator_value", "l1_regularization_strength",
+             "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta")
+
+    def _hyper_config(self) -> dict:
+        return {key: self.defaults[key] for key in self._KEYS}
+
+    def _make_slot(self, p: Tensor, slot: str, group: dict) -> Tensor:
+        if slot == "accum":
+            return torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _pointwise_hyper(self, group: dict) -> tuple:
+        return (group["learning_rate_power"], group["l1_regularization_strength"],
+                group["l2_regularization_strength"], group["l2_shrinkage_regularization_strength"],
+                group["beta"])
+
+    _pointwise = staticmethod(_ftrl_pointwise)
+
+    def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
+        lr_power, l1, l2, l2s, beta = self._pointwise_hyper(group)
+        for (device, dtype), (_, (w, g, n, z)) in self._by_device_dtype(
+            params, grads, slots["accum"], slots["linear"]
+        ).items():
+            lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
+            if k is not None:
+                torch._foreach_mul_(g, k.to(device))
+            n_new = torch._foreach_addcmul(n, g, g)
+            g_s = torch._foreach_add(g, w, alpha=2.0 * l2s) if l2s else g
+            if lr_power == -0.5:
+                p_new, p_old = torch._foreach_sqrt(n_new), torch._foreach_sqrt(n)
+            else:
+                p_new, p_old = torch._foreach_pow(n_new, -lr_power), torch._foreach_pow(n, -lr_power)
+            sigma = torch._foreach_sub(p_new, p_old)
+            torch._foreach_div_(sigma, lr_)
+            z_new = torch._foreach_add(z, g_s)
+            torch._foreach_addcmul_(z_new, sigma, w, value=-1.0)
+            quad = torch._foreach_div(p_new, lr_)
+            torch._foreach_add_(quad, 2.0 * l2 + beta / lr_)
+            shrunk = torch._foreach_abs(z_new)
+            torch._foreach_sub_(shrunk, l1)
+            torch._foreach_clamp_min_(shrunk, 0.0)
+            w_new = torch._foreach_sign(z_new)
+            torch._foreach_mul_(w_new, shrunk)
+            torch._foreach_div_(w_new, quad)
+            torch._foreach_neg_(w_new)
+            skip = None if found_inf is None else found_inf.to(device) > 0.5
+            mt.commit_(w + n + z, w_new + n_new + z_new, skip)
+
+    def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
+        """The same rule on the touched rows of coalesced sparse gradients; other rows are left alone."""
+        hyper = self._pointwise_hyper(group)
+        skip = None if found_inf is None else found_inf > 0.5
+        for p, g, n, z in zip(params, grads, slots["accum"], slots["linear"]):
+            pl, nl, zl = mt.local(p), mt.local(n), mt.local(z)
+            index = tuple(g._indices())
+            vals = g._values()
+            lr_ = lr.to(device=vals.device, dtype=mt.acc_dtype(vals.dtype))
+            kk = None if k is None else k.to(vals.device)
+            rows = [pl[index], nl[index], zl[index]]
+            w_new, (n_new, z_new) = _ftrl_pointwise(hyper, rows[0], vals, rows[1:], lr_, kk, None)
+            for t, old, new in zip((pl, nl, zl), rows, (w_new, n_new, z_new)):
+                new = new.to(t.dtype)
+                t.index_put_(index, new if skip is None else torch.where(skip.to(t.device), old, new))

@@ -1,0 +1,308 @@
+"""LARS: layer-wise adaptive rate scaling (``tf.contrib.opt.LARSOptimizer``; seed 002, tf_keras.md §1.1).
+
+For each parameter ``w`` with gradient ``g`` (``‖·‖`` the L2 norm of all elements)::
+
+    trust = eeta·‖w‖ / (‖g‖ + weight_decay·‖w‖ + epsilon)   if ‖w‖ > 0 and ‖g‖ > 0, else 1
+    s     = learning_rate · trust
+
+TF 1.15 (``variant="tf1.15"``, the default; "classic" momentum, the slot holds lr-scaled velocities)::
+
+    u = s·(g + weight_decay·w);   a ← m·a + u;   w ← w − a          (Nesterov: w ← w − u − m·a)
+
+TF 1.11–1.14 (``variant="tf1.14"``; weight decay only enters the trust ratio)::
+
+    a ← m·a + g;   w ← w − s·a                                     (Nesterov: w ← w − s·g − s·m·a)
+
+A parameter whose name contains one of the ``skip_list`` strings (plain substring, as TF) — or, with
+``exclude_1d=True``, any parameter with at most one dimension (biases, norm scales) — uses ``trust = 1`` and
+no weight decay. Sparse gradients take plain momentum with the base learning rate on the de-duplicated
+touched rows (no trust ratio, no decay, untouched rows keep their accumulators), in both variants.
+
+Implementation (the point is speed): all per-tensor norms come from two read-only grouped passes
+(``_multi_tensor.norms``) in :meth:`LARS._prepare`; the trust ratios and every per-tensor factor are formed on
+stacked vectors (no host sync, no per-parameter Python arithmetic). The elementwise part then runs block by
+block over cache-sized chunks (the base's blocked pass): for TF 1.15 ``g ← s·k·g + s·wd·w`` (two in-cache
+foreach kernels) and torch's fused SGD kernel with ``lr = 1`` (``a ← m·a + u; w ← w − a``) which also takes
+``found_inf``, so a skipped step changes nothing. Main memory sees the two norm passes plus one update sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+from .optimizer import Optimizer, check_number
+from .sgd import fused_sgd_ok
+
+__all__ = ["LARS"]
+
+_VARIANTS = ("tf1.15", "tf1.14")
+
+
+def _fused(params, grads, bufs, *, weight_decay, momentum, lr, nesterov, found_inf) -> None:
+    """``torch._fused_sgd_`` with dampening 0 (``bufs`` empty: no momentum buffer)."""
+    torch._fused_sgd_(
+        params, grads, bufs,
+        weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0, nesterov=nesterov,
+        maximize=False, is_first_step=False, grad_scale=None, found_inf=found_inf,
+    )
+
+
+def _skip(found_inf: Tensor | None) -> Tensor | None:
+    return None if found_inf is None else found_inf > 0.5
+
+
+def _momentum_step(p, u, a, m, nesterov, found_inf, fused) -> None:
+    """``a ← m·a + u``; ``p ← p − a`` (Nesterov ``p ← p − u − m·a``); nothing changes when found_inf is 1."""
+    if fused and m != 0.0:
+        _fused(p, u, a, weight_decay=0.0, momentum=m, lr=1.0, nesterov=nesterov, found_inf=found_inf)
+        return
+    if fused:  # m == 0: a ← u (TF keeps the slot) and p ← p − u
+        _fused(a, u, [], weight_decay=-1.0, momentum=0.0, lr=-1.0, nesterov=False, found_inf=found_inf)
+        _fused(p, u, [], weight_decay=0.0, momentum=0.0, lr=1.0, nesterov=False, found_inf=found_inf)
+        return
+    a_new = torch._foreach_mul(a, m)
+    torch._foreach_add_(a_new, u)
+    if nesterov:
+        step = torch._foreach_mul(a_new, m)
+        torch._foreach_add_(step, u)
+    else:
+        step = a_new
+    mt.commit_(list(p) + list(a), torch._foreach_sub(p, step) + a_new, _skip(found_inf))
+
+
+def _accumulate(a, g, m, found_inf, fused) -> None:
+    """``a ← m·a + g`` (fused: ``a + (g + (m − 1)·a)``); unchanged when found_inf is 1."""
+    if fused:
+        _fused(a, g, [], weight_decay=m - 1.0, momentum=0.0, lr=-1.0, nesterov=False, found_inf=found_inf)
+        return
+    a_new = torch._foreach_mul(a, m)
+    torch._foreach_add_(a_new, g)
+    mt.commit_(a, a_new, _skip(found_inf))
+
+
+def _subtract(p, d, found_inf, fused) -> None:
+    """``p ← p − d``; unchanged when found_inf is 1."""
+    if fused:
+        _fused(p, d, [], weight_decay=0.0, momentum=0.0, lr=1.0, nesterov=False, found_inf=found_inf)
+        return
+    mt.commit_(p, torch._foreach_sub(p, d), _skip(found_inf))
+
+
+def _lars_pointwise(hyper, w, g, slots, lr, k, aux):
+    """Out-of-place LARS step for ``jit_compile`` (``aux`` as in ``LARS._prepare``; true gradient k·g)."""
+    momentum, nesterov, variant = hyper
+    a = slots[0]
+    if variant == "tf1.15":
+        sk, sw = aux
+        u = g * sk + w * sw
+        a_new = a * momentum + u
+        step = u + a_new * momentum if nesterov else a_new
+        return w - step, [a_new]
+    s, sm = aux
+    gk = g if k is None else g * k
+    a_new = a * momentum + gk
+    step = gk * s + a_new * sm if nesterov else a_new * s
+    return w - step, [a_new]
+
+
+class LARS(Optimizer):
+    """Layer-wise adaptive rate scaling with the TF1 contrib semantics (TF 1.15 by default).
+
+    Args:
+        params: tensors, ``model.named_parameters()`` (needed for ``skip_list``) or param groups.
+        learning_rate: the base learning rate (number, schedule or callable; required).
+        momentum: momentum ``m >= 0`` (default 0.9).
+        weight_decay: LARS's own weight decay (``>= 0``, default 1e-4): in the trust-ratio denominator,
+            and for TF 1.15 added to the gradient. It is not the base class's decoupled decay.
+        eeta: the LARS coefficient (default 0.001); ``eeta/weight_decay`` bounds the trust ratio.
+        epsilon: added to the trust-ratio denominator (default 0.0).
+        skip_list: strings; a parameter whose name contains one of them gets no trust scaling and no decay.
+        use_nesterov: Nesterov momentum.
+        variant: ``"tf1.15"`` (classic momentum, decay on the gradient) or ``"tf1.14"`` (the earlier form).
+        exclude_1d: also skip every parameter with ``ndim <= 1`` (biases and normalisation scales).
+        **kwargs: base options (clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, jit_compile, mesh, name).
+
+    Raises:
+        ValueError: negative ``momentum`` or ``weight_decay``, or an unknown ``variant``.
+
+    References: You, Gitman, Ginsburg, "Large Batch Training of Convolutional Networks" (arXiv:1708.03888);
+    ``tf.contrib.opt.LARSOptimizer`` (TF 1.14 and 1.15).
+    """
+
+    slot_names = ("momentum",)
+    _decoupled_weight_decay = False
+    _always_block = True
+    _sparse_rule = True
+
+    def __init__(
+        self,
+        params: Any,
+        learning_rate: Any,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0001,
+        eeta: float = 0.001,
+        epsilon: float = 0.0,
+        skip_list: Sequence[str] | None = None,
+        use_nesterov: bool = False,
+        *,
+        variant: str = "tf1.15",
+        exclude_1d: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        check_number("momentum", momentum)
+        if momentum < 0.0:
+            raise ValueError(f"momentum should be positive: {momentum}")
+        check_number("weight_decay", weight_decay)
+        if weight_decay < 0.0:
+            raise ValueError(f"weight_decay should be positive: {weight_decay}")
+        check_number("eeta", eeta)
+        check_number("epsilon", epsilon)
+        if skip_list is not None:
+            if isinstance(skip_list, str) or not all(isinstance(x, str) for x in skip_list):
+                raise TypeError(f"`skip_list` must be a list of strings, got {skip_list!r}")
+            skip_list = list(skip_list)
+        if not isinstance(use_nesterov, bool):
+            raise TypeError(f"`use_nesterov` must be a bool, got {use_nesterov!r}")
+        if variant not in _VARIANTS:
+            raise ValueError(f"`variant` must be one of {_VARIANTS}, got {variant!r}")
+        if not isinstance(exclude_1d, bool):
+            raise TypeError(f"`exclude_1d` must be a bool, got {exclude_1d!r}")
+        if "weight_decay" in kwargs:  # pragma: no cover - guarded by the signature
+            raise TypeError("`weight_decay` given twice")
+        self._static_cache: dict = {}
+        super().__init__(
+            params, learning_rate, weight_decay=float(weight_decay), momentum=float(momentum),
+            eeta=float(eeta), epsilon=float(epsilon), skip_list=skip_list, use_nesterov=use_nesterov,
+            variant=variant, exclude_1d=exclude_1d, **kwargs,
+        )
+
+    # ------------------------------------------------------------------------------------------------ config
+
+    def _hyper_config(self) -> dict:
+        d = self.defaults
+        return {
+            "momentum": d["momentum"], "eeta": d["eeta"], "epsilon": d["epsilon"],
+            "skip_list": None if d["skip_list"] is None else list(d["skip_list"]),
+            "use_nesterov": d["use_nesterov"], "variant": d["variant"], "exclude_1d": d["exclude_1d"],
+        }
+
+    def _pointwise_hyper(self, group: dict) -> tuple:
+        return (float(group["momentum"]), bool(group["use_nesterov"]), group["variant"])
+
+    _pointwise = staticmethod(_lars_pointwise)
+
+    # ------------------------------------------------------------------------------------------------ rule
+
+    def _skipped(self, group: dict, name: str, p: Tensor) -> bool:
+        if group["exclude_1d"] and p.ndim <= 1:
+            return True
+        skip_list = group["skip_list"]
+        return skip_list is not None and any(s in name for s in skip_list)
+
+    def _static(self, group: dict, names: list[str], params: list[Tensor], dev, dtype) -> tuple:
+        """Per-group facts that only change with the parameter set: which tensors skip LARS, their indices,
+        and the per-tensor weight-decay vector (cached; the key is built at C speed)."""
+        skip_list = group["skip_list"]
+        key = (id(group), tuple(names), None if skip_list is None else tuple(skip_list), group["exclude_1d"],
+               group["weight_decay"], dev, dtype)
+        hit = self._static_cache.get(id(group))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        skipped = [self._skipped(group, nm, p) for nm, p in zip(names, params)]
+        adapt = [i for i, sk in enumerate(skipped) if not sk]
+        wd = float(group["weight_decay"])
+        wd_vec = torch.tensor([0.0 if sk else wd for sk in skipped], dtype=dtype, device=dev)
+        index = torch.tensor(adapt, dtype=torch.long, device=dev)
+        value = (adapt, len(adapt) == len(params), index, wd_vec)
+        self._static_cache[id(group)] = (key, value)
+        return value
+
+    def _prepare(self, group, names, params, grads, slots, lr, k) -> list:
+        """Per-tensor factors as 0-d tensors: ``(s·k, s·wd)`` for TF 1.15, ``(s, s·m)`` for TF 1.14, with
+        ``s = lr·trust``. One grouped norm call (two read-only passes: weights and gradients), stacked
+        vector arithmetic, no host sync."""
+        n = len(params)
+        dev = mt.local(params[0]).device
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        adapt, all_adapt, index, wd_vec = self._static(group, names, params, dev, dtype)
+        lr = lr.to(device=dev, dtype=dtype)
+        if adapt:
+            sel_p = params if all_adapt else [params[i] for i in adapt]
+            sel_g = grads if all_adapt else [grads[i] for i in adapt]
+            ns = mt.norms(sel_p + sel_g)
+            if len({(x.device, x.dtype) for x in ns}) == 1:
+                v = torch.stack(ns).to(device=dev, dtype=dtype)
+            else:
+                v = torch.stack([x.to(device=dev, dtype=dtype) for x in ns])
+            m = len(sel_p)
+            w_n, g_n = v[:m], v[m:]
+            if k is not None:
+                g_n = g_n * k.to(device=dev, dtype=dtype).abs()
+            wd = float(group["weight_decay"])
+            ratio = group["eeta"] * w_n / (g_n + wd * w_n + group["epsilon"])
+            t = torch.where((w_n > 0) & (g_n > 0), ratio, torch.ones_like(ratio))
+            trust = t if all_adapt else torch.ones(n, dtype=dtype, device=dev).index_copy_(0, index, t)
+            s = lr * trust
+        else:
+            s = lr.expand(n)
+        if group["variant"] == "tf1.15":
+            sk = s if k is None else s * k.to(device=dev, dtype=dtype)
+            return list(zip(sk.unbind(), (s * wd_vec).unbind()))
+        return list(zip(s.unbind(), (s * float(group["momentum"])).unbind()))
+
+    def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
+        m = float(group["momentum"])
+        nesterov = bool(group["use_nesterov"])
+        b15 = group["variant"] == "tf1.15"
+        bufs = slots["momentum"]
+        c1, c2 = (list(x) for x in zip(*aux))  # (s·k, s·wd) for TF 1.15, (s, s·m) for TF 1.14
+        for (device, _dtype), (ix, (p, g, a)) in self._by_device_dtype(params, grads, bufs).items():
+            fi = None if found_inf is None else found_inf.to(device)
+            whole = len(ix) == len(params)
+            f1, f2 = (c if whole else [c[i] for i in ix] for c in (c1, c2))
+            fused = fused_sgd_ok(device, _dtype)
+            if b15:
+                # u = s·k·g + s·wd·w (in cache), then a ← m·a + u; w ← w − a (or − u − m·a) in one fused pass
+                torch._foreach_mul_(g, f1)
+                torch._foreach_addcmul_(g, p, f2)
+                _momentum_step(p, g, a, m, nesterov, fi, fused)
+            else:
+                if k is not None:
+                    torch._foreach_mul_(g, k.to(device))
+                _accumulate(a, g, m, fi, fused)
+                if nesterov:  # step = s·g + s·m·a
+                    torch._foreach_mul_(g, f1)
+                    torch._foreach_addcmul_(g, a, f2)
+                else:  # step = s·a
+                    torch._foreach_copy_(g, a)
+                    torch._foreach_mul_(g, f1)
+                _subtract(p, g, fi, fused)
+
+    def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
+        """Plain momentum with the base learning rate on the touched rows of coalesced sparse gradients
+        (``a[r] ← m·a[r] + g[r]``; ``w[r] ← w[r] − lr·a[r]``, Nesterov
+        ``w[r] ← w[r] − lr·g[r] − lr·m·a[r]``)."""
+        m = float(group["momentum"])
+        nesterov = bool(group["use_nesterov"])
+        skip = None if found_inf is None else found_inf > 0.5
+        for p, g, a in zip(params, grads, slots["momentum"]):
+            pl, al = mt.local(p), mt.local(a)
+            index = tuple(g._indices())
+            vals = g._values()
+            lr_ = lr.to(device=vals.device, dtype=vals.dtype)
+            if k is not None:
+                vals = vals * k.to(device=vals.device, dtype=vals.dtype)
+            a_rows = al[index]
+            a_new = a_rows * m + vals
+            step = lr_ * vals + (lr_ * m) * a_new if nesterov else lr_ * a_new
+            if skip is not None:
+                a_new = torch.where(skip, a_rows, a_new)
+                step = torch.where(skip, torch.zeros_like(step), step)
+            al.index_put_(index, a_new)
+            pl.index_put_(index, pl[index] - step)

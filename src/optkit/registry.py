@@ -1,0 +1,63 @@
+"""Optimizers by name (OpenSeq2Seq's ``OPTIMIZER_CLS_NAMES``, ``spec/openseq2seq.md`` §3.9).
+
+Every class is called as ``cls(params, learning_rate=..., **optimizer_params)`` (how ``optimize_loss`` builds
+them) and accepts the TF argument names. Lookup is case-insensitive.
+
+| name | class | TF1 original |
+|---|---|---|
+| SGD | :class:`optkit.SGD` (Keras form; momentum 0 by default) | ``GradientDescentOptimizer`` |
+| Momentum | :class:`optkit.tf_optimizers.Momentum` (``torch.optim.SGD``) | ``MomentumOptimizer`` |
+| Adam | :class:`optkit.tf_optimizers.Adam` (``torch.optim.Adam``) | ``AdamOptimizer`` |
+| AdamW | :class:`optkit.tf_optimizers.AdamW` (``torch.optim.AdamW``) | ``contrib.opt.AdamWOptimizer`` |
+| Adagrad | :class:`optkit.tf_optimizers.Adagrad` (``torch.optim.Adagrad``) | ``AdagradOptimizer`` |
+| RMSProp | :class:`optkit.tf_optimizers.RMSProp` (TF rule) | ``RMSPropOptimizer`` |
+| Ftrl | :class:`optkit.Ftrl` | ``FtrlOptimizer`` |
+| LARS | :class:`optkit.LARS` | ``contrib.opt.LARSOptimizer`` |
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ftrl import Ftrl
+from .lars import LARS
+from .sgd import SGD
+from .tf_optimizers import Adagrad, Adam, AdamW, Momentum, RMSProp
+
+__all__ = ["OPTIMIZER_CLS_NAMES", "get_optimizer"]
+
+OPTIMIZER_CLS_NAMES: dict[str, type[torch.optim.Optimizer]] = {
+    "SGD": SGD,
+    "Momentum": Momentum,
+    "Adam": Adam,
+    "AdamW": AdamW,
+    "Adagrad": Adagrad,
+    "RMSProp": RMSProp,
+    "Ftrl": Ftrl,
+    "LARS": LARS,
+}
+
+
+def get_optimizer(name: str | type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """The optimizer class for a registry name (case-insensitive), or ``name`` itself if it is already a
+    ``torch.optim.Optimizer`` subclass.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones).
+        TypeError: neither a string nor a ``torch.optim.Optimizer`` subclass.
+    """
+    if isinstance(name, str):
+        wanted = name.lower()
+        for key, cls in OPTIMIZER_CLS_NAMES.items():
+            if key.lower() == wanted:
+                return cls
+        raise ValueError(
+            f"Unknown optimizer name {name!r}; valid names are {sorted(OPTIMIZER_CLS_NAMES)} "
+            "(case-insensitive), or pass a torch.optim.Optimizer subclass"
+        )
+    if isinstance(name, type) and issubclass(name, torch.optim.Optimizer):
+        return name
+    raise TypeError(
+        "`optimizer` must be a registry name or a torch.optim.Optimizer subclass, "
+        f"got {name!r} ({type(name).__name__})"
+    )

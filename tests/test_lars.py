@@ -1,0 +1,396 @@
+"""``optkit.LARS`` against the spec vectors L1-L8 (both TF variants; ``shared/spec/tf_keras.md`` §1.1, checked
+there against the TF 1.14/1.15 sources), M1/M5 (where Model Garden coincides with TF 1.15) and a float64 NumPy
+reference written from the formulas over random multi-tensor problems."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from optkit import LARS
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+
+VARIANTS = ("tf1.14", "tf1.15")
+
+
+def run(variant, grads, w0=(3.0, 4.0), *, name="w", lr=0.1, **kw):
+    cfg = dict(momentum=0.9, weight_decay=0.1, eeta=0.1)
+    cfg.update(kw)
+    w = torch.tensor(w0, requires_grad=True)
+    opt = LARS([(name, w)], lr, variant=variant, **cfg)
+    out = []
+    for g in grads:
+        w.grad = torch.tensor(g)
+        opt.step()
+        out.append((w.detach().clone(), opt.get_slot(w, "momentum").clone()))
+    return out
+
+
+def close(t, expected, tol=1e-6):
+    np.testing.assert_allclose(
+        t.detach().double().numpy(), np.asarray(expected, np.float64), rtol=tol, atol=tol
+    )
+
+
+# (case, kwargs, grads, {variant: [(w, a) per step]}) — tf_keras.md §1.1 table
+SPEC = [
+    (
+        "L1",
+        {},
+        [[0.3, 0.4]] * 2,
+        {
+            "tf1.14": [([2.985, 3.98], [0.3, 0.4]), ([2.9565714, 3.9420952], [0.57, 0.76])],
+            "tf1.15": [([2.97, 3.96], [0.03, 0.04]), ([2.9133, 3.8844], [0.0567, 0.0756])],
+        },
+    ),
+    (
+        "L2",
+        {"use_nesterov": True},
+        [[0.3, 0.4]] * 2,
+        {
+            "tf1.14": [([2.9715, 3.962], None), ([2.931044, 3.9080587], [0.57, 0.76])],
+            "tf1.15": [([2.943, 3.924], None), ([2.862783, 3.817044], [0.05643, 0.07524])],
+        },
+    ),
+    (
+        "L3",
+        {},
+        [[0.4, -0.3]] * 2,
+        {
+            "tf1.14": [([2.98, 4.015], [0.4, -0.3]), ([2.9419998, 4.0435002], [0.76, -0.57])],
+            "tf1.15": [([2.965, 3.995], [0.035, 0.005]), ([2.8987621, 3.9855374], [0.0662379, 0.0094626])],
+        },
+    ),
+    (
+        "L4",
+        {},
+        [[0.0, 0.0]],
+        {"tf1.14": [([3.0, 4.0], [0.0, 0.0])], "tf1.15": [([2.97, 3.96], [0.03, 0.04])]},
+    ),
+    (
+        "L5",
+        {"w0": (0.0, 0.0)},
+        [[0.3, 0.4]],
+        {"tf1.14": [([-0.03, -0.04], [0.3, 0.4])], "tf1.15": [([-0.03, -0.04], [0.03, 0.04])]},
+    ),
+    (
+        "L6",
+        {"name": "dense_bias", "skip_list": ["bias"]},
+        [[0.3, 0.4]] * 2,
+        {
+            "tf1.14": [([2.97, 3.96], None), ([2.913, 3.884], [0.57, 0.76])],
+            "tf1.15": [([2.97, 3.96], None), ([2.913, 3.884], [0.057, 0.076])],
+        },
+    ),
+    (
+        "L7",
+        {"momentum": 0.9, "weight_decay": 1e-4, "eeta": 1e-3, "lr": 1.0},
+        [[0.3, 0.4]],
+        {"tf1.14": [([2.997003, 3.996004], [0.3, 0.4])], "tf1.15": [([2.997, 3.996], [0.003, 0.004])]},
+    ),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", SPEC, ids=[c[0] for c in SPEC])
+def test_spec_vectors_l1_to_l7(case, variant):
+    _, kw, grads, expected = case
+    out = run(variant, grads, **kw)
+    for (w, a), (ew, ea) in zip(out, expected[variant]):
+        close(w, ew)
+        if ea is not None:
+            close(a, ea)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_spec_l8_sparse_plain_momentum_base_lr(variant, nesterov):
+    w = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]], requires_grad=True)
+    opt = LARS([w], 0.1, momentum=0.9, weight_decay=0.1, eeta=0.1, variant=variant, use_nesterov=nesterov)
+    ref_w, ref_a = np.array([1.0, 1.0]), np.zeros(2)
+    for _ in range(2):
+        w.grad = torch.sparse_coo_tensor(
+            torch.tensor([[0, 0]]), torch.tensor([[1.0, 1.0], [2.0, 2.0]]), (3, 2)
+        )
+        opt.step()
+        g = np.array([3.0, 3.0])  # de-duplicated sum
+        ref_a = 0.9 * ref_a + g
+        ref_w = ref_w - (0.1 * g + 0.1 * 0.9 * ref_a if nesterov else 0.1 * ref_a)
+    if not nesterov:
+        close(w[0], [0.13, 0.13])
+        close(opt.get_slot(w, "momentum")[0], [5.7, 5.7])
+    close(w[0], ref_w)
+    close(opt.get_slot(w, "momentum")[0], ref_a)
+    close(w[1:], [[2.0, 2.0], [3.0, 3.0]])
+    close(opt.get_slot(w, "momentum")[1:], [[0.0, 0.0], [0.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "case,grad,step1,step2",
+    [
+        ("M1", [0.3, 0.4], ([2.97, 3.96], [0.03, 0.04]), ([2.9133, 3.8844], [0.0567, 0.0756])),
+        ("M5", [0.3, 0.4], ([2.97, 3.96], [0.03, 0.04]), ([2.913, 3.884], [0.057, 0.076])),
+    ],
+)
+def test_model_garden_vectors_where_tf115_coincides(case, grad, step1, step2):
+    kw = {"name": "dense/bias", "skip_list": ["bias"]} if case == "M5" else {}
+    out = run("tf1.15", [grad, grad], **kw)
+    for (w, a), (ew, ea) in zip(out, (step1, step2)):
+        close(w, ew)
+        close(a, ea)
+
+
+def test_non_finite_gradient_follows_tf():
+    ((w, _),) = run("tf1.14", [[math.inf, 0.4]])
+    assert math.isnan(float(w[0])) and float(w[1]) == pytest.approx(4.0)  # trust 0: 0·inf = NaN, 0 elsewhere
+    ((w, a),) = run("tf1.15", [[math.inf, 0.4]])
+    assert math.isnan(float(w[0])) and math.isnan(float(a[0]))
+    assert float(a[1]) == 0.0 and float(w[1]) == pytest.approx(4.0)
+
+
+def test_exclude_1d_skips_vectors():
+    w = torch.tensor([3.0, 4.0], requires_grad=True)
+    m = torch.tensor([[3.0, 4.0]], requires_grad=True)
+    opt = LARS([("b", w), ("k", m)], 0.1, momentum=0.9, weight_decay=0.1, eeta=0.1, exclude_1d=True)
+    for t in (w, m):
+        t.grad = torch.tensor([0.3, 0.4]).reshape(t.shape)
+    opt.step()
+    close(w, [2.97, 3.96])  # trust 1, no decay (L6)
+    close(m, [[2.97, 3.96]])  # trust 0.5 with decay (L1-B)
+    close(opt.get_slot(w, "momentum"), [0.03, 0.04])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# float64 reference over random multi-tensor problems
+
+
+def lars_reference(
+    ws,
+    grads_seq,
+    lrs,
+    names,
+    *,
+    variant,
+    momentum,
+    wd,
+    eeta,
+    eps,
+    nesterov,
+    skip_list=None,
+    exclude_1d=False,
+    global_clip=None,
+):
+    ws = [w.copy() for w in ws]
+    accs = [np.zeros_like(w) for w in ws]
+    for grads, lr in zip(grads_seq, lrs):
+        gs = [g.copy() for g in grads]
+        if global_clip is not None:
+            n = math.sqrt(sum(float(np.sum(g * g)) for g in gs))
+            gs = [g * global_clip / max(n, global_clip) for g in gs]
+        for i, (w, g) in enumerate(zip(ws, gs)):
+            skipped = (exclude_1d and w.ndim <= 1) or (
+                skip_list is not None and any(s in names[i] for s in skip_list)
+            )
+            if skipped:
+                trust = 1.0
+            else:
+                wn, gn = np.linalg.norm(w), np.linalg.norm(g)
+                trust = eeta * wn / (gn + wd * wn + eps) if wn > 0 and gn > 0 else 1.0
+            s = lr * trust
+            if variant == "tf1.15":
+                u = s * (g + (0.0 if skipped else wd) * w)
+                accs[i] = momentum * accs[i] + u
+                ws[i] = w - (u + momentum * accs[i] if nesterov else accs[i])
+            else:
+                accs[i] = momentum * accs[i] + g
+                ws[i] = w - (s * g + s * momentum * accs[i] if nesterov else s * accs[i])
+    return ws, accs
+
+
+SHAPES = [(8, 3), (5,), (2, 3, 4), (1,), (7, 2)]
+NAMES = ["conv.weight", "conv.bias", "block.weight", "bn.scale", "fc.weight"]
+
+
+@pytest.mark.parametrize(
+    "variant,nesterov,momentum,opts",
+    list(itertools.product(VARIANTS, [False, True], [0.0, 0.9], ["plain", "skip", "exclude_1d", "clip"])),
+)
+def test_random_problems_match_float64_reference(variant, nesterov, momentum, opts):
+    rng = np.random.default_rng(zlib.crc32(repr((variant, nesterov, momentum, opts)).encode()))
+    ws = [rng.standard_normal(s) for s in SHAPES]
+    ws[3] = np.zeros(1)  # a zero-norm parameter (trust falls back to 1)
+    steps = 4
+    grads_seq = [[rng.standard_normal(s) * 0.1 for s in SHAPES] for _ in range(steps)]
+    grads_seq[1][0] = np.zeros(SHAPES[0])  # a zero gradient
+    lrs = [0.5, 0.2, 0.8, 0.3]
+    kw = dict(
+        momentum=momentum, weight_decay=0.01, eeta=0.02, epsilon=1e-5, use_nesterov=nesterov, variant=variant
+    )
+    extra = {
+        "skip": {"skip_list": ["bias", "bn"]},
+        "exclude_1d": {"exclude_1d": True},
+        "clip": {"global_clipnorm": 0.3},
+    }.get(opts, {})
+    ts = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in ws]
+    opt = LARS(list(zip(NAMES, ts)), lrs[0], **kw, **extra)
+    for grads, lr in zip(grads_seq, lrs):
+        opt.learning_rate = lr
+        for t, g in zip(ts, grads):
+            t.grad = torch.tensor(g, dtype=torch.float32)
+        opt.step()
+    ref_w, ref_a = lars_reference(
+        [t.detach().double().numpy() * 0 + w for t, w in zip(ts, ws)],
+        grads_seq,
+        lrs,
+        NAMES,
+        variant=variant,
+        momentum=momentum,
+        wd=0.01,
+        eeta=0.02,
+        eps=1e-5,
+        nesterov=nesterov,
+        skip_list=extra.get("skip_list"),
+        exclude_1d=extra.get("exclude_1d", False),
+        global_clip=extra.get("global_clipnorm"),
+    )
+    for t, w, a in zip(ts, ref_w, ref_a):
+        close(t, w, 2e-5)
+        close(opt.get_slot(t, "momentum"), a, 2e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_blocked_pass_splits_large_tensors(variant):
+    """Tensors bigger than ``block_numel`` are updated chunk by chunk; per-tensor trust ratios still use the
+    norm of the whole tensor."""
+    rng = np.random.default_rng(4)
+    ws = [rng.standard_normal((40, 30)), rng.standard_normal(50), rng.standard_normal((3, 7))]
+    grads_seq = [[rng.standard_normal(w.shape) for w in ws] for _ in range(3)]
+    outs = []
+    for block in (64, 1 << 20):
+        ts = [torch.tensor(w, dtype=torch.float64, requires_grad=True) for w in ws]
+        opt = LARS(ts, 0.3, variant=variant, use_nesterov=True, weight_decay=0.01, block_numel=block)
+        for grads in grads_seq:
+            for t, g in zip(ts, grads):
+                t.grad = torch.tensor(g)
+            opt.step()
+        outs.append(ts)
+    ref_w, _ = lars_reference(
+        ws,
+        grads_seq,
+        [0.3] * 3,
+        ["a", "b", "c"],
+        variant=variant,
+        momentum=0.9,
+        wd=0.01,
+        eeta=0.001,
+        eps=0.0,
+        nesterov=True,
+    )
+    for a, b, r in zip(outs[0], outs[1], ref_w):
+        close(a, r, 1e-12)
+        close(b, r, 1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
+def test_half_precision(dtype, tol):
+    rng = np.random.default_rng(8)
+    ts = [torch.tensor(rng.standard_normal((16, 8)), dtype=dtype, requires_grad=True)]
+    ws = [t.detach().double().numpy() for t in ts]
+    grads_seq = [
+        [torch.tensor(rng.standard_normal((16, 8)) * 0.1).to(dtype).double().numpy()] for _ in range(2)
+    ]
+    opt = LARS(ts, 1.0, weight_decay=0.01, eeta=0.1)
+    for grads in grads_seq:
+        ts[0].grad = torch.tensor(grads[0]).to(dtype)
+        opt.step()
+    ref_w, _ = lars_reference(
+        ws,
+        grads_seq,
+        [1.0] * 2,
+        ["w"],
+        variant="tf1.15",
+        momentum=0.9,
+        wd=0.01,
+        eeta=0.1,
+        eps=0.0,
+        nesterov=False,
+    )
+    assert ts[0].dtype == dtype
+    np.testing.assert_allclose(ts[0].detach().double().numpy(), ref_w[0], rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# validation and config
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"momentum": -0.1}, ValueError, "momentum should be positive"),
+        ({"weight_decay": -1e-4}, ValueError, "weight_decay should be positive"),
+        ({"momentum": "0.9"}, TypeError, "momentum"),
+        ({"eeta": None}, TypeError, "eeta"),
+        ({"skip_list": "bias"}, TypeError, "skip_list"),
+        ({"use_nesterov": 1}, TypeError, "use_nesterov"),
+        ({"variant": "tf2"}, ValueError, "variant"),
+        ({"exclude_1d": "yes"}, TypeError, "exclude_1d"),
+        ({"learning_rate": -1.0}, ValueError, "learning_rate"),
+    ],
+)
+def test_validation(kwargs, exc, match):
+    w = torch.ones(3, requires_grad=True)
+    kw = {"learning_rate": 0.1, **kwargs}
+    with pytest.raises(exc, match=match):
+        LARS([w], **kw)
+    assert torch.equal(w.detach(), torch.ones(3))
+
+
+def test_zero_momentum_and_zero_decay_allowed_and_learning_rate_required():
+    LARS([torch.ones(2, requires_grad=True)], 0.1, momentum=0.0, weight_decay=0.0)
+    with pytest.raises(TypeError):
+        LARS([torch.ones(2, requires_grad=True)])  # learning_rate is required, as in TF
+
+
+def test_config_keeps_options():
+    opt = LARS(
+        [torch.ones(2, requires_grad=True)],
+        0.2,
+        momentum=0.8,
+        weight_decay=1e-3,
+        eeta=0.01,
+        epsilon=1e-6,
+        skip_list=["bn"],
+        use_nesterov=True,
+        variant="tf1.14",
+        exclude_1d=True,
+    )
+    cfg = opt.get_config()
+    assert {
+        k: cfg[k]
+        for k in (
+            "momentum",
+            "weight_decay",
+            "eeta",
+            "epsilon",
+            "skip_list",
+            "use_nesterov",
+            "variant",
+            "exclude_1d",
+        )
+    } == {
+        "momentum": 0.8,
+        "weight_decay": 1e-3,
+        "eeta": 0.01,
+        "epsilon": 1e-6,
+        "skip_list": ["bn"],
+        "use_nesterov": True,
+        "variant": "tf1.14",
+        "exclude_1d": True,
+    }
+    assert LARS.from_config(cfg, [torch.ones(2, requires_grad=True)]).get_config() == cfg

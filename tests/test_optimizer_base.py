@@ -1,0 +1,450 @@
+"""The Keras-style base (``optkit.Optimizer``), exercised through ``optkit.SGD`` (and the other optkit
+optimizers where the base does the work): checkpoints, config, validation, skip semantics and the TF
+surface (``spec/tf_keras.md`` §4.1, DESIGN §1 and §2.1)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from optkit import LARS, SGD, Ftrl, PolicySchedule, RMSProp
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+
+
+def make_params(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"enc.weight": (6, 4), "enc.bias": (4,), "dec.weight": (3, 3, 2)}
+    return [(n, torch.randn(s, generator=g, dtype=dtype).requires_grad_()) for n, s in shapes.items()]
+
+
+def grads_for(params, step, seed=1):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for _, p in params]
+
+
+def do_step(opt, params, step, **attrs):
+    for (_, p), g in zip(params, grads_for(params, step)):
+        p.grad = g
+    for k, v in attrs.items():
+        setattr(opt, k, v)
+    opt.step()
+    for k in attrs:
+        delattr(opt, k)
+
+
+def snapshot(opt, params):
+    return (
+        [p.detach().clone() for _, p in params],
+        {id(p): {k: v.clone() for k, v in opt.state[p].items()} for _, p in params},
+        opt.iterations.clone(),
+    )
+
+
+def assert_same(a, b):
+    (pa, sa, ia), (pb, sb, ib) = a, b
+    for x, y in zip(pa, pb):
+        assert torch.equal(x, y)
+    for (_, xa), (_, xb) in zip(sa.items(), sb.items()):
+        assert xa.keys() == xb.keys()
+        for k in xa:
+            assert torch.equal(xa[k], xb[k]), k
+    assert torch.equal(ia, ib)
+
+
+FACTORIES = {
+    "sgd": lambda ps: SGD(
+        ps,
+        learning_rate=lambda step: 0.1 / (1 + step),
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=0.01,
+        use_ema=True,
+        ema_momentum=0.9,
+        ema_overwrite_frequency=4,
+        global_clipnorm=3.0,
+    ),
+    "lars": lambda ps: LARS(ps, learning_rate=0.5, skip_list=["bias"], use_ema=True, clipnorm=2.0),
+    "lars14": lambda ps: LARS(ps, learning_rate=0.5, use_nesterov=True, variant="tf1.14"),
+    "ftrl": lambda ps: Ftrl(
+        ps, learning_rate=0.2, l1_regularization_strength=0.01, l2_regularization_strength=0.02
+    ),
+    "rmsprop": lambda ps: RMSProp(ps, learning_rate=0.01, momentum=0.5, centered=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_state_dict_round_trip_continues_bit_identically(kind):
+    make = FACTORIES[kind]
+    params = make_params()
+    opt = make(params)
+    for k in range(3):
+        do_step(opt, params, k)
+    saved_params = [p.detach().clone() for _, p in params]
+    saved_state = copy.deepcopy(opt.state_dict())
+    for k in range(3, 6):
+        do_step(opt, params, k)
+    expected = snapshot(opt, params)
+
+    params2 = make_params(seed=99)  # different values, overwritten from the checkpoint
+    with torch.no_grad():
+        for (_, p), v in zip(params2, saved_params):
+            p.copy_(v)
+    opt2 = make(params2)
+    opt2.load_state_dict(saved_state)
+    assert int(opt2.iterations) == 3
+    for k in range(3, 6):
+        do_step(opt2, params2, k)
+    assert_same(snapshot(opt2, params2), expected)
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_get_config_from_config_round_trip(kind):
+    params = make_params()
+    opt = FACTORIES[kind](params)
+    cfg = opt.get_config()
+    clone = type(opt).from_config(cfg, make_params())
+    assert clone.get_config() == cfg
+
+
+def test_config_round_trip_with_schedule():
+    sched = PolicySchedule("poly_decay", learning_rate=0.1, decay_steps=10)
+    opt = SGD(make_params(), learning_rate=sched, momentum=0.5, clipvalue=0.3)
+    cfg = opt.get_config()
+    assert cfg["momentum"] == 0.5 and cfg["clipvalue"] == 0.3 and isinstance(cfg["learning_rate"], dict)
+    clone = SGD.from_config(cfg, make_params())
+    assert clone.get_config() == cfg
+    assert float(clone._current_lr(clone.param_groups[0])) == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# skip semantics and grad_scale
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_found_inf_leaves_everything_bit_identical(kind):
+    params = make_params()
+    opt = FACTORIES[kind](params)
+    do_step(opt, params, 0)
+    before = snapshot(opt, params)
+    for (_, p), g in zip(params, grads_for(params, 1)):
+        g.view(-1)[0] = math.inf
+        g.view(-1)[-1] = math.nan
+        p.grad = g
+    opt.found_inf = torch.ones(())
+    opt.step()
+    del opt.found_inf
+    assert not bool(opt.step_applied)
+    assert_same(snapshot(opt, params), before)
+    do_step(opt, params, 2)  # still usable, and the next step applies
+    assert bool(opt.step_applied) and int(opt.iterations) == 2
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_grad_scale_unscales(kind):
+    a, b = make_params(), make_params()
+    oa, ob = FACTORIES[kind](a), FACTORIES[kind](b)
+    for k in range(3):
+        do_step(oa, a, k)
+        for (_, p), g in zip(b, grads_for(b, k)):
+            p.grad = g * 1024.0
+        ob.grad_scale = torch.tensor(1024.0)
+        ob.found_inf = torch.zeros(())
+        ob.step()
+        del ob.grad_scale, ob.found_inf
+        assert bool(ob.step_applied)
+    for (_, x), (_, y) in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_multipliers_scale_one_parameter():
+    a, b = make_params(), make_params()
+    oa = SGD(a, learning_rate=0.1, momentum=0.9, weight_decay=0.1)
+    ob = SGD(b, learning_rate=0.1, momentum=0.9, weight_decay=0.1)
+    for k in range(2):
+        for (_, p), g in zip(a, grads_for(a, k)):
+            p.grad = g
+        a[1][1].grad = a[1][1].grad * 0.25
+        oa.step()
+        do_step(ob, b, k, grad_multipliers={id(b[1][1]): torch.tensor(0.25)})
+    for (_, x), (_, y) in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_torch_grad_scaler_protocol_flag():
+    assert SGD._step_supports_amp_scaling is True
+
+
+# ------------------------------------------------------------------------------------------------------------
+# validation: ValueError/TypeError naming the argument; nothing is created or changed
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,name",
+    [
+        ({"learning_rate": -0.1}, ValueError, "learning_rate"),
+        ({"learning_rate": "fast"}, TypeError, "learning_rate"),
+        ({"momentum": 1.5}, ValueError, "momentum"),
+        ({"momentum": -0.1}, ValueError, "momentum"),
+        ({"momentum": "0.9"}, TypeError, "momentum"),
+        ({"nesterov": "yes"}, TypeError, "nesterov"),
+        ({"weight_decay": -1.0}, ValueError, "weight_decay"),
+        ({"clipnorm": 0.0}, ValueError, "clipnorm"),
+        ({"clipvalue": -1.0}, ValueError, "clipvalue"),
+        ({"global_clipnorm": math.nan}, ValueError, "global_clipnorm"),
+        ({"clipnorm": 1.0, "clipvalue": 1.0}, ValueError, "clipvalue"),
+        ({"clipnorm": 1.0, "global_clipnorm": 1.0}, ValueError, "global_clipnorm"),
+        ({"use_ema": 1}, TypeError, "use_ema"),
+        ({"ema_momentum": 1.5}, ValueError, "ema_momentum"),
+        ({"ema_overwrite_frequency": 0}, ValueError, "ema_overwrite_frequency"),
+        ({"ema_overwrite_frequency": 2.5}, TypeError, "ema_overwrite_frequency"),
+        ({"jit_compile": "yes"}, TypeError, "jit_compile"),
+        ({"name": 3}, TypeError, "name"),
+    ],
+)
+def test_constructor_validation(kwargs, exc, name):
+    params = make_params()
+    before = [p.detach().clone() for _, p in params]
+    with pytest.raises(exc, match=name):
+        SGD(params, **kwargs)
+    for (_, p), b in zip(params, before):
+        assert torch.equal(p, b)
+
+
+def test_params_validation():
+    with pytest.raises(TypeError, match="params"):
+        SGD(torch.zeros(3, requires_grad=True))
+    with pytest.raises(ValueError, match="params"):
+        SGD([])
+
+
+def usable(opt, params):
+    before = snapshot(opt, params)
+    do_step(opt, params, 7)
+    after = snapshot(opt, params)
+    assert int(after[2]) == int(before[2]) + 1
+    assert not all(torch.equal(x, y) for x, y in zip(before[0], after[0]))
+
+
+def test_method_validation_leaves_optimizer_usable():
+    params = make_params()
+    opt = SGD(params, learning_rate=0.1, momentum=0.9, use_ema=True)
+    do_step(opt, params, 0)
+    state = snapshot(opt, params)
+    tensors = [p for _, p in params]
+    stranger = torch.zeros(3, requires_grad=True)
+    bad_calls = [
+        (lambda: setattr(opt, "learning_rate", -1.0), ValueError, "learning_rate"),
+        (lambda: setattr(opt, "learning_rate", "x"), TypeError, "learning_rate"),
+        (lambda: opt.apply_gradients([(torch.ones(3), stranger)]), ValueError, "unknown variable"),
+        (lambda: opt.apply_gradients([(None, tensors[0]), (None, tensors[1])]), ValueError, "No gradients"),
+        (lambda: opt.apply_gradients([(torch.ones(2), tensors[1])]), ValueError, "shape"),
+        (lambda: opt.apply_gradients([("g", tensors[1])]), TypeError, "Tensors"),
+        (lambda: opt.apply_gradients([tensors[0]]), TypeError, "pairs"),
+        (lambda: opt.set_weights(opt.get_weights()[:-1]), ValueError, "expected"),
+        (lambda: opt.set_weights([torch.zeros(9)] * len(opt.variables())), ValueError, "shape"),
+        (lambda: opt.get_slot(tensors[0], "velocity"), ValueError, "unknown slot"),
+        (lambda: opt.get_slot(stranger, "momentum"), ValueError, "var"),
+        (lambda: opt.update_step(torch.ones(2), tensors[0]), ValueError, "shape"),
+        (lambda: opt.update_step(torch.ones(3), stranger), ValueError, "variable"),
+        (lambda: opt.build([stranger]), ValueError, "build"),
+        (lambda: opt.add_variable((2,), initializer="glorot"), ValueError, "initializer"),
+        (lambda: opt.exclude_from_weight_decay(var_names="bias"), TypeError, "var_names"),
+        (lambda: opt.exclude_from_weight_decay(var_list=["bias"]), TypeError, "var_list"),
+        (lambda: opt.finalize_variable_values([stranger]), ValueError, "average"),
+        (
+            lambda: opt.compute_gradients(
+                lambda: torch.ones(2, requires_grad=True).sum() * tensors[0].sum() * torch.ones(2)
+            ),
+            ValueError,
+            "scalar",
+        ),
+    ]
+    for call, exc, match in bad_calls:
+        with pytest.raises(exc, match=match):
+            call()
+        assert_same(snapshot(opt, params), state)
+    assert opt.learning_rate == 0.1
+    usable(opt, params)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# TF surface
+
+
+def test_compute_apply_minimize():
+    w = torch.tensor([1.0, -2.0], requires_grad=True)
+    unused = torch.tensor([5.0], requires_grad=True)
+    opt = SGD([w, unused], learning_rate=0.1)
+    pairs = opt.compute_gradients(lambda: (w * w).sum() / 2)
+    assert pairs[1][0] is None and torch.equal(pairs[0][0], w.detach())
+    it = opt.apply_gradients(pairs)
+    assert int(it) == 1
+    torch.testing.assert_close(w.detach(), torch.tensor([0.9, -1.8]))
+    assert torch.equal(unused.detach(), torch.tensor([5.0]))
+    opt.minimize(lambda: (w * w).sum() / 2, var_list=[w])
+    torch.testing.assert_close(w.detach(), torch.tensor([0.81, -1.62]))
+    assert int(opt.iterations) == 2
+    assert w.grad is None  # apply_gradients restores the .grad fields it borrowed
+
+
+def test_seed_docstring_examples():
+    var = torch.tensor(1.0, requires_grad=True)
+    opt = SGD([var], learning_rate=0.1)
+    opt.minimize(lambda: var**2 / 2.0, [var])
+    assert float(var.detach()) == pytest.approx(0.9)
+    var = torch.tensor(1.0, requires_grad=True)
+    opt = SGD([var], learning_rate=0.1, momentum=0.9)
+    v0 = float(var.detach())
+    opt.minimize(lambda: var**2 / 2.0, [var])
+    v1 = float(var.detach())
+    opt.minimize(lambda: var**2 / 2.0, [var])
+    v2 = float(var.detach())
+    assert v0 - v1 == pytest.approx(0.1) and v1 - v2 == pytest.approx(0.18)
+
+
+def test_slots_variables_order_and_weights():
+    params = make_params()
+    opt = SGD(params, learning_rate=0.1, momentum=0.9, use_ema=True)
+    ts = [p for _, p in params]
+    assert opt.get_slot_names() == ["momentum", "average"]
+    vs = opt.variables()
+    assert vs[0] is opt.iterations
+    assert [v.shape for v in vs[1:4]] == [p.shape for p in ts]  # averages, then momentum slots
+    assert all(v is opt.get_slot(p, "average") for v, p in zip(vs[1:4], ts))
+    assert all(v is opt.get_slot(p, "momentum") for v, p in zip(vs[4:7], ts))
+    extra = opt.add_variable((2,), initializer="ones", name="extra")
+    assert opt.variables()[-1] is extra and torch.equal(extra, torch.ones(2))
+    do_step(opt, params, 0)
+    weights = opt.get_weights()
+    do_step(opt, params, 1)
+    opt.set_weights(weights)
+    assert int(opt.iterations) == 1
+    for v, w in zip(opt.variables(), weights):
+        assert torch.equal(v, w)
+    assert SGD(make_params(), momentum=0.0).get_slot_names() == []
+
+
+def test_update_step_single_variable():
+    w = torch.tensor([1.0, -2.0], requires_grad=True)
+    other = torch.tensor([3.0], requires_grad=True)
+    opt = SGD([w, other], learning_rate=0.1, momentum=0.9)
+    opt.update_step(torch.tensor([0.5, 1.0]), w)
+    torch.testing.assert_close(w.detach(), torch.tensor([0.95, -2.1]))
+    torch.testing.assert_close(opt.get_slot(w, "momentum"), torch.tensor([-0.05, -0.1]))
+    assert int(opt.iterations) == 0 and torch.equal(other.detach(), torch.tensor([3.0]))
+    opt.update_step(torch.tensor([0.5, 1.0]), w, learning_rate=0.2)
+    torch.testing.assert_close(w.detach(), torch.tensor([0.805, -2.39]))
+
+
+def test_build_is_idempotent_and_state_exists_at_construction():
+    params = make_params()
+    opt = SGD(params, momentum=0.5)
+    assert all("momentum" in opt.state[p] and "step" in opt.state[p] for _, p in params)
+    slot = opt.get_slot(params[0][1], "momentum")
+    opt.build()
+    assert opt.get_slot(params[0][1], "momentum") is slot
+
+
+def test_add_param_group_builds_state_and_names():
+    params = make_params()
+    opt = SGD(params[:2], learning_rate=0.1, momentum=0.9)
+    opt.add_param_group({"params": [params[2][1]], "lr": 0.01})
+    assert "momentum" in opt.state[params[2][1]]
+    do_step(opt, params, 0)
+    assert int(opt.iterations) == 1
+
+
+def test_amsgrad_accepted_and_ignored():
+    a, b = make_params(), make_params()
+    oa, ob = SGD(a, momentum=0.5), SGD(b, momentum=0.5, amsgrad=True)
+    do_step(oa, a, 0)
+    do_step(ob, b, 0)
+    for (_, x), (_, y) in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_param_groups_with_own_lr_and_decay():
+    params = make_params()
+    groups = [
+        {"params": [params[0][1], params[2][1]], "weight_decay": 0.1},
+        {"params": [params[1][1]], "lr": 0.5, "weight_decay": 0.0},
+    ]
+    opt = SGD(groups, learning_rate=0.1)
+    before = [p.detach().clone() for _, p in params]
+    grads = grads_for(params, 0)
+    for (_, p), g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    np.testing.assert_allclose(params[1][1].detach().numpy(), (before[1] - 0.5 * grads[1]).numpy(), rtol=1e-6)
+    expect0 = before[0] - before[0] * 0.1 * 0.1 - 0.1 * grads[0]
+    np.testing.assert_allclose(params[0][1].detach().numpy(), expect0.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_no_gradients_at_all_is_a_no_op():
+    params = make_params()
+    opt = SGD(params, momentum=0.9)
+    before = snapshot(opt, params)
+    opt.step()
+    assert not bool(opt.step_applied)
+    assert_same(snapshot(opt, params), before)
+
+
+def test_closure_return_value():
+    w = torch.tensor([1.0], requires_grad=True)
+    opt = SGD([w], learning_rate=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (w * w).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert float(loss.detach()) == 1.0 and float(w.detach()) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_pointwise_rules_used_by_jit_compile_match_eager(kind, monkeypatch):
+    """``jit_compile`` hands ``_chain_eager`` (decay → each optimizer's pointwise rule → EMA) to
+    ``torch.compile``; running it uncompiled must reproduce the eager update, skipped steps included."""
+    import optkit.optimizer as base
+
+    monkeypatch.setattr(base, "_compiled_chain", lambda: base._chain_eager)
+    a, b = make_params(), make_params()
+    oa = FACTORIES[kind](a)
+    ob = FACTORIES[kind](b)
+    ob.jit_compile = True
+    for k in range(4):
+        do_step(oa, a, k)
+        do_step(ob, b, k)
+    for opt, ps in ((oa, a), (ob, b)):  # a skipped step changes nothing on either path
+        for (_, p), g in zip(ps, grads_for(ps, 9)):
+            p.grad = g.fill_(math.inf)
+        opt.found_inf = torch.ones(())
+        opt.step()
+        del opt.found_inf
+    assert ob._compile_state == "ok"
+    for (_, x), (_, y) in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        for slot in oa.get_slot_names():
+            torch.testing.assert_close(oa.get_slot(x, slot), ob.get_slot(y, slot), rtol=1e-5, atol=1e-6)
+
+
+def test_replaced_parameter_storage_is_followed():
+    """The cached per-group structure must follow ``p.data = ...`` (new storage) instead of updating stale
+    memory."""
+    w = torch.ones(4, requires_grad=True)
+    opt = SGD([w], learning_rate=0.5, momentum=0.5, weight_decay=0.1, use_ema=True)
+    w.grad = torch.ones(4)
+    opt.step()
+    w.data = torch.full((4,), 2.0)
+    w.grad = torch.ones(4)
+    opt.step()
+    v = 0.5 * (-0.5) - 0.5  # velocity −0.5 after step 1, then 0.5·(−0.5) − 0.5
+    torch.testing.assert_close(opt.get_slot(w, "momentum"), torch.full((4,), v))
+    torch.testing.assert_close(w.detach(), torch.full((4,), 2.0 * (1 - 0.5 * 0.1) + v))  # decay, then + v
