@@ -448,3 +448,27 @@ def test_replaced_parameter_storage_is_followed():
     v = 0.5 * (-0.5) - 0.5  # velocity −0.5 after step 1, then 0.5·(−0.5) − 0.5
     torch.testing.assert_close(opt.get_slot(w, "momentum"), torch.full((4,), v))
     torch.testing.assert_close(w.detach(), torch.full((4,), 2.0 * (1 - 0.5 * 0.1) + v))  # decay, then + v
+
+
+def test_deepcopy_keeps_options_counters_and_continues_identically():
+    import copy
+
+    import torch
+
+    from optkit import SGD
+
+    torch.manual_seed(7)
+    w = torch.nn.Parameter(torch.randn(5))
+    opt = SGD([w], 0.1, momentum=0.9, weight_decay=0.01, use_ema=True, global_clipnorm=1.0)
+    w.grad = torch.randn(5)
+    opt.step()
+    clone = copy.deepcopy({"w": w, "opt": opt})
+    o2, w2 = clone["opt"], clone["w"]
+    assert o2.global_clipnorm == 1.0 and o2.use_ema and int(o2.iterations) == 1
+    g = torch.randn(5)
+    w.grad, w2.grad = g.clone(), g.clone()
+    opt.step()
+    o2.step()
+    assert torch.equal(w.detach(), w2.detach())
+    assert torch.equal(opt.state[w]["average"], o2.state[w2]["average"])
+    assert int(o2.iterations) == 2 and o2.state[w2]["step"] is o2.iterations

@@ -1011,6 +1011,21 @@ class Optimizer(torch.optim.Optimizer):
 
     # --------------------------------------------------------------------------------------------- checkpoint
 
+    def __getstate__(self) -> dict:
+        """Everything (torch's own version keeps only defaults, state and param_groups, which would lose the
+        Keras options and the counters); cached plans are rebuilt on the next step."""
+        state = dict(self.__dict__)
+        state["_plans"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # the copied state entries each got their own 'step' tensor: share the counter again
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p in self.state:
+                    self.state[p]["step"] = self._iterations
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch semantics; afterwards every parameter shares one ``iterations`` counter again."""
         super().load_state_dict(state_dict)
