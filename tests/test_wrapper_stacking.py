@@ -219,7 +219,7 @@ def test_masters_remapped_into_inner_wrappers():
 def test_finalize_variable_values_passes_through_wrappers_and_refreshes_half_params():
     import torch
 
-    from optkit import SGD, LARC, LossScaleOptimizer, MixedPrecisionOptimizerWrapper
+    from optkit import LARC, SGD, LossScaleOptimizer, MixedPrecisionOptimizerWrapper
 
     torch.manual_seed(3)
     w32 = torch.nn.Parameter(torch.randn(6))

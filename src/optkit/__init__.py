@@ -10,19 +10,10 @@ policies), ``loss_scale`` (fixed, dynamic, Backoff and LogMax scalers), ``optimi
 
 __version__ = "0.1.0"
 
-# public imports: one line per module (keep sorted by layer)
-# -- foundations
-from .loss_scale import (  # noqa: F401
-    AutomaticLossScaler,
-    BackoffScaler,
-    DynamicLossScale,
-    FixedLossScale,
-    LogMaxScaler,
-    LossScale,
-    LossScaleAtMinimumWarning,
-    get_loss_scale,
-)
-from .clipping import (  # noqa: F401
+# The public face, by layer: foundations (multi-tensor math, clipping, schedules, loss scaling), optimizers,
+# wrappers over any optimizer, and the one-call training step.
+from . import distributed
+from .clipping import (
     clip_by_global_norm,
     clip_by_norm,
     clip_coefficient,
@@ -32,7 +23,21 @@ from .clipping import (  # noqa: F401
     clip_grads_by_value_,
     global_norm,
 )
-from .lr_policies import (  # noqa: F401
+from .ftrl import Ftrl
+from .larc import LARC
+from .lars import LARS
+from .loss_scale import (
+    AutomaticLossScaler,
+    BackoffScaler,
+    DynamicLossScale,
+    FixedLossScale,
+    LogMaxScaler,
+    LossScale,
+    LossScaleAtMinimumWarning,
+    get_loss_scale,
+)
+from .loss_scale_optimizer import LossScaleOptimizer, MixedPrecisionLossScaleOptimizer
+from .lr_policies import (
     LR_POLICIES,
     cosine_decay,
     exp_decay,
@@ -43,4 +48,43 @@ from .lr_policies import (  # noqa: F401
     poly_decay,
     transformer_policy,
 )
-from .schedules import LearningRateSchedule, PolicySchedule, ScheduleLR, build_schedule  # noqa: F401
+from .mixed_precision import MixedPrecisionOptimizerWrapper, convert_model_to_half
+from .optimizer import Optimizer
+from .registry import OPTIMIZER_CLS_NAMES, get_optimizer
+from .regularization import (
+    add_regularizer,
+    clear_regularizers,
+    get_regularization_loss,
+    l1_regularizer,
+    l2_regularizer,
+)
+from .schedules import LearningRateSchedule, PolicySchedule, ScheduleLR, build_schedule
+from .sgd import SGD
+from .summaries import OPTIMIZER_SUMMARIES
+from .tf_optimizers import Adagrad, Adam, AdamW, Momentum, RMSProp
+from .train import StepResult, TrainOp, optimize_loss
+from .variable_clipping import VariableClippingOptimizer
+
+__all__ = [
+    # clipping
+    "global_norm", "clip_by_global_norm", "clip_by_norm", "clip_gradients_by_norm", "clip_coefficient",
+    "clip_grads_by_global_norm_", "clip_grads_by_norm_", "clip_grads_by_value_",
+    # learning-rate policies and schedules
+    "fixed_lr", "piecewise_constant", "exp_decay", "poly_decay", "cosine_decay", "inv_poly_decay",
+    "transformer_policy", "LR_POLICIES", "get_policy", "LearningRateSchedule", "PolicySchedule",
+    "build_schedule", "ScheduleLR",
+    # loss scaling
+    "LossScale", "FixedLossScale", "DynamicLossScale", "BackoffScaler", "LogMaxScaler", "AutomaticLossScaler",
+    "LossScaleAtMinimumWarning", "get_loss_scale",
+    # optimizers
+    "Optimizer", "SGD", "LARS", "Ftrl", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp",
+    "OPTIMIZER_CLS_NAMES", "get_optimizer",
+    # wrappers
+    "VariableClippingOptimizer", "LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer",
+    "MixedPrecisionOptimizerWrapper", "convert_model_to_half", "LARC",
+    # training
+    "optimize_loss", "TrainOp", "StepResult", "OPTIMIZER_SUMMARIES", "get_regularization_loss",
+    "add_regularizer", "clear_regularizers", "l1_regularizer", "l2_regularizer",
+    # distributed helpers (module)
+    "distributed",
+]

@@ -402,9 +402,9 @@ def blocks(
     On CPU each kernel of a chain is a full sweep over memory; running the whole chain block by block keeps
     the block in cache between kernels, so the chain costs about one sweep. Returns a list of
     ``(owner_indices, (list0_chunks, list1_chunks, ...))`` where ``owner_indices[j]`` is the index of the
-    tensor chunk ``j`` came from. Tensors larger than ``block_numel`` are split into flat chunk views when every
-    tensor at that position is contiguous with the same shape; otherwise they stay whole. Small tensors are
-    packed together until a block holds about ``block_numel`` elements.
+    tensor chunk ``j`` came from. Tensors larger than ``block_numel`` are split into flat chunk views when
+    every tensor at that position is contiguous with the same shape; otherwise they stay whole. Small tensors
+    are packed together until a block holds about ``block_numel`` elements.
     """
     out: list = []
     cur_idx: list[int] = []

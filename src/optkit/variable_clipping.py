@@ -143,7 +143,8 @@ class VariableClippingOptimizer(OptimizerWrapper):
             mt.scale_(whole, factors)
         partial = [(v, dims) for v, dims, rows in todo if rows is None and len(dims) != mt.local(v).dim()]
         if partial:
-            # norms along dims, reduced across the mesh when a clipped dim is sharded (one collective per group)
+            # norms along dims, reduced across the mesh when a clipped dim is sharded (one collective
+            # per group)
             ns = mt.norms_along([v for v, _ in partial], [d for _, d in partial])
             for (v, _), n in zip(partial, ns):
                 lv = mt.local(v)
