@@ -472,3 +472,23 @@ def test_deepcopy_keeps_options_counters_and_continues_identically():
     assert torch.equal(w.detach(), w2.detach())
     assert torch.equal(opt.state[w]["average"], o2.state[w2]["average"])
     assert int(o2.iterations) == 2 and o2.state[w2]["step"] is o2.iterations
+
+
+@pytest.mark.parametrize("cls, kwargs", [("SGD", {"momentm": 0.9}), ("LARS", {"eta": 0.1}),
+                                         ("Ftrl", {"l3": 1.0}), ("RMSProp", {"rho": 0.9})])
+def test_unknown_keyword_arguments_are_rejected(cls, kwargs):
+    import optkit
+
+    w = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        getattr(optkit, cls)([w], 0.1, **kwargs)
+
+
+def test_lars_rejects_negative_eeta_and_epsilon():
+    from optkit import LARS
+
+    w = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="eeta"):
+        LARS([w], 0.1, eeta=-0.001)
+    with pytest.raises(ValueError, match="epsilon"):
+        LARS([w], 0.1, epsilon=-1.0)

@@ -539,24 +539,31 @@ def test_var_list_from_model_and_dynamic_instance():
 # no host reads in the hot path when summaries are off
 
 
-def test_no_host_sync_without_summaries(monkeypatch):
-    """With dynamic scaling, clipping, accumulation, SGD + EMA and a tensor-step schedule, no code of the
-    train op, the optimizer, clipping or the policies reads a tensor on the host (the scaler's CPU-only
-    floor-warning read in loss_scale.py is the one exception, and it is skipped on accelerators)."""
+@pytest.mark.parametrize("mixed", [False, True])
+def test_no_host_sync_without_summaries(monkeypatch, mixed):
+    """With dynamic scaling, clipping (or, mixed: fp16 model, fp32 masters and LARC), accumulation, SGD + EMA
+    and a tensor-step schedule, no code of the train op, the wrappers, the optimizer, clipping or the
+    policies reads a tensor on the host (the scaler's CPU-only floor-warning read in loss_scale.py is the one
+    exception, and it is skipped on accelerators)."""
     import inspect
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     x, t = torch.randn(6, 4), torch.randn(6, 1)
-    op = optimize_loss(lambda: ((model(x) - t) ** 2).mean(), "SGD",
+    extra = {"clip_gradients": 0.5}
+    if mixed:
+        model, x, t = model.half(), x.half(), t.half()
+        extra = {"dtype": "mixed", "larc_params": {"larc_eta": 0.01}}
+    op = optimize_loss(lambda: ((model(x) - t) ** 2).float().mean(), "SGD",
                        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-4, "use_ema": True},
-                       lambda k: poly_decay(k, 0.1, 100), model=model, clip_gradients=0.5,
-                       loss_scaling="dynamic", iter_size=2, summaries=[])
+                       lambda k: poly_decay(k, 0.1, 100), model=model, loss_scaling="dynamic", iter_size=2,
+                       summaries=[], **extra)
     op()
     op()  # warm: first update done
     reads: list[str] = []
     watched = ("train.py", "optimizer.py", "sgd.py", "clipping.py", "lr_policies.py", "schedules.py",
-               "_multi_tensor.py", "summaries.py", "regularization.py")
+               "_multi_tensor.py", "summaries.py", "regularization.py", "_wrapper.py", "mixed_precision.py",
+               "larc.py", "loss_scale_optimizer.py")
 
     def spy(name):
         orig = getattr(torch.Tensor, name)
@@ -640,3 +647,161 @@ def test_every_registry_optimizer_matches_a_hand_step(name, kw):
         op(Xt[:4], yt[:4])
         op(Xt[4:], yt[4:])
     np.testing.assert_allclose(w.detach().numpy(), v.detach().numpy(), rtol=1e-6, atol=1e-8)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the optimizer stack: MixedPrecisionOptimizerWrapper(LARC(cls)) driven through the step protocol
+
+
+class _Writer:
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.setdefault(tag, []).append((step, float(value)))
+
+    def add_histogram(self, tag, values, step):
+        pass
+
+
+def test_stack_is_built_from_the_library_wrappers():
+    from optkit.larc import LARC
+    from optkit.loss_scale import FixedLossScale
+    from optkit.mixed_precision import MixedPrecisionOptimizerWrapper
+
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    op = optimize_loss(lambda: (w.float() ** 2).sum(), SGD, None, 0.1, var_list=[w], dtype="mixed",
+                       larc_params={"larc_eta": 0.01}, loss_scaling="Backoff")
+    assert isinstance(op.optimizer, MixedPrecisionOptimizerWrapper)
+    assert isinstance(op.optimizer.optimizer, LARC) and op.optimizer.optimizer.optimizer is op.base_optimizer
+    assert isinstance(op.base_optimizer, SGD)
+    scaler = op.optimizer.loss_scaler  # the wrapper checks nothing and scales by 1: the train op drives S
+    assert isinstance(scaler, FixedLossScale) and scaler.loss_scale_value == 1.0 and not scaler.dynamic
+    assert op.masters[0] is op.optimizer.master_params[0] is op.base_optimizer.param_groups[0]["params"][0]
+    v = torch.nn.Parameter(torch.ones(3))
+    op = optimize_loss(lambda: (v ** 2).sum(), SGD, None, 0.1, var_list=[v])
+    assert op.optimizer is op.base_optimizer and op.masters[0] is v
+
+
+def test_mixed_window_is_accumulated_in_fp32():
+    """S·g = 49152 per micro-batch fits float16, the sum of two (98304) does not: the window is summed in
+    the fp32 master buffers, so the update is the exact mean (float64 NumPy reference)."""
+    c = np.array([3.0, -2.0])
+    w = torch.nn.Parameter(torch.tensor([1.0, 0.5], dtype=torch.float16))
+    ct = torch.tensor(c, dtype=torch.float32)
+    op = optimize_loss(lambda k: (w.float() * ct).sum() * k, torch.optim.SGD, None, 0.01, var_list=[w],
+                       dtype="mixed", loss_scaling=2.0**14, iter_size=2)
+    assert not bool(op(1.0).applied)
+    assert w.grad is None and op.masters[0].grad is not None  # folded into the fp32 buffer
+    r = op(1.0)
+    assert bool(r.applied)
+    want = np.array([1.0, 0.5]) - 0.01 * c  # mean of two equal micro-batch gradients
+    np.testing.assert_allclose(op.masters[0].detach().double().numpy(), want, rtol=0, atol=1e-7)
+    torch.testing.assert_close(w.detach(), op.masters[0].detach().half(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["clip", "scale"])
+def test_mixed_larc_matches_numpy_and_summaries(mode):
+    """LARC on the fp32 masters with the mean unscaled gradient (S = 1024, 2 micro-batches, fp16 model)."""
+    w0, g = np.array([3.0, 4.0]), np.array([0.375, 0.5])  # S·g exact in float16
+    w = torch.nn.Parameter(torch.tensor(w0, dtype=torch.float16))
+    gt = torch.tensor(g, dtype=torch.float32)
+    writer = _Writer()
+    op = optimize_loss(lambda: (w.float() * gt).sum(), SGD, None, 0.1, var_list=[("v", w)], dtype="mixed",
+                       larc_params={"larc_eta": 0.002, "larc_mode": mode}, loss_scaling=1024.0, iter_size=2,
+                       summaries=["larc_summaries"], summary_writer=writer, summary_every=1)
+    op()
+    op()
+    raw = 0.002 * np.linalg.norm(w0) / (np.linalg.norm(g) + 1e-7)
+    ratio = min(max(raw / 0.1, 1e-7), 1.0) if mode == "clip" else max(raw, 1e-7)
+    master = op.masters[0].detach().double().numpy()
+    np.testing.assert_allclose(master, w0 - 0.1 * ratio * g, rtol=0, atol=1e-6)
+    assert writer.scalars["larc_grad_update/v"][0][1] == pytest.approx(ratio, rel=1e-6)
+    assert writer.scalars["larc_final_lr/v"][0][1] == pytest.approx(0.1 * ratio, rel=1e-6)
+    if mode == "clip":
+        assert writer.scalars["larc_clip_on/v"] == [(0, 1.0)]
+    else:
+        assert "larc_clip_on/v" not in writer.scalars
+
+
+def test_logmax_with_larc_takes_amax_after_the_ratios():
+    """§3.3 order: LARC before the scaler update, so LogMax sees max|r·g| (r = 0.1 here, scale mode)."""
+    w = torch.nn.Parameter(torch.tensor([3.0, 4.0], dtype=F64))
+    g = np.array([300.0, 400.0])
+    gt = torch.tensor(g, dtype=F64)
+    op = optimize_loss(lambda: (w * gt).sum(), SGD, None, 1e-3, var_list=[w], loss_scaling="LogMax",
+                       larc_params={"larc_eta": 10.0, "larc_mode": "scale"})
+    assert bool(op().applied)
+    r = 10.0 * 5.0 / (500.0 + 1e-7)
+    amax = np.abs(g).max() * r
+    want = min(max(2.0 ** (16 - np.log2(amax)), 1.0), 2.0**14)
+    np.testing.assert_allclose(float(op.scaler.loss_scale), want, rtol=1e-4)
+    np.testing.assert_allclose(w.detach().numpy(), [3.0, 4.0] - 1e-3 * r * g, rtol=0, atol=1e-9)
+
+
+def test_mixed_larc_resume_is_bit_identical():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).half()
+    data = [(torch.randn(8, 5).half(), torch.randn(8, 1).half()) for _ in range(9)]
+
+    def build(m):
+        return optimize_loss(lambda x, t: ((m(x) - t) ** 2).float().mean(), "Momentum", {"momentum": 0.9},
+                             0.05, model=m, dtype="mixed", iter_size=2, loss_scaling="Backoff",
+                             larc_params={"larc_eta": 0.01})
+    m1, m2, m3 = (copy.deepcopy(model) for _ in range(3))
+    op1 = build(m1)
+    for x, t in data:
+        op1(x, t)
+    op2 = build(m2)
+    for x, t in data[:3]:
+        op2(x, t)
+    ckpt = copy.deepcopy({"model": m2.state_dict(), "train": op2.state_dict()})
+    op3 = build(m3)
+    op3(*data[0])  # a pending half-window in the new op is replaced by the checkpoint's
+    m3.load_state_dict(ckpt["model"])
+    op3.load_state_dict(ckpt["train"])
+    for x, t in data[3:]:
+        op3(x, t)
+    for p1, p3 in zip(m1.parameters(), m3.parameters()):
+        torch.testing.assert_close(p1, p3, rtol=0, atol=0)
+    for q1, q3 in zip(op1.masters, op3.masters):
+        torch.testing.assert_close(q1, q3, rtol=0, atol=0)
+    assert int(op1.global_step) == int(op3.global_step) == 4
+
+
+def test_wrapper_hooks_used_by_the_train_op():
+    """MixedPrecisionOptimizerWrapper.accumulate_grads (fp32 sum, validation, zero_grad drops it) and
+    LARC.trust_ratios (look-ahead equal to what the step then uses; NumPy formula)."""
+    from optkit.larc import LARC
+    from optkit.mixed_precision import MixedPrecisionOptimizerWrapper
+
+    w = torch.nn.Parameter(torch.tensor([60000.0, -1.0], dtype=torch.float16))
+    opt = MixedPrecisionOptimizerWrapper(torch.optim.SGD([w], lr=1.0))
+    m = opt.master_params[0]
+    for _ in range(2):
+        w.grad = torch.tensor([60000.0, 0.5], dtype=torch.float16)
+        opt.accumulate_grads()
+        assert w.grad is None
+    np.testing.assert_array_equal(m.grad.numpy(), [120000.0, 1.0])  # beyond float16's range
+    with pytest.raises(ValueError, match="grads"):
+        opt.accumulate_grads([None, None])
+    np.testing.assert_array_equal(m.grad.numpy(), [120000.0, 1.0])
+    opt.zero_grad()
+    assert m.grad is None
+    opt.accumulate_grads([torch.tensor([1.0, 2.0])])
+    w.grad = torch.tensor([1.0, 1.0], dtype=torch.float16)  # arrives after the fold: added by step()
+    opt.step()
+    np.testing.assert_array_equal(m.detach().numpy(), [60000.0 - 2.0, -4.0])
+
+    v = torch.nn.Parameter(torch.tensor([3.0, 4.0], dtype=F64))
+    larc = LARC(SGD([v], learning_rate=0.1), larc_eta=0.002)
+    v.grad = torch.tensor([0.6, 0.8], dtype=F64)
+    params, r = larc.trust_ratios(grad_scale=torch.tensor(2.0))
+    want = min(max(0.002 * 5.0 / (0.1 * (0.5 + 1e-7)), 1e-7), 1.0)
+    assert params == [v]
+    np.testing.assert_allclose(r.numpy(), [want], rtol=1e-6)
+    larc.grad_scale = torch.tensor(2.0)
+    larc.step()
+    del larc.grad_scale
+    torch.testing.assert_close(larc.last_ratios, r, rtol=0, atol=0)
+    assert float(larc.last_clip_on[0]) == 1.0

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from .optimizer import autograd_pairs as _autograd_pairs
 
 __all__ = ["OptimizerWrapper", "protocol_level"]
 
@@ -415,17 +416,6 @@ class OptimizerWrapper(torch.optim.Optimizer):
 # ------------------------------------------------------------------------------------------------
 
 
-def _autograd_pairs(
-    loss: Tensor | Callable[[], Tensor], vs: list[Tensor]
-) -> list[tuple[Tensor | None, Tensor]]:
-    if not vs:
-        raise ValueError("`var_list` is empty")
-    with torch.enable_grad():
-        value = loss() if callable(loss) else loss
-    if not isinstance(value, Tensor) or value.numel() != 1:
-        raise ValueError("`loss` must be (or return) a scalar tensor")
-    grads = torch.autograd.grad(value, vs, allow_unused=True)
-    return list(zip(grads, vs))
 
 
 def _check_pairs(

@@ -22,6 +22,9 @@ vector (no host sync, no per-parameter Python arithmetic). optkit inner optimize
 ``grad_multipliers`` and fold them into their own pass; other optimizers get the gradients scaled in place.
 A ``grad_scale`` from an outer loss-scale wrapper is taken into account (``‖g‖`` is the unscaled norm) and
 passed on; ``found_inf`` is passed on unchanged.
+
+After each step ``last_params``, ``last_ratios`` and ``last_clip_on`` hold what the step used (device tensors,
+for summaries); :meth:`LARC.trust_ratios` computes the ratios for the current gradients without stepping.
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ class LARC(OptimizerWrapper):
         self.exclude = exclude
         self.wd_in_denominator = None if wd_in_denominator is None else float(wd_in_denominator)
         self._excluded: set[tuple[int, int]] = set()
+        # set by every step (for summaries): the rescaled parameters, their ratios r (one vector) and, in clip
+        # mode, clip_on (1.0 where η‖v‖ < lr·(‖g‖+ε), else 0.0; None in scale mode)
+        self.last_params: list[Tensor] = []
+        self.last_ratios: Tensor | None = None
+        self.last_clip_on: Tensor | None = None
         self._scanned: set[tuple[int, int]] = set()
         self._scan_exclusions()
 
@@ -116,8 +124,9 @@ class LARC(OptimizerWrapper):
 
     # ------------------------------------------------------------------------------------------------ step
 
-    def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
-        dev = self._device()
+    def _select(self, dev: torch.device) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """The parameters LARC rescales this step (with a gradient, not excluded), their gradients
+        (sparse ones densified in place) and the per-group learning-rate vectors."""
         params, grads, lrs = [], [], []
         for gi, group in enumerate(self.param_groups):
             sel = []
@@ -132,10 +141,29 @@ class LARC(OptimizerWrapper):
                 params += sel
                 grads += [p.grad for p in sel]
                 lrs.append(lr.expand(len(sel)))
+        return params, grads, lrs
+
+    @torch.no_grad()
+    def trust_ratios(
+        self, grad_scale: Tensor | None = None, multipliers: dict | None = None
+    ) -> tuple[list[Tensor], Tensor]:
+        """Look-ahead: ``(params, r)``, the parameters the next step would rescale and their trust ratios
+        for the current gradients (``grad_scale``/``multipliers`` as the step protocol's). Read-only (one norm
+        pass); the step computes the same values again."""
+        dev = self._device()
+        params, grads, lrs = self._select(dev)
+        if not params:
+            return [], torch.ones(0, dtype=torch.float32, device=dev)
+        return params, self._ratios(params, grads, torch.cat(lrs), grad_scale, multipliers, dev)
+
+    def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
+        dev = self._device()
+        params, grads, lrs = self._select(dev)
         if not params:
             self._delegate(grad_scale, found_inf, multipliers)
             return
         ratios = self._ratios(params, grads, torch.cat(lrs), grad_scale, multipliers, dev)
+        self.last_params, self.last_ratios = params, ratios
         ids = {id(p) for p in params}
         rest = {i: m for i, m in (multipliers or {}).items() if i not in ids}  # excluded parameters
         outer = self._mult_vector(params, multipliers, dev)
@@ -198,7 +226,9 @@ class LARC(OptimizerWrapper):
         wd = self.wd_in_denominator
         denom = g_norm + eps if wd is None else g_norm + wd * w_norm + eps
         raw = eta * w_norm / denom
+        self.last_clip_on = None
         if self.larc_mode == "clip":
+            self.last_clip_on = (raw < lr).to(torch.float32)  # η‖v‖ < lr·(‖g‖+ε): the rate was clipped
             positive = lr > 0
             safe_lr = torch.where(positive, lr, torch.ones_like(lr))
             r = torch.clamp(torch.clamp_min(raw / safe_lr, self.min_update), max=1.0)

@@ -161,8 +161,8 @@ class LARS(Optimizer):
         check_number("weight_decay", weight_decay)
         if weight_decay < 0.0:
             raise ValueError(f"weight_decay should be positive: {weight_decay}")
-        check_number("eeta", eeta)
-        check_number("epsilon", epsilon)
+        check_number("eeta", eeta, low=0.0)
+        check_number("epsilon", epsilon, low=0.0)
         if skip_list is not None:
             if isinstance(skip_list, str) or not all(isinstance(x, str) for x in skip_list):
                 raise TypeError(f"`skip_list` must be a list of strings, got {skip_list!r}")

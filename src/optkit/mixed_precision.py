@@ -24,7 +24,9 @@ runs on the masters). If you change the model's half weights yourself, call :met
 
 Training loop: ``opt.scale_loss(loss).backward(); opt.step(); opt.zero_grad()`` or ``opt.step(closure)``
 with a closure that returns the unscaled loss without calling ``backward`` (as ``LossScaleOptimizer``).
-``zero_grad`` clears the model's gradients and keeps the master gradient buffers.
+``zero_grad`` clears the model's gradients and keeps the master gradient buffers. For gradient accumulation
+over micro-batches call :meth:`~MixedPrecisionOptimizerWrapper.accumulate_grads` after each ``backward``: the
+half gradients are summed in the fp32 master buffers instead of in half precision.
 
 :func:`convert_model_to_half` turns a model's parameters and buffers to float16/bfloat16, keeping
 normalisation layers in float32 (inputs cast to fp32 and outputs back to the half type around them).
@@ -81,6 +83,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (model half parameter, fp32 master)
         self._grad_bufs: list[Tensor] = []
         self._fp32_params: list[Tensor] = []
+        self._accumulated: set[int] = set()  # pairs whose master gradient holds a pending accumulation
         self._adopt_groups(self.param_groups, _masters or {})
 
     # ------------------------------------------------------------------------------------ masters
@@ -175,7 +178,11 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         self._adopt_groups(self.param_groups[-1:], given)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model's gradients (half and fp32 parameters); master gradient buffers are kept."""
+        """Clear the model's gradients (half and fp32 parameters) and drop any pending
+        :meth:`accumulate_grads` sum; master gradient buffers are kept."""
+        for j in self._accumulated:
+            self._pairs[j][1].grad = None
+        self._accumulated.clear()
         ps = [p for p, _ in self._pairs] + self._fp32_params
         if set_to_none:
             for p in ps:
@@ -208,11 +215,53 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         self._wrapped_step(*self._take_protocol())
         return loss
 
+    @torch.no_grad()
+    def accumulate_grads(self, grads: Sequence[Tensor | None] | None = None) -> None:
+        """Gradient accumulation in fp32 (OpenSeq2Seq accumulates the master-precision gradients).
+
+        Folds the model's half gradients into the masters' fp32 gradient buffers and clears them (``None``):
+        ``master.grad ← fp32(p16.grad)`` on the first fold after a step, ``master.grad += fp32(p16.grad)``
+        afterwards, so a sum over micro-batches never overflows or rounds in half precision. With ``grads``
+        (one tensor or ``None`` per master, in :attr:`master_params` order, e.g. restored from a checkpoint)
+        those are folded instead and the half gradients are left alone. The next :meth:`step` uses the
+        accumulated sum (plus any half gradient that arrived since) and starts over; :meth:`zero_grad`
+        drops it. fp32 parameters accumulate in their own ``.grad`` as usual.
+        """
+        if grads is not None and len(grads) != len(self._pairs):
+            raise ValueError(f"accumulate_grads: `grads` must hold {len(self._pairs)} entries "
+                             f"(one per master), got {len(grads)}")
+        copy_s, copy_d, add_s, add_d = [], [], [], []
+        for j, ((p, m), buf) in enumerate(zip(self._pairs, self._grad_bufs)):
+            g = p.grad if grads is None else grads[j]
+            if g is None:
+                continue
+            if g.is_sparse:
+                g = g.coalesce().to_dense()
+            if j in self._accumulated:
+                add_s.append(mt.local(g))
+                add_d.append(mt.local(buf))
+            else:
+                copy_s.append(mt.local(g))
+                copy_d.append(mt.local(buf))
+                self._accumulated.add(j)
+                m.grad = buf
+            if grads is None:
+                p.grad = None
+        for _, (_, (s, d)) in mt.group_by_device_dtype(copy_s, copy_d).items():
+            torch._foreach_copy_(d, s)
+        for _, (_, (s, d)) in mt.group_by_device_dtype(add_s, add_d).items():
+            torch._foreach_add_(d, s)
+
     def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
         src, dst, half_grads = [], [], []
-        for (p, m), buf in zip(self._pairs, self._grad_bufs):
+        if self._accumulated:
+            self.accumulate_grads()  # half gradients that arrived since the last fold
+        pending, self._accumulated = self._accumulated, set()
+        for j, ((p, m), buf) in enumerate(zip(self._pairs, self._grad_bufs)):
             g = p.grad
-            if g is None:
+            if j in pending:
+                half_grads.append(buf)  # m.grad is buf, holding the accumulated sum
+            elif g is None:
                 m.grad = None
             elif g.is_sparse:
                 m.grad = g.coalesce().to_dense().to(torch.float32)

@@ -98,6 +98,21 @@ def _callable_arity(fn: Callable) -> int:
     return len(required)
 
 
+def autograd_pairs(
+    loss: Tensor | Callable[[], Tensor], vs: list[Tensor]
+) -> list[tuple[Tensor | None, Tensor]]:
+    """``(dloss/dv, v)`` for each ``v`` in ``vs`` (``None`` where unused); ``loss`` is a scalar tensor or a
+    zero-argument callable returning one (TF's ``compute_gradients``). Shared by optimizers and wrappers."""
+    if not vs:
+        raise ValueError("`var_list` is empty")
+    with torch.enable_grad():
+        value = loss() if callable(loss) else loss
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        raise ValueError("`loss` must be (or return) a scalar tensor")
+    grads = torch.autograd.grad(value, vs, allow_unused=True)
+    return list(zip(grads, vs))
+
+
 def _normalize_param_groups(params: Any) -> list[dict]:
     """Accept tensors, ``named_parameters()`` pairs, or param-group dicts; return groups with names."""
     if isinstance(params, Tensor):
@@ -291,6 +306,10 @@ class Optimizer(torch.optim.Optimizer):
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`name` must be a str, got {name!r}")
         check_number("block_numel", block_numel, low=1, integer=True)
+        declared = set(inspect.signature(type(self).__init__).parameters)
+        unknown = sorted(k for k in hyper if k not in declared)
+        if unknown:  # a typo such as LARS(eta=...) must not train silently with the default
+            raise ValueError(f"{type(self).__name__}: argument(s) not recognized: {unknown}")
         groups = _normalize_param_groups(params)
         if mesh is not None:
             self._check_mesh(mesh, groups)
@@ -866,15 +885,7 @@ class Optimizer(torch.optim.Optimizer):
     ) -> list[tuple[Tensor | None, Tensor]]:
         """Gradients of ``loss`` (a scalar tensor or a zero-argument callable) w.r.t. ``var_list``
         (default: every parameter) as ``(gradient, variable)`` pairs; unused variables get ``None``."""
-        vs = self._all_params() if var_list is None else list(var_list)
-        if not vs:
-            raise ValueError("`var_list` is empty")
-        with torch.enable_grad():
-            value = loss() if callable(loss) else loss
-        if not isinstance(value, Tensor) or value.numel() != 1:
-            raise ValueError("`loss` must be (or return) a scalar tensor")
-        grads = torch.autograd.grad(value, vs, allow_unused=True)
-        return list(zip(grads, vs))
+        return autograd_pairs(loss, self._all_params() if var_list is None else list(var_list))
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Tensor | None, Tensor]]) -> Tensor:
         """Apply ``(gradient, variable)`` pairs (TF/Keras). Variables not listed are left alone this step.
@@ -1020,7 +1031,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        # the copied state entries each got their own 'step' tensor: share the counter again
+        if "_iterations" not in state:  # torch's load_state_dict also lands here; it re-links afterwards
+            return
+        # a copy or unpickle: the state entries each got their own 'step' tensor, share the counter again
         for g in self.param_groups:
             for p in g["params"]:
                 if p in self.state:

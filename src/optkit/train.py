@@ -6,29 +6,43 @@ returns a :class:`TrainOp`; ``train_op(*inputs)`` runs one micro-step and return
 One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the original's order (§3.3, §11):
 
 1. forward ``L = fp32(loss(*inputs))``; backward of ``L·S`` into the parameters' ``.grad`` (``"mixed"``:
-   the half-precision gradients are folded into fp32 accumulators next to the fp32 master copies);
+   :meth:`MixedPrecisionOptimizerWrapper.accumulate_grads` folds the half gradients into the fp32 gradient
+   buffers of its master copies after every micro-batch, so the window is summed in fp32);
 2. accumulation: PyTorch's own ``.grad`` accumulation sums the ``n`` scaled micro-batch gradients; the scale
    ``S`` stays fixed inside the window (the scaler only moves at update attempts);
 3. distributed: one bucketed ``all_reduce`` (SUM) of the accumulated gradients per update, or, with a
    ``DistributedDataParallel`` model, DDP's own reduction with ``no_sync()`` on accumulation micro-steps;
+   FSDP2 (DTensor) parameters are reduce-scattered and averaged by FSDP2 itself (no second reduction; with
+   an FSDP2 ``model``, ``set_requires_gradient_sync(False)`` on accumulation micro-steps);
 4. ``"mixed"``: diverted regularizers of half parameters add ``S·n·W·∂R/∂master`` (they are evaluated on the
    fp32 master, §5.2);
 5. global norm ``N = ‖Σ grads‖ / (S·n·W)`` (fp32) — the true norm of the *mean* gradient — logged as
    ``global_gradient_norm``;
-6. clip (``clip_gradients = c``): ``s = min(1, c/N)`` (no epsilon, as the original), or LARC (``larc_params``)
-   per parameter ``r = min(max(η‖w‖/(lr(‖g‖+ε)), min_update), 1)`` (clip mode) or ``max(η‖w‖/(‖g‖+ε),
-   min_update)`` (scale mode), §4;
-7. per-variable summaries, clipped-norm summary, LARC summaries (due steps only);
+6. clip (``clip_gradients = c``): ``s = min(1, c/N)`` (no epsilon, as the original);
+7. summaries of the learning rate, the norms and the variables (due steps only);
 8. non-finite check (a non-finite ``N``: any NaN/inf in any gradient of the window) and the scaler update;
-9. the optimizer step with ``lr(k)``, ``k`` = applied updates so far; a skipped update changes nothing;
-10. ``"mixed"``: ``p16 ← saturate(master)``; gradients cleared for the next window.
+9. the optimizer stack's step with ``lr(k)``, ``k`` = applied updates so far (a skipped update changes
+   nothing): ``LARC`` (``larc_params``, :mod:`optkit.larc`) computes per parameter
+   ``r = min(max(η‖w‖/(lr(‖g‖+ε)), min_update), 1)`` (clip mode) or ``max(η‖w‖/(‖g‖+ε), min_update)``
+   (scale mode, §4) on the mean unscaled gradient and hands ``r`` inward; LARC summaries are written from
+   the ratios it used; ``"mixed"``: the :class:`~optkit.mixed_precision.MixedPrecisionOptimizerWrapper`
+   steps the fp32 masters and copies back ``p16 ← saturate(master)``;
+10. gradients cleared for the next window.
+
+The optimizer stack is ``MixedPrecisionOptimizerWrapper(LARC(cls(params)))`` with the parts not asked for left
+out. The wrappers get no loss scale of their own (``loss_scale=None``: a fixed scale of 1, no check); the
+train op drives the scaler and talks to the outermost optimizer through the step protocol
+(:mod:`optkit._wrapper`). LARC therefore runs after the scaler update (the spec puts it before): only
+``LogMax`` depends on that order (its ``max|g|`` is taken after LARC), and for it the ratios are computed
+ahead with :meth:`LARC.trust_ratios`.
 
 Folding (performance): steps 2, 5, 6 and 8 never rewrite the gradients. The mean, the unscale and the clip
-factor form one 0-d factor ``s/(S·n·W)`` handed to the optimizer as ``grad_scale`` (its fused kernel divides
-by it), LARC ratios go in as ``grad_multipliers``, and the skip decision as ``found_inf``: every optkit
-optimizer and torch's fused optimizers (``_step_supports_amp_scaling``) take these in their update pass. So an
-update costs one read-only norm pass over the gradients plus the optimizer's own pass; nothing reads a tensor
-on the host unless summaries are due (or a non-fused torch optimizer must be skipped, as GradScaler does).
+factor form one 0-d factor ``s/(S·n·W)`` handed to the optimizer stack as ``grad_scale`` (the innermost fused
+kernel divides by it), LARC ratios go in as ``grad_multipliers``, the skip decision as ``found_inf``: every
+optkit optimizer and wrapper and torch's fused optimizers (``_step_supports_amp_scaling``) take these in their
+update pass. So an update costs one read-only norm pass over the gradients plus the optimizer's own pass (LARC
+adds its own norm pass over weights and gradients); nothing reads a tensor on the host unless summaries are
+due (or a non-fused torch optimizer must be skipped, as GradScaler does).
 
 Deliberate differences from the original (also in ``docs/compatibility.md``):
 
@@ -50,6 +64,7 @@ Deliberate differences from the original (also in ``docs/compatibility.md``):
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -60,8 +75,11 @@ from torch import Tensor, nn
 
 from . import _multi_tensor as mt
 from ._validation import check_params
+from ._wrapper import OptimizerWrapper, protocol_level
 from .clipping import clip_coefficient
+from .larc import LARC
 from .loss_scale import AutomaticLossScaler, DynamicLossScale, FixedLossScale, LossScale
+from .mixed_precision import MixedPrecisionOptimizerWrapper
 from .optimizer import Optimizer as _OptkitOptimizer
 from .regularization import _set_diverted, regularized_parameters
 from .summaries import SummaryLogger, validate_summaries
@@ -80,8 +98,8 @@ _DYNAMIC_OPTIONAL = {
     "min_loss_scale": (int, float),
     "max_loss_scale": (int, float, type(None)),
 }
-_STATE_KEYS = ("optimizer", "scaler", "global_step", "host_step", "host_exact", "micro", "touched",
-               "accumulators", "masters", "summary_attempts")
+_STATE_KEYS = ("optimizer", "scaler", "global_step", "host_step", "host_exact", "micro", "accumulators",
+               "summary_attempts")
 
 
 class StepResult(NamedTuple):
@@ -321,12 +339,16 @@ def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
 class TrainOp:
     """The train op built by :func:`optimize_loss`; call it once per micro-batch.
 
-    Attributes: ``optimizer`` (the optimizer over the trained tensors: the fp32 masters in ``"mixed"``),
-    ``scaler`` (the :class:`~optkit.LossScale`), ``global_step`` (applied updates, 0-d int64 tensor),
-    ``params`` (the model tensors trained), ``masters`` (their fp32 copies in ``"mixed"``, else ``params``).
-    ``state_dict()``/``load_state_dict()`` cover optimizer, scaler, master copies, the gradients accumulated
-    in an open window, the step and the summary counter; with the model's own ``state_dict`` this resumes
-    bit-identically.
+    Attributes: ``optimizer`` — the **outermost** optimizer, the one the train op steps:
+    ``MixedPrecisionOptimizerWrapper`` (``"mixed"``) around ``LARC`` (``larc_params``) around the optimizer
+    class; its ``param_groups``/``state`` are the inner optimizer's (keyed by the fp32 masters in
+    ``"mixed"``).
+    ``base_optimizer``: the innermost one (the class asked for). ``scaler`` (the :class:`~optkit.LossScale`;
+    the wrappers get none of their own), ``global_step`` (applied updates, 0-d int64 tensor), ``params`` (the
+    model tensors trained), ``masters`` (their fp32 copies in ``"mixed"``, else ``params``).
+    ``state_dict()``/``load_state_dict()`` cover the optimizer (with the wrappers' parts: the masters),
+    scaler, the gradients accumulated in an open window, the step and the summary counter; with the model's
+    own ``state_dict`` this resumes bit-identically.
     """
 
     def __init__(self, loss_fn, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
@@ -341,22 +363,9 @@ class TrainOp:
         self.summaries = logger
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self._mixed = dtype == "mixed"
         device = mt.local(self.params[0]).device
 
-        # masters ("mixed"): fp32 copies of the half parameters, trained by the optimizer
-        self._half_idx = [i for i, p in enumerate(self.params) if self._mixed and p.dtype in _HALF]
-        self.masters = list(self.params)
-        for i in self._half_idx:
-            self.masters[i] = self.params[i].detach().to(torch.float32).clone()
-        self._bufs = [torch.zeros_like(self.masters[i]) for i in self._half_idx]
-        self._touched = [False] * len(self._half_idx)
-        half_params = [self.params[i] for i in self._half_idx]
-        self._diverted = regularized_parameters(half_params)
-        master_of = {id(self.params[i]): self.masters[i] for i in self._half_idx}
-        self._diverted_masters = [master_of[id(p)] for p, _, _ in self._diverted]
-
-        # loss scaling
+        # loss scaling (driven here; the wrappers run with a fixed scale of 1 and take it as grad_scale)
         self.scaler = scaler.to(device)
         self._unit_scale = isinstance(scaler, FixedLossScale) and scaler.loss_scale_value == 1.0
         self._checks = bool(scaler.dynamic or getattr(scaler, "skip_non_finite", False))
@@ -371,28 +380,59 @@ class TrainOp:
         self._lr_now: Any = self._lr_fn(0)
         self._lr_t = self._lr_tensor(self._lr_now, device)
 
-        # the optimizer
+        # the optimizer stack: [MixedPrecisionOptimizerWrapper(] [LARC(] cls(...) [)] [)]
         self._optkit = isinstance(cls, type) and issubclass(cls, _OptkitOptimizer)
-        opt_params: list = list(zip(self.names, self.masters)) if self._optkit else list(self.masters)
-        if self._optkit:
-            self.optimizer = cls(opt_params, learning_rate=self._current_lr, **opt_kwargs)
-        else:
-            key = "learning_rate" if _accepts(cls, "learning_rate") else "lr"
-            self.optimizer = cls(opt_params, **{key: float(self._lr_now)}, **opt_kwargs)
-        self._optkit_inst = isinstance(self.optimizer, _OptkitOptimizer)
-        self._amp = self._optkit_inst or bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        key = "learning_rate" if self._optkit or _accepts(cls, "learning_rate") else "lr"
+        lr0 = self._current_lr if self._optkit else float(self._lr_now)
 
-        # distribution
+        def build(ps: list) -> torch.optim.Optimizer:
+            opt = cls(ps, **{key: lr0}, **opt_kwargs)
+            return opt if larc is None else LARC(opt, **larc)
+
+        opt_params: list = list(zip(self.names, self.params)) if self._optkit else list(self.params)
+        if dtype == "mixed":
+            self.optimizer = MixedPrecisionOptimizerWrapper.wrap(build, opt_params, loss_scale=None)
+        else:
+            self.optimizer = build(opt_params)
+        self._mp = self.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizerWrapper) else None
+        self._larc = next((o for o in _chain(self.optimizer) if isinstance(o, LARC)), None)
+        self.base_optimizer = _chain(self.optimizer)[-1]
+        self._optkit_inst = isinstance(self.base_optimizer, _OptkitOptimizer)
+        self._level = protocol_level(self.optimizer)
+
+        # masters ("mixed"): the wrapper's fp32 copies of the half parameters
+        master_of: dict[int, Tensor] = {}
+        if self._mp is not None:
+            master_of = {id(p): m for p, m in zip(self._mp.model_params, self._mp.master_params)}
+        self.masters = [master_of.get(id(p), p) for p in self.params]
+        self._half_idx = [i for i, p in enumerate(self.params) if id(p) in master_of]
+        self._name_of = {id(q): n for n, q in zip(self.names, self.masters)}
+        half_params = [self.params[i] for i in self._half_idx]
+        self._diverted = regularized_parameters(half_params)
+        self._diverted_params = [p for p, _, _ in self._diverted]
+        self._diverted_masters = [master_of[id(p)] for p in self._diverted_params]
+
+        # distribution. DTensor (FSDP2) parameters: FSDP2's post-backward hooks reduce-scatter and average
+        # the gradients, so they need a plain backward() and no second reduction.
         ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
         self._ddp = ddp
+        self._dtensor = any(mt.is_dtensor(p) for p in self.params)
+        self._plain_backward = ddp is not None or self._dtensor
+        self._frozen: list[Tensor] = []
+        # FSDP2's no_sync(): accumulate unsharded gradients, reduce-scatter once on the update micro-step
+        self._fsdp_sync = getattr(model, "set_requires_gradient_sync", None) if self._dtensor else None
+        if self._dtensor and isinstance(model, nn.Module):
+            ids = {id(p) for p in self.params}
+            self._frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
         self._group = process_group
         self._world = 1
-        self._reduce = on_horovod and ddp is None
+        self._reduce = on_horovod and ddp is None and not all(mt.is_dtensor(p) for p in self.params)
         if self._reduce:
             import torch.distributed as dist
 
-            self._world = dist.get_world_size(process_group)
-            self._reduce = self._world > 1
+            self._reduce = dist.get_world_size(process_group) > 1
+            if self._reduce and not self._dtensor:  # the 1/W of the average is folded into grad_scale
+                self._world = dist.get_world_size(process_group)
         self._bucket_numel = bucket_numel
         self._micro = 0
         if self._diverted:
@@ -441,6 +481,8 @@ class TrainOp:
         """Run one micro-step on ``inputs``: forward, backward, and (at the end of a window) the update."""
         update = self._is_update(skip_update)
         ctx = self._ddp.no_sync() if (self._ddp is not None and not update) else contextlib.nullcontext()
+        if self._fsdp_sync is not None:
+            self._fsdp_sync(update)
         with ctx:
             loss = self._loss_fn(*inputs, **kw_inputs)
             if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -450,12 +492,15 @@ class TrainOp:
                 loss32 = loss32.float()
             scale = self._one if self._unit_scale else self.scaler.loss_scale
             target = loss32 if self._unit_scale else loss32 * scale.to(loss32.device)
-            if self._ddp is not None:
+            if self._plain_backward:
+                # DDP / FSDP2 reduce in hooks that backward(inputs=...) would bypass
                 target.backward()
+                for p in self._frozen:  # parameters left out of var_list get no gradient
+                    p.grad = None
             else:
                 torch.autograd.backward(target, inputs=self.params)
-        if self._half_idx:
-            self._fold_half_grads()
+        if self._mp is not None:
+            self._mp.accumulate_grads()  # the window's half gradients are summed in fp32
         self._micro += 1
         if not update:
             return StepResult(loss32.detach(), self._false, self._step.clone(), self._lr_t, scale, None)
@@ -469,30 +514,6 @@ class TrainOp:
         if flag is None:
             return self._micro + 1 >= self.iter_size
         return not bool(flag)
-
-    def _fold_half_grads(self) -> None:
-        """Move the half gradients of this micro-batch into the fp32 accumulators (copy, or add within a
-        window) and point each master's ``.grad`` at its accumulator."""
-        copy_dst, copy_src, add_dst, add_src = [], [], [], []
-        for j, i in enumerate(self._half_idx):
-            p = self.params[i]
-            g = p.grad
-            if g is None:
-                continue
-            g = g.to_dense() if g.is_sparse else g
-            if self._touched[j]:
-                add_dst.append(self._bufs[j])
-                add_src.append(g)
-            else:
-                copy_dst.append(self._bufs[j])
-                copy_src.append(g)
-                self._touched[j] = True
-                self.masters[i].grad = self._bufs[j]
-            p.grad = None
-        if copy_dst:
-            torch._foreach_copy_(copy_dst, copy_src)
-        if add_dst:
-            torch._foreach_add_(add_dst, add_src)
 
     # ---- the update ---------------------------------------------------------------------------------------
 
@@ -517,7 +538,7 @@ class TrainOp:
         log.advance()
         lr_t = self._lr_t
         if self._reduce:
-            self._all_reduce_(grads)
+            self._all_reduce_()
             grads = [q.grad for q in qs]
 
         count = n * self._world
@@ -528,163 +549,125 @@ class TrainOp:
             self._add_diverted_grads(denom)
             idx, qs, grads = self._with_grads()
 
-        larc = self.larc_params
-        need_norm = (self.clip_gradients is not None or self._checks or larc is not None
-                     or (due and log.wants("global_gradient_norm")))
-        raw_norms = None
+        # (5) global norm of the mean unscaled gradient: the one read-only pass (clip, overflow, summary)
         norm = None
-        if need_norm:
-            if larc is not None:
-                raw_norms = torch.stack(mt.norms(grads))
-                raw = torch.linalg.vector_norm(raw_norms)
-            else:
-                raw = mt.global_norm(grads)
+        if self.clip_gradients is not None or self._checks or (due and log.wants("global_gradient_norm")):
+            raw = mt.global_norm(grads)
             norm = raw if denom is None else raw / denom
 
-        # the raw gradients are divided by grad_scale = denom / coef (mean, unscale, clip in one factor)
+        # (6) the raw gradients are divided by grad_scale = denom / coef (mean, unscale, clip in one factor)
         coef = None
-        if self.clip_gradients is not None and norm is not None:
+        if self.clip_gradients is not None:
             coef = clip_coefficient(norm, self.clip_gradients, nan_on_nonfinite=False)
         grad_scale = denom if coef is None else (1.0 / coef if denom is None else denom / coef)
         factor = None if grad_scale is None else torch.reciprocal(grad_scale)
 
-        ratios = clip_on = None
-        if larc is not None:
-            ratios, clip_on = self._larc_ratios(qs, raw_norms, denom, lr_t)
-
+        # (7) summaries of the gradients the update will use (LARC's after the step, from its own record)
         step_now = None
         if due:
             step_now = int(self._step)
-            self._write_summaries(step_now, idx, qs, grads, lr_t, norm, factor, coef, scale, ratios, clip_on)
+            self._write_summaries(step_now, idx, qs, grads, lr_t, norm, factor, coef, scale)
 
+        # (8) non-finite check and scaler update
         found = None
         applied = self._true
         if self._checks:
             overflow = (~torch.isfinite(norm)).to(torch.float32)
             amax = None
             if self.scaler.needs_amax:
-                inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
-                if ratios is not None:
-                    inf_norms = inf_norms * ratios
-                amax = inf_norms.amax() if factor is None else inf_norms.amax() * factor
+                amax = self._amax(qs, grads, grad_scale, factor)
             applied = self.scaler.update(overflow, amax)
             found = (~applied).to(torch.float32)
 
-        self._step_optimizer(qs, grads, grad_scale, ratios, found)
+        # (9) LARC (inside the wrapper stack), the update, p16 ← saturate(master) ("mixed")
+        self._step_optimizer(grads, grad_scale, found)
+        if due and self._larc is not None and log.wants("larc_summaries"):
+            self._write_larc(step_now, lr_t)
 
         if self._host_exact:
             self._step.add_(1)
             self._host_step += 1
         else:
             self._step.add_(applied.to(torch.int64))
-        if self._half_idx:
-            self._copy_masters_back()
         for q in self.masters:
             q.grad = None
-        if self._half_idx:
-            for p in self.params:
-                p.grad = None
-        self._touched = [False] * len(self._half_idx)
+        for i in self._half_idx:
+            self.params[i].grad = None
         self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
 
-    def _step_optimizer(self, qs, grads, grad_scale, ratios, found) -> None:
+    def _amax(self, qs: list[Tensor], grads: list[Tensor], grad_scale: Tensor | None,
+              factor: Tensor | None) -> Tensor:
+        """``max|g|`` of the gradients the update applies (after mean, unscale, clip and LARC) for LogMax.
+        With LARC this needs the trust ratios before the step: a look-ahead (one extra norm pass)."""
+        inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
+        if self._larc is not None:
+            params, ratios = self._larc.trust_ratios(grad_scale)
+            pos = {id(q): j for j, q in enumerate(qs)}
+            r = torch.ones_like(inf_norms)
+            if params:
+                r[torch.tensor([pos[id(p)] for p in params], device=r.device)] = ratios.to(r.dtype)
+            inf_norms = inf_norms * r
+        return inf_norms.amax() if factor is None else inf_norms.amax() * factor
+
+    def _step_optimizer(self, grads: list[Tensor], grad_scale: Tensor | None, found: Tensor | None) -> None:
+        """Step the optimizer stack with the step protocol (``grad_scale``, ``found_inf``); the wrappers
+        forward them inward (LARC adds its ratios as ``grad_multipliers``)."""
         opt = self.optimizer
-        if self._amp:
+        if self._level != "none":
             if grad_scale is not None:
                 opt.grad_scale = grad_scale.reshape(()).to(torch.float32)  # GradScaler's dtype
             if found is not None:
                 opt.found_inf = found
-            if ratios is not None:
-                rs = ratios.unbind(0)
-                if self._optkit_inst:
-                    opt.grad_multipliers = {id(q): r for q, r in zip(qs, rs)}
-                else:
-                    mt.scale_(grads, list(rs))
             try:
                 opt.step()
             finally:
-                for attr in ("grad_scale", "found_inf", "grad_multipliers"):
-                    if hasattr(opt, attr):
+                for attr in ("grad_scale", "found_inf"):
+                    if attr in opt.__dict__:
                         delattr(opt, attr)
             return
-        # an optimizer without grad_scale/found_inf support: scale the gradients, skip on the host
+        # a bare optimizer without grad_scale/found_inf support: scale the gradients, skip on the host
         if grad_scale is not None:
             mt.scale_(grads, torch.reciprocal(grad_scale))
-        if ratios is not None:
-            mt.scale_(grads, list(ratios.unbind(0)))
         if found is None or not bool(found):  # host read, as torch.amp.GradScaler does for such optimizers
             opt.step()
-
-    def _larc_ratios(self, qs, raw_norms, denom, lr) -> tuple[Tensor, Tensor | None]:
-        """Per-parameter LARC factors (§4) as one fp32 vector; ``clip_on`` (clip mode) for the summaries."""
-        p = self.larc_params
-        eta, eps, floor = p["larc_eta"], p["epsilon"], p["min_update"]
-        w_norms = torch.stack([x.float() for x in mt.norms(qs)])
-        g_norms = raw_norms if denom is None else raw_norms / denom
-        num = eta * w_norms
-        clip_on = None
-        if p["larc_mode"] == "clip":
-            den = lr * (g_norms + eps)
-            clip_on = (num < den).to(torch.float32)
-            # r = min(max(num/den, floor), 1), with num >= den (lr == 0 included) giving 1 without 0/0
-            one = torch.ones_like(num)
-            r = torch.where(num >= den, one, num / torch.where(den > 0, den, one))
-            r = torch.clamp(r, min=floor)
-        else:
-            r = torch.clamp(num / (g_norms + eps), min=floor)
-        half = [q.dtype == torch.float16 for q in qs]
-        if any(half):  # saturate-cast to the variable dtype (pure float16 mode)
-            lim = torch.tensor([65504.0 if h else float("inf") for h in half], device=r.device)
-            r = torch.minimum(r, lim)
-        return r, clip_on
 
     def _add_diverted_grads(self, denom: Tensor | None) -> None:
         """``master.grad += S·n·W·∂R/∂master`` for the regularizers of half parameters (§5.2)."""
         masters = self._diverted_masters
+        missing = [p for p, m in zip(self._diverted_params, masters) if m.grad is None]
+        if missing:  # start those masters' accumulation at zero (exact in fp16)
+            for p in missing:
+                p.grad = torch.zeros_like(p)
+            self._mp.accumulate_grads()
         with torch.enable_grad():
             leaves = [m.detach().requires_grad_(True) for m in masters]
             total = sum(fn(x).float() for x, (_, fn, _) in zip(leaves, self._diverted))
             rgrads = torch.autograd.grad(total, leaves, allow_unused=True)
         pairs = [(m, g) for m, g in zip(masters, rgrads) if g is not None]
+        if not pairs:
+            return
+        rg = [g for _, g in pairs]
         if denom is not None:
-            rg = torch._foreach_mul([g for _, g in pairs], denom)
-        else:
-            rg = [g for _, g in pairs]
-        for m, _ in pairs:
-            if m.grad is None:
-                j = next(j for j, i in enumerate(self._half_idx) if self.masters[i] is m)
-                self._bufs[j].zero_()
-                m.grad = self._bufs[j]
-                self._touched[j] = True
+            rg = torch._foreach_mul(rg, denom)
         torch._foreach_add_([m.grad for m, _ in pairs], rg)
 
-    def _copy_masters_back(self) -> None:
-        """``p16 ← saturate(master)``: cast, then clamp ±inf to the half type's largest finite value."""
-        halves = [self.params[i] for i in self._half_idx]
-        masters = [self.masters[i] for i in self._half_idx]
-        with torch.no_grad():
-            torch._foreach_copy_(halves, masters)
-            for dtype in {h.dtype for h in halves}:
-                group = [h for h in halves if h.dtype == dtype]
-                big = float(torch.finfo(dtype).max)
-                mt.clamp_(group, -big, big)
-
-    def _all_reduce_(self, grads: list[Tensor]) -> None:
+    def _all_reduce_(self) -> None:
         """Sum the accumulated gradients over the process group in flat buckets
         (:func:`optkit.distributed.all_reduce_gradients_`); the 1/W of the average is folded into the update
-        factor. Sparse gradients are densified first (the original's ``shared_embed`` path)."""
+        factor. DTensor (FSDP2) gradients are already averaged and skipped; plain gradients next to them are
+        averaged in place. Sparse gradients are densified first (the original's ``shared_embed`` path)."""
         from .distributed import all_reduce_gradients_
 
         for q in self.masters:
             if q.grad is not None and q.grad.is_sparse:
                 q.grad = q.grad.to_dense()
         dense = [q.grad for q in self.masters if q.grad is not None]
-        all_reduce_gradients_(dense, self._group, average=False, bucket_numel=self._bucket_numel)
+        all_reduce_gradients_(dense, self._group, average=self._dtensor, bucket_numel=self._bucket_numel)
 
     # ---- summaries ----------------------------------------------------------------------------------------
 
-    def _write_summaries(self, step, idx, qs, grads, lr, norm, factor, coef, scale, ratios, clip_on) -> None:
+    def _write_summaries(self, step, idx, qs, grads, lr, norm, factor, coef, scale) -> None:
         log = self.summaries
         if log.wants("learning_rate"):
             log.scalar("learning_rate", lr, step)
@@ -696,15 +679,22 @@ class TrainOp:
             log.write_per_variable(names, qs, grads, f, step)
         if coef is not None and log.wants("global_gradient_norm") and norm is not None:
             log.scalar("global_clipped_gradient_norm", norm * coef, step)
-        if ratios is not None and log.wants("larc_summaries"):
-            log.write_larc(names, clip_on, ratios, lr, step)
         if log.wants("loss_scale"):
             log.scalar("loss_scale", scale, step)
+
+    def _write_larc(self, step: int, lr: Tensor) -> None:
+        """LARC summaries from the ratios the LARC wrapper just used (computed before the update)."""
+        larc = self._larc
+        if larc.last_ratios is None:
+            return
+        names = [self._name_of[id(p)] for p in larc.last_params]
+        self.summaries.write_larc(names, larc.last_clip_on, larc.last_ratios, lr, step)
 
     # ---- checkpointing ------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, scaler, master copies, open-window accumulators, step counters and summary counter."""
+        """Optimizer stack (the wrappers' parts hold the fp32 masters), scaler, open-window accumulators,
+        step counters and summary counter."""
         return {
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -712,9 +702,7 @@ class TrainOp:
             "host_step": self._host_step,
             "host_exact": self._host_exact,
             "micro": self._micro,
-            "touched": list(self._touched),
             "accumulators": [None if q.grad is None else q.grad.detach().clone() for q in self.masters],
-            "masters": [self.masters[i].detach().clone() for i in self._half_idx],
             "summary_attempts": self.summaries.attempts,
         }
 
@@ -727,34 +715,35 @@ class TrainOp:
         if missing:
             raise ValueError(f"load_state_dict: missing keys {missing}")
         acc = state_dict["accumulators"]
-        masters = state_dict["masters"]
-        if len(acc) != len(self.masters) or len(masters) != len(self._half_idx):
+        if len(acc) != len(self.masters):
             raise ValueError("load_state_dict: the state was saved for a different set of parameters")
         for a, q in zip(acc, self.masters):
             if a is not None and tuple(a.shape) != tuple(q.shape):
                 raise ValueError(f"load_state_dict: accumulator shape {tuple(a.shape)} != {tuple(q.shape)}")
-        for m, i in zip(masters, self._half_idx):
-            if tuple(m.shape) != tuple(self.masters[i].shape):
-                raise ValueError("load_state_dict: master copy shapes do not match")
+        copy.deepcopy(self.scaler).load_state_dict(state_dict["scaler"])  # validate before any change
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.scaler.load_state_dict(state_dict["scaler"])
         self._step.copy_(state_dict["global_step"])
         self._host_step = int(state_dict["host_step"])
         self._host_exact = bool(state_dict["host_exact"])
         self._micro = int(state_dict["micro"])
-        self._touched = list(state_dict["touched"])
         self.summaries.attempts = int(state_dict["summary_attempts"])
-        with torch.no_grad():
-            for m, i in zip(masters, self._half_idx):
-                self.masters[i].copy_(m)
-        bufs = {id(self.masters[i]): self._bufs[j] for j, i in enumerate(self._half_idx)}
+        pos = {id(q): j for j, q in enumerate(self.masters)}
+        if self._mp is not None:
+            self._mp.zero_grad(set_to_none=True)  # drops the wrapper's pending accumulation
+            self._mp.accumulate_grads([acc[pos[id(m)]] for m in self._mp.master_params])
+        half = {id(self.masters[i]) for i in self._half_idx}
         for a, q in zip(acc, self.masters):
-            if a is None:
-                q.grad = None
-            elif id(q) in bufs:
-                bufs[id(q)].copy_(a)
-                q.grad = bufs[id(q)]
-            else:
-                q.grad = a.clone().to(q.dtype)
+            if id(q) in half:
+                continue
+            q.grad = None if a is None else a.clone().to(q.dtype)
         self._lr_now = self._lr_fn(self._host_step if self._host_exact else self._step)
         self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
+
+
+def _chain(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """``[opt, its inner optimizer, ...]`` down to the innermost one."""
+    out = [opt]
+    while isinstance(out[-1], OptimizerWrapper):
+        out.append(out[-1].optimizer)
+    return out

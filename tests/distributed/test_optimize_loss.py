@@ -9,13 +9,7 @@ import pytest
 from ._compare import assert_close, assert_equal, ok
 from .scenarios import train_op_reference
 
-#: known gap, reported: the train op back-propagates with ``torch.autograd.backward(..., inputs=params)``; on
-#: FSDP2-sharded parameters that bypasses FSDP2's post-backward reduce-scatter, so ``.grad`` stays None (the
-#: train op then raises "No gradients provided"). With on_horovod it would also divide the FSDP2-averaged
-#: gradients by the world size again.
-_FSDP_XFAIL = pytest.mark.xfail(strict=False, reason="optimize_loss: backward(inputs=...) skips FSDP2 hooks")
-CASES = ["replicated_horovod", pytest.param("fsdp", marks=_FSDP_XFAIL),
-         pytest.param("fsdp_horovod", marks=_FSDP_XFAIL)]
+CASES = ["replicated_horovod", "fsdp", "fsdp_horovod"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,272 @@
+"""How a :class:`~optkit.demo.config.TrainConfig` becomes library objects: the learning-rate schedule, the
+optimizer arguments and the :func:`optkit.optimize_loss` train op.
+
+:func:`check_components` runs every library look-up and constructor on throw-away inputs (a one-parameter
+model), so that a bad optimizer name, policy, parameter or loss-scaling setting is reported with the flag it
+came from before any data is loaded or any file is written.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import TrainConfig
+
+__all__ = [
+    "trained_parameters",
+    "HALF_DTYPES",
+    "keeps_ema",
+    "accepted_arguments",
+    "planned_steps",
+    "model_dtype",
+    "policy_params",
+    "optimizer_params",
+    "build_schedule_for",
+    "build_train_op",
+    "check_components",
+]
+
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, **HALF_DTYPES}
+
+
+def planned_steps(cfg: TrainConfig) -> tuple[int, int]:
+    """``(batches, updates)`` of the whole run: ``max_steps`` or ``epochs`` passes over the training split,
+    and the optimizer updates they make (one per ``iter_size`` batches)."""
+    from .data import train_size
+
+    if cfg.max_steps is not None:
+        batches = cfg.max_steps
+    else:
+        batches = cfg.epochs * math.ceil(train_size(cfg.test_fraction) / cfg.batch_size)
+    return batches, max(1, batches // cfg.iter_size)
+
+
+def model_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The precision the model's parameters are stored in (half under ``mixed``)."""
+    if cfg.dtype == "mixed":
+        return HALF_DTYPES[cfg.half_dtype]
+    return _DTYPES[cfg.dtype]
+
+
+def loss_dtype_arg(cfg: TrainConfig) -> torch.dtype | str:
+    """The ``dtype`` argument of ``optimize_loss``."""
+    return "mixed" if cfg.dtype == "mixed" else _DTYPES[cfg.dtype]
+
+
+def policy_params(cfg: TrainConfig, total_updates: int) -> dict[str, Any]:
+    """The policy's parameters with OpenSeq2Seq's default injection (``spec/openseq2seq.md`` §7.0): when the
+    policy takes ``decay_steps`` and it is not given, decay over the whole run after ``begin_decay_at``
+    (itself raised to ``warmup_steps`` when the policy has both)."""
+    from optkit.lr_policies import get_policy
+
+    params = dict(cfg.lr_policy_params)
+    sig = inspect.signature(get_policy(cfg.lr_policy)).parameters
+    if "decay_steps" in sig and "decay_steps" not in params:
+        if "begin_decay_at" in sig:
+            if "warmup_steps" in sig:
+                params["begin_decay_at"] = max(
+                    params.get("begin_decay_at") or 0, params.get("warmup_steps") or 0
+                )
+            begin = params.get("begin_decay_at") or 0
+        else:
+            begin = 0
+        params["decay_steps"] = max(1, total_updates - begin)
+    return params
+
+
+def optimizer_params(cfg: TrainConfig) -> dict[str, Any]:
+    """The optimizer's constructor arguments, with ``--ema-momentum`` folded in."""
+    params = dict(cfg.optimizer_params)
+    if cfg.ema_momentum is not None:
+        params.update(use_ema=True, ema_momentum=float(cfg.ema_momentum))
+    return params
+
+
+def build_schedule_for(cfg: TrainConfig, total_updates: int) -> Callable[[Any], Any]:
+    """The run's learning-rate schedule (a :class:`~optkit.PolicySchedule`)."""
+    from optkit.schedules import PolicySchedule
+
+    return PolicySchedule(cfg.lr_policy, **policy_params(cfg, total_updates))
+
+
+def trained_parameters(cfg: TrainConfig, model: nn.Module) -> list[tuple[str, Tensor]]:
+    """``model``'s named parameters minus those ``freeze_variables_regex`` matches (``re.match``, a prefix
+    match, as OpenSeq2Seq); the frozen ones get ``requires_grad=False``. ``ValueError`` if nothing is left."""
+    pattern = None if cfg.freeze_variables_regex is None else re.compile(cfg.freeze_variables_regex)
+    trained = []
+    for name, p in model.named_parameters():
+        if pattern is not None and pattern.match(name):
+            p.requires_grad_(False)
+        else:
+            trained.append((name, p))
+    if not trained:
+        names = ", ".join(n for n, _ in model.named_parameters())
+        raise ValueError(f"--freeze-variables-regex freezes every parameter ({names})")
+    return trained
+
+
+def build_train_op(
+    cfg: TrainConfig,
+    model: nn.Module,
+    total_updates: int,
+    *,
+    distributed: bool = False,
+    summary_writer: Any = None,
+) -> Any:
+    """``optimize_loss`` for ``model`` on the cross-entropy of its logits, with every option of ``cfg``."""
+    from optkit.train import optimize_loss
+
+    def loss(x: Tensor, y: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(model(x).float(), y)
+
+    scaling = cfg.loss_scaling
+    return optimize_loss(
+        loss,
+        cfg.optimizer,
+        optimizer_params(cfg),
+        learning_rate_decay_fn=build_schedule_for(cfg, total_updates),
+        dtype=loss_dtype_arg(cfg),
+        clip_gradients=cfg.clip_gradients,
+        summaries=list(cfg.summaries),
+        larc_params=None if cfg.larc_params is None else dict(cfg.larc_params),
+        loss_scaling=scaling,
+        loss_scaling_params=None
+        if cfg.loss_scaling_params is None or isinstance(scaling, (int, float))
+        else dict(cfg.loss_scaling_params),
+        on_horovod=distributed,
+        iter_size=cfg.iter_size,
+        var_list=trained_parameters(cfg, model),
+        model=model,
+        bucket_numel=cfg.bucket_numel,
+        summary_writer=summary_writer,
+        summary_every=cfg.log_every,
+    )
+
+
+def accepted_arguments(cls: type) -> set[str] | None:
+    """The keyword arguments ``cls(params, learning_rate=..., **kw)`` really uses: the named parameters of
+    each ``__init__`` along the MRO while they forward ``**kwargs``, ending at optkit's base ``Optimizer``
+    (whose ``**hyper`` is plumbing for subclasses, not user options). ``None`` when it cannot be told."""
+    from optkit.optimizer import Optimizer as OptkitOptimizer
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            ps = list(inspect.signature(init).parameters.values())
+        except (TypeError, ValueError):  # pragma: no cover - builtins
+            return None
+        names |= {
+            p.name
+            for p in ps[1:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and not p.name.startswith("_")
+        }
+        if klass is OptkitOptimizer or not any(p.kind is p.VAR_KEYWORD for p in ps):
+            return names - {"params", "hyper", "learning_rate", "lr"}
+    return None
+
+
+def keeps_ema(optimizer: str) -> bool:
+    """Whether the registry optimizer ``optimizer`` can keep EMA weights (optkit's own optimizers can)."""
+    from optkit.optimizer import Optimizer as OptkitOptimizer
+    from optkit.registry import OPTIMIZER_CLS_NAMES
+
+    cls = OPTIMIZER_CLS_NAMES.get(optimizer)
+    return isinstance(cls, type) and issubclass(cls, OptkitOptimizer)
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def check_components(cfg: TrainConfig, total_updates: int = 1000) -> list[str]:
+    """Every library-side problem with ``cfg``, one message per problem, each naming its flag."""
+    from optkit.lr_policies import get_policy
+    from optkit.registry import OPTIMIZER_CLS_NAMES, get_optimizer
+    from optkit.schedules import PolicySchedule
+    from optkit.summaries import validate_summaries
+
+    errors: list[str] = []
+    cls = None
+    if cfg.optimizer not in OPTIMIZER_CLS_NAMES:
+        errors.append(
+            f"--optimizer: unknown optimizer {cfg.optimizer!r}; choose from "
+            f"{', '.join(sorted(OPTIMIZER_CLS_NAMES))}"
+        )
+    else:
+        cls = get_optimizer(cfg.optimizer)
+    if cls is not None:
+        params = optimizer_params(cfg)
+        for key in ("learning_rate", "lr"):
+            if key in params:
+                errors.append(
+                    f"--optimizer-param: {key} comes from the learning-rate policy; set it with "
+                    f"--lr-policy-param learning_rate=..."
+                )
+        if cfg.ema_momentum is not None and not keeps_ema(cfg.optimizer):
+            errors.append(
+                f"--ema-momentum: optimizer {cfg.optimizer} keeps no weight average (only optkit's "
+                f"own optimizers have use_ema, e.g. LARS or SGD); pass --ema-momentum none"
+            )
+            params = {k: v for k, v in params.items() if k not in ("use_ema", "ema_momentum")}
+        accepted = accepted_arguments(cls)
+        unknown = sorted(set(params) - accepted - {"learning_rate", "lr"}) if accepted is not None else []
+        if unknown:
+            errors.append(
+                f"--optimizer-param: unknown parameter(s) {unknown} for {cfg.optimizer}; accepted: "
+                f"{', '.join(sorted(accepted or ()))}"
+            )
+        if not any(e.startswith("--optimizer-param") for e in errors):
+            try:
+                cls([("probe", nn.Parameter(torch.ones(2)))], learning_rate=0.1, **params)
+            except (TypeError, ValueError) as err:
+                errors.append(f"--optimizer-param: {cfg.optimizer} rejects {params}: {_first_line(err)}")
+    try:
+        get_policy(cfg.lr_policy)
+    except (TypeError, ValueError):
+        from optkit.lr_policies import LR_POLICIES
+
+        errors.append(
+            f"--lr-policy: unknown learning-rate policy {cfg.lr_policy!r}; choose from "
+            f"{', '.join(sorted(LR_POLICIES))}"
+        )
+    else:
+        try:
+            PolicySchedule(cfg.lr_policy, **policy_params(cfg, total_updates))
+        except (TypeError, ValueError) as err:
+            errors.append(f"--lr-policy-param: {_first_line(err)}")
+    try:
+        validate_summaries(cfg.summaries)
+    except (TypeError, ValueError) as err:
+        errors.append(f"--summaries: {_first_line(err)}")
+    if errors:
+        return errors
+    # everything optimize_loss itself checks (LARC, loss scaling, dtype, iter_size, ...), on the demo's model
+    # (a fresh one, never trained: building the train op costs milliseconds)
+    from .model import make_model
+
+    probe_model = make_model(cfg.channels, cfg.seed, model_dtype(cfg))
+    try:
+        build_train_op(cfg, probe_model, total_updates)
+    except (TypeError, ValueError, AttributeError) as err:
+        text = str(err).lower()
+        flag = next(
+            (
+                f
+                for key, f in (("--freeze", ""), ("larc", "--larc-param: "), ("scal", "--loss-scaling: "))
+                if key in text
+            ),
+            "configuration: ",
+        )
+        errors.append(f"{flag}{_first_line(err)}")
+    return errors

@@ -1,0 +1,521 @@
+"""The ``optkit`` command end to end: short training runs (files written, resume, errors), config handling,
+``lr-plot`` and ``bench``. Runs in-process through ``optkit.cli.main`` so imports are paid once."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+pytest.importorskip("tensorboard")
+
+from optkit import cli  # noqa: E402
+from optkit.demo import components, config  # noqa: E402
+from optkit.demo.checkpoint import list_checkpoints  # noqa: E402
+from optkit.demo.data import BatchOrder, load_split, train_size  # noqa: E402
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+QUIET = ["--no-progress", "--no-tensorboard", "--no-plot"]
+
+
+def run(*argv: str) -> int:
+    return cli.main([str(a) for a in argv])
+
+
+def assert_same_state(a, b, where="train_op"):
+    """Nested state dicts hold equal tensors and values (bitwise)."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_train_writes_every_output(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = run(
+        "train",
+        "--max-steps",
+        6,
+        "--eval-every",
+        3,
+        "--checkpoint-every",
+        3,
+        "--keep-checkpoints",
+        0,
+        "--log-every",
+        2,
+        "--run-dir",
+        out,
+        "--no-progress",
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "test accuracy:" in text and "EMA weights" in text
+    assert f"run folder: {out}" in text
+
+    m = metrics(out)
+    assert m["train"]["step"] == list(range(6))
+    assert m["eval"]["step"] == [3, 6]
+    final = m["final"]
+    assert final["steps"] == 6 and final["updates_applied"] + final["updates_skipped"] == 6
+    assert final["test_accuracy"] == m["eval"]["test_accuracy"][-1]
+    # the default run starts at the Backoff ceiling 2**24 and the first fp16 steps overflow
+    assert m["train"]["loss_scale"][0] == 2.0**24
+    assert final["updates_skipped"] >= 1 and m["train"]["applied"][0] is False
+    assert all(v is None or math.isfinite(v) for v in m["train"]["loss"])
+    assert m["config"]["optimizer"] == "LARS" and m["config"]["dtype"] == "mixed"
+
+    png = (out / "report.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 20_000
+    assert [p.name for p in list_checkpoints(out)] == ["step_000003.pt", "step_000006.pt"]
+
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "test/accuracy", "learning_rate", "loss_scale", "global_gradient_norm"} <= tags
+
+
+def test_resume_continues_bit_identically(tmp_path, capsys):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = [
+        "--max-steps",
+        8,
+        "--eval-every",
+        4,
+        "--checkpoint-every",
+        4,
+        "--keep-checkpoints",
+        0,
+        "--log-every",
+        3,
+        *QUIET,
+    ]
+    assert run("train", *common, "--run-dir", full) == 0
+    assert (
+        run("train", "--resume", full / "checkpoints" / "step_000004.pt", "--run-dir", resumed, *QUIET) == 0
+    )
+    assert "resuming from" in capsys.readouterr().out
+    a, b = metrics(full), metrics(resumed)
+    assert a["train"] == b["train"]
+    assert a["eval"] == b["eval"]
+    sa = torch.load(full / "checkpoints" / "step_000008.pt", weights_only=False)
+    sb = torch.load(resumed / "checkpoints" / "step_000008.pt", weights_only=False)
+    for key, value in sa["model"].items():
+        assert torch.equal(value, sb["model"][key]), key
+    assert_same_state(sa["train_op"], sb["train_op"])  # slots, EMA averages, masters, loss scale, step
+    assert "average" in repr(sa["train_op"])  # the EMA is part of what was compared
+
+    # resuming a finished run (from its folder: the newest checkpoint) trains nothing and reports again
+    assert run("train", "--resume", full, *QUIET) == 0
+    text = capsys.readouterr().out
+    assert "at step 8" in text and "test accuracy:" in text
+    assert metrics(full)["train"] == a["train"]
+
+
+def test_resume_keeps_the_runs_config_and_applies_flags(tmp_path):
+    out = tmp_path / "run"
+    assert (
+        run(
+            "train",
+            "--max-steps",
+            4,
+            "--checkpoint-every",
+            2,
+            "--optimizer-param",
+            "eeta=0.02",
+            "--run-dir",
+            out,
+            *QUIET,
+        )
+        == 0
+    )
+    assert run("train", "--resume", out / "checkpoints" / "step_000002.pt", "--max-steps", 6, *QUIET) == 0
+    m = metrics(out)
+    assert m["config"]["optimizer_params"]["eeta"] == 0.02
+    assert m["final"]["steps"] == 6 and m["train"]["step"] == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "--dtype",
+            "float32",
+            "--loss-scaling",
+            "1",
+            "--loss-scaling-param",
+            "none",
+            "--ema-momentum",
+            "none",
+        ],
+        [
+            "--optimizer",
+            "Momentum",
+            "--optimizer-param",
+            "none",
+            "--optimizer-param",
+            "momentum=0.9",
+            "--ema-momentum",
+            "none",
+            "--clip-gradients",
+            "none",
+            "--larc-param",
+            "larc_eta=0.02",
+            "--half-dtype",
+            "bfloat16",
+            "--iter-size",
+            "2",
+            "--loss-scaling",
+            "LogMax",
+            "--loss-scaling-param",
+            "none",
+        ],
+    ],
+)
+def test_train_variants(tmp_path, argv):
+    out = tmp_path / "run"
+    assert run("train", "--max-steps", 4, *argv, "--run-dir", out, *QUIET) == 0
+    m = metrics(out)
+    assert len(m["train"]["loss"]) == 4 and 0.0 <= m["final"]["test_accuracy"] <= 1.0
+    attempts = 4 // m["config"]["iter_size"]  # accumulation micro-steps are not update attempts
+    assert m["final"]["updates_applied"] + m["final"]["updates_skipped"] == attempts
+    assert m["final"]["updates_applied"] == sum(m["train"]["applied"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# errors: reported before any work, naming the flag
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optimizer", "Nope"], "--optimizer: unknown optimizer 'Nope'"),
+        (["--lr-policy", "nope"], "--lr-policy: unknown learning-rate policy 'nope'"),
+        (["--epochs", "0"], "--epochs (epochs) must be >= 1"),
+        (["--epochs", "many"], "--epochs (epochs) must be an integer"),
+        (["--batch-size", "2.5"], "--batch-size (batch_size) must be an integer"),
+        (["--test-fraction", "1.5"], "--test-fraction (test_fraction) must be <= 0.9"),
+        (["--clip-gradients", "-1"], "--clip-gradients (clip_gradients) must be > 0.0"),
+        (["--ema-momentum", "nan"], "--ema-momentum (ema_momentum) must be finite"),
+        (["--dtype", "float64"], "--dtype (dtype) must be one of"),
+        (["--summaries", "learning_rate,bogus"], "--summaries"),
+        (
+            ["--lr-policy-param", "bogus=1"],
+            "--lr-policy-param: PolicySchedule: unknown parameter(s) ['bogus']",
+        ),
+        (["--lr-policy-param", "learning_rate=-1"], "--lr-policy-param"),
+        (["--lr-policy-param", "oops"], "--lr-policy-param: expected KEY=VALUE"),
+        (["--optimizer-param", "momentum=-1"], "--optimizer-param: LARS rejects"),
+        (["--optimizer-param", "lr=0.1"], "--optimizer-param: lr comes from the learning-rate policy"),
+        (
+            ["--optimizer", "Momentum", "--ema-momentum", "0.9"],
+            "--ema-momentum: optimizer Momentum keeps no weight",
+        ),
+        (["--larc-param", "larc_eta=0.01"], "cannot be used together"),
+        (
+            ["--clip-gradients", "none", "--larc-param", "larc_mode=bogus", "--larc-param", "larc_eta=0.01"],
+            "--larc-param",
+        ),
+        (["--loss-scaling", "Bogus"], "--loss-scaling"),
+        (["--loss-scaling-param", "step_window=0"], "--loss-scaling"),
+        (["--iter-size", "0"], "--iter-size (iter_size) must be >= 1"),
+        (
+            ["--freeze-variables-regex", "("],
+            "--freeze-variables-regex (freeze_variables_regex) is not a valid",
+        ),
+        (
+            ["--freeze-variables-regex", ".*"],
+            "--freeze-variables-regex freezes every parameter (0.weight, 0.bias",
+        ),
+        (["--bucket-numel", "0"], "--bucket-numel (bucket_numel) must be >= 1"),
+        (
+            ["--optimizer-param", "none", "--optimizer-param", "eta=0.1"],
+            "--optimizer-param: unknown parameter(s) ['eta'] for LARS; accepted: ",
+        ),
+        (
+            ["--optimizer", "Momentum", "--optimizer-param", "none", "--ema-momentum", "none"],
+            "--optimizer-param: Momentum rejects {}: ",
+        ),
+        (
+            ["--resume", "/nonexistent/run"],
+            "--resume: /nonexistent/run is neither a checkpoint file nor a run folder",
+        ),
+    ],
+)
+def test_bad_flags_fail_before_any_work(tmp_path, capsys, argv, message):
+    out = tmp_path / "never"
+    assert run("train", *argv, "--run-dir", out, *QUIET) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("optkit train: error:")
+    assert message in err
+    assert not out.exists()
+
+
+def test_every_problem_is_listed_at_once(capsys):
+    assert run("train", "--epochs", "0", "--batch-size", "-1", "--log-every", "x") == 2
+    err = capsys.readouterr().err
+    assert "--epochs" in err and "--batch-size" in err and "--log-every" in err
+
+
+def test_resume_from_folder_without_checkpoints(tmp_path, capsys):
+    assert run("train", "--resume", tmp_path) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# configuration: TOML, precedence, help
+
+
+def test_toml_then_flags_precedence(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'optimizer = "SGD"\nepochs = 3\nlarc_params = "none"\n'
+        "[optimizer_params]\nmomentum = 0.5\nnesterov = true\n"
+        "[lr_policy_params]\nlearning_rate = 0.3\n"
+    )
+    assert (
+        run("train", "--config", path, "--epochs", "4", "--optimizer-param", "momentum=0.7", "--print-config")
+        == 0
+    )
+    data = tomllib.loads(capsys.readouterr().out)
+    assert data["optimizer"] == "SGD" and data["epochs"] == 4
+    assert data["optimizer_params"] == {"momentum": 0.7, "nesterov": True}
+    assert data["lr_policy_params"] == {"learning_rate": 0.3}
+    assert data["larc_params"] == "none"
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    assert (
+        run(
+            "train",
+            "--print-config",
+            "--larc-param",
+            "larc_eta=0.01",
+            "--clip-gradients",
+            "none",
+            "--optimizer",
+            "SGD",
+            "--optimizer-param",
+            "momentum=0.9",
+            "--summaries",
+            "loss_scale",
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert run("train", "--config", path, "--print-config") == 0
+    assert capsys.readouterr().out == text
+
+
+def test_toml_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("optimiser = 'LARS'\n")
+    assert run("train", "--config", bad) == 2
+    assert "unknown key(s) ['optimiser']" in capsys.readouterr().err
+    bad.write_text("epochs = \n")
+    assert run("train", "--config", bad) == 2
+    assert "is not valid TOML" in capsys.readouterr().err
+    assert run("train", "--config", tmp_path / "missing.toml") == 2
+    assert "file not found" in capsys.readouterr().err
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exc:
+        run("train", "--help")
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for name in config.FIELDS:
+        flag = cli._flag(name)
+        assert flag in text, flag
+    assert "--resume" in text and "--config" in text and "torchrun" in text
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("3", 3),
+        ("0.5", 0.5),
+        ("1e-3", 1e-3),
+        ("true", True),
+        ("False", False),
+        ("none", None),
+        ("[10, 20]", [10, 20]),
+        ("clip", "clip"),
+        ("Backoff", "Backoff"),
+        ('"7"', "7"),
+    ],
+)
+def test_parse_value(text, value):
+    assert config.parse_value(text) == value
+
+
+def test_policy_params_inject_decay_steps_like_openseq2seq():
+    cfg = config.TrainConfig(
+        lr_policy="poly_decay", lr_policy_params={"learning_rate": 1.0, "warmup_steps": 30}
+    )
+    assert components.policy_params(cfg, 200) == {
+        "learning_rate": 1.0,
+        "warmup_steps": 30,
+        "begin_decay_at": 30,
+        "decay_steps": 170,
+    }
+    given = config.TrainConfig(
+        lr_policy="poly_decay", lr_policy_params={"learning_rate": 1.0, "decay_steps": 50}
+    )
+    assert components.policy_params(given, 200)["decay_steps"] == 50
+    exp = config.TrainConfig(
+        lr_policy="exp_decay",
+        lr_policy_params={
+            "learning_rate": 1.0,
+            "decay_rate": 0.5,
+            "use_staircase_decay": False,
+            "begin_decay_at": 20,
+        },
+    )
+    assert components.policy_params(exp, 200)["decay_steps"] == 180
+    fixed = config.TrainConfig(lr_policy="fixed_lr", lr_policy_params={"learning_rate": 1.0})
+    assert components.policy_params(fixed, 200) == {"learning_rate": 1.0}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# data
+
+
+def test_split_and_batches():
+    split = load_split(0.2, seed=3)
+    n_train = train_size(0.2)
+    assert len(split.y_train) == n_train and len(split.y_train) + len(split.y_test) == 1797
+    assert split.x_train.shape == (n_train, 1, 8, 8) and split.x_train.dtype == torch.float32
+    assert abs(float(split.x_train.mean())) < 1e-4 and abs(float(split.x_train.std()) - 1) < 1e-3
+    one = BatchOrder(n_train, 64, seed=3)
+    again = BatchOrder(n_train, 64, seed=3)
+    epoch = torch.cat([one.batch(s) for s in range(one.steps_per_epoch)])
+    assert sorted(epoch.tolist()) == list(range(n_train))  # every image once per epoch
+    assert torch.equal(one.batch(one.steps_per_epoch + 5), again.batch(one.steps_per_epoch + 5))
+    assert not torch.equal(one.batch(0), one.batch(one.steps_per_epoch))  # a new order each epoch
+    shards = [BatchOrder(n_train, 64, seed=3, rank=r, world_size=2).batch(7) for r in range(2)]
+    assert torch.equal(torch.cat(shards), one.batch(7))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# lr-plot and bench
+
+
+def test_lr_plot(tmp_path, capsys):
+    out = tmp_path / "lr.png"
+    assert (
+        run(
+            "lr-plot",
+            "poly_decay",
+            "learning_rate=0.1",
+            "decay_steps=1000",
+            "warmup_steps=100",
+            "piecewise_constant",
+            "learning_rate=0.1",
+            "boundaries=[300, 600]",
+            "decay_rates=[0.5, 0.1]",
+            "--out",
+            out,
+            "--log-y",
+        )
+        == 0
+    )
+    assert out.read_bytes().startswith(PNG_MAGIC)
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["learning_rate=0.1"], "comes before any policy name"),
+        (["nope", "learning_rate=0.1"], "unknown learning-rate policy 'nope'"),
+        (["poly_decay", "learning_rate=0.1"], "missing required parameter(s) ['decay_steps']"),
+        (["fixed_lr", "learning_rate=0.1", "--steps", "1"], "--steps must be an integer >= 2"),
+    ],
+)
+def test_lr_plot_errors(tmp_path, capsys, argv, message):
+    out = tmp_path / "lr.png"
+    assert run("lr-plot", *argv, "--out", out) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bench_runs_run_all(tmp_path, monkeypatch):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "run_all.py").write_text(
+        "import os, sys, pathlib\n"
+        "quick = os.environ.get('OPTKIT_BENCH_QUICK', '-')\n"
+        "pathlib.Path('ran.txt').write_text(quick + ' ' + ' '.join(sys.argv[1:]))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OPTKIT_BENCH_QUICK", raising=False)
+    assert run("bench", "--quick", "optimizers", "--flag") == 0
+    assert (tmp_path / "ran.txt").read_text() == "1 optimizers --flag"
+
+
+def test_bench_without_checkout(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_find_bench", lambda: None)
+    assert run("bench") == 2
+    assert "bench/run_all.py not found" in capsys.readouterr().err
+
+
+def test_switching_optimizer_or_policy_starts_their_parameters_afresh(capsys):
+    assert run("train", "--optimizer", "Adam", "--lr-policy", "cosine_decay", "--print-config") == 0
+    data = tomllib.loads(capsys.readouterr().out)
+    assert data["optimizer_params"] == {}
+    assert data["ema_momentum"] == "none"  # Adam keeps no weight average: the default EMA is off
+    assert data["lr_policy_params"] == {
+        "learning_rate": config.TrainConfig().lr_policy_params["learning_rate"]
+    }
+    assert run("train", "--optimizer", "SGD", "--optimizer-param", "momentum=0.5", "--print-config") == 0
+    assert tomllib.loads(capsys.readouterr().out)["optimizer_params"] == {"momentum": 0.5}
+
+
+def test_freeze_variables_regex_keeps_matching_parameters(tmp_path):
+    from optkit.demo.model import make_model
+
+    out = tmp_path / "run"
+    argv = ["--max-steps", 4, "--dtype", "float32", "--loss-scaling", 1, "--loss-scaling-param", "none"]
+    assert run("train", *argv, "--freeze-variables-regex", r"0\.", "--run-dir", out, *QUIET) == 0
+    final = torch.load(out / "checkpoints" / "step_000004.pt", weights_only=False)["model"]
+    initial = make_model(16, 0, torch.float32).state_dict()
+    assert torch.equal(final["0.weight"], initial["0.weight"]) and torch.equal(
+        final["0.bias"], initial["0.bias"]
+    )
+    assert not torch.equal(final["8.weight"], initial["8.weight"])
+    assert len(final) == len(initial)
