@@ -478,6 +478,8 @@ def test_load_state_dict_rejects_bad_input_untouched():
         (dict(larc_params={}), ValueError, "larc_eta"),
         (dict(larc_params={"larc_eta": 0.1, "larc_mode": "lars"}), ValueError, "larc_mode"),
         (dict(larc_params={"larc_eta": 0.1, "foo": 1.0}), ValueError, "foo"),
+        (dict(larc_params={"larc_eta": -1.0}), ValueError, "larc_eta"),
+        (dict(larc_params={"larc_eta": 0.1, "epsilon": 0.0}), ValueError, "epsilon"),
         (dict(loss_scaling="nope"), ValueError, "loss_scaling"),
         (dict(loss_scaling=True), TypeError, "loss_scaling"),
         (dict(loss_scaling=2.0, loss_scaling_params={"scale_min": 1.0}), ValueError, "loss_scaling_params"),
