@@ -15,11 +15,9 @@ from .scenarios import HSDP_CASES, OPTIMIZERS, available, reference
 
 CASES = list(OPTIMIZERS)
 
-#: known gap, reported: VariableClippingOptimizer takes the norm along dims on the local shard, so a clip
-#: whose dims cross the shard dim (here dims [0] of a Shard(0) weight) sees a partial norm. The mesh-aware
-#: norm it needs is ``_multi_tensor.norms_along`` (tested in test_mesh_norms.py).
-_VCO_XFAIL = pytest.mark.xfail(strict=False, reason="VariableClippingOptimizer: local-shard norm along dims")
-MATCH_CASES = [pytest.param(c, marks=_VCO_XFAIL) if c == "variable_clipping" else c for c in CASES]
+#: VariableClippingOptimizer clips along dims [0] of a Shard(0) weight: the norm crosses the shard dim and
+#: must be reduced across the mesh (``_multi_tensor.norms_along``).
+MATCH_CASES = CASES
 
 
 def _result(dist_results, case, rank=0):
