@@ -24,6 +24,7 @@ stderr. ``python -m bench.run_all`` runs them all and stores the tables in ``ben
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import platform
@@ -31,6 +32,7 @@ import resource
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -314,3 +316,21 @@ def header(title: str, floor: float) -> str:
         f"**{floor:.1f} GB/s**. Times are medians of per-step `perf_counter_ns`; variants of one table ran "
         f"interleaved in one process ({ROUNDS} rounds), so compare ratios within a table only.\n"
     )
+
+
+def load_timm_lars():
+    """timm's ``Lars`` class from ``timm/optim/lars.py`` (without importing ``timm``), or None."""
+    spec = importlib.util.find_spec("timm")
+    if spec is None or spec.origin is None:
+        return None
+    optim_dir = os.path.join(os.path.dirname(spec.origin), "optim")
+    pkg_name = "_optkit_bench_timm_optim"
+    if pkg_name + ".lars" not in sys.modules:
+        pkg = types.ModuleType(pkg_name)
+        pkg.__path__ = [optim_dir]
+        sys.modules[pkg_name] = pkg
+        lspec = importlib.util.spec_from_file_location(pkg_name + ".lars", os.path.join(optim_dir, "lars.py"))
+        mod = importlib.util.module_from_spec(lspec)
+        sys.modules[pkg_name + ".lars"] = mod
+        lspec.loader.exec_module(mod)
+    return sys.modules[pkg_name + ".lars"].Lars

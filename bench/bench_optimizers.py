@@ -20,11 +20,7 @@ resnet50 and one_big. Run ``python -m bench.bench_optimizers`` (``OPTKIT_BENCH_Q
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-import types
-from pathlib import Path
 
 import torch
 
@@ -32,25 +28,6 @@ from bench import _harness as H
 from optkit import LARS, SGD
 
 LR_SGD, LR_LARS = 0.01, 0.1
-
-
-def _load_timm_lars():
-    """timm's ``Lars`` class from ``timm/optim/lars.py`` (and its ``_helpers``) by file path, or None."""
-    spec = importlib.util.find_spec("timm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    root = Path(next(iter(spec.submodule_search_locations))) / "optim"
-    if not (root / "lars.py").exists():
-        return None
-    pkg = types.ModuleType("_timm_optim_stub")
-    pkg.__path__ = [str(root)]
-    sys.modules["_timm_optim_stub"] = pkg
-    for mod in ("_helpers", "lars"):
-        s = importlib.util.spec_from_file_location(f"_timm_optim_stub.{mod}", root / f"{mod}.py")
-        m = importlib.util.module_from_spec(s)
-        sys.modules[s.name] = m
-        s.loader.exec_module(m)
-    return sys.modules["_timm_optim_stub.lars"].Lars
 
 
 def _variant(name, set_name, build):
@@ -119,7 +96,7 @@ def bench_lars(set_name: str, floor: float, timm_lars) -> str:
 def main() -> str:
     H.log("bench_optimizers: floor ...")
     floor = H.floor_gbps()
-    timm_lars = _load_timm_lars()
+    timm_lars = H.load_timm_lars()
     parts = [H.header("Optimizers: optkit SGD / LARS vs torch.optim.SGD / timm Lars", floor)]
     sgd, lars = [], []
     for set_name in H.SET_NAMES:

@@ -19,11 +19,6 @@ Run ``python -m bench.bench_wrappers`` (``OPTKIT_BENCH_QUICK=1`` for a smoke run
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-import types
-
 import torch
 
 from bench import _harness as H
@@ -40,22 +35,6 @@ LARC_NOTE = ("LARC: clip mode, η = 0.001, lr 0.1, momentum 0.9; 28 B/param = 8 
              "(update).")
 
 
-def load_timm_lars():
-    """timm's ``Lars`` class from ``timm/optim/lars.py`` (without importing ``timm``), or None."""
-    spec = importlib.util.find_spec("timm")
-    if spec is None or spec.origin is None:
-        return None
-    optim_dir = os.path.join(os.path.dirname(spec.origin), "optim")
-    pkg_name = "_optkit_bench_timm_optim"
-    if pkg_name + ".lars" not in sys.modules:
-        pkg = types.ModuleType(pkg_name)
-        pkg.__path__ = [optim_dir]
-        sys.modules[pkg_name] = pkg
-        lspec = importlib.util.spec_from_file_location(pkg_name + ".lars", os.path.join(optim_dir, "lars.py"))
-        mod = importlib.util.module_from_spec(lspec)
-        sys.modules[pkg_name + ".lars"] = mod
-        lspec.loader.exec_module(mod)
-    return sys.modules[pkg_name + ".lars"].Lars
 
 
 def _restore(grads: list[torch.Tensor], ref: list[torch.Tensor]):
@@ -113,7 +92,7 @@ def bench_larc(set_name: str, floor: float, lars_cls) -> str:
 def main() -> str:
     H.log("bench_wrappers: floor ...")
     floor = H.floor_gbps()
-    lars_cls = load_timm_lars()
+    lars_cls = H.load_timm_lars()
     parts = [H.header("Wrappers: loss-scaled step and LARC (optkit / anchors)", floor)]
     ls, larc = [], []
     for set_name in H.SET_NAMES:
