@@ -353,8 +353,12 @@ def test_build_is_idempotent_and_state_exists_at_construction():
 def test_add_param_group_builds_state_and_names():
     params = make_params()
     opt = SGD(params[:2], learning_rate=0.1, momentum=0.9)
-    opt.add_param_group({"params": [params[2][1]], "lr": 0.01})
+    with pytest.raises(ValueError, match="with or without names"):  # torch's rule: all named or none
+        opt.add_param_group({"params": [params[2][1]], "lr": 0.01})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [params[2]], "lr": 0.01})
     assert "momentum" in opt.state[params[2][1]]
+    assert opt.param_groups[1]["param_names"] == [params[2][0]]
     do_step(opt, params, 0)
     assert int(opt.iterations) == 1
 
@@ -410,11 +414,12 @@ def test_closure_return_value():
 
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
 def test_pointwise_rules_used_by_jit_compile_match_eager(kind, monkeypatch):
-    """``jit_compile`` hands ``_chain_eager`` (decay → each optimizer's pointwise rule → EMA) to
+    """``jit_compile`` hands ``optkit._compile.chain`` (decay → each optimizer's pointwise rule → EMA) to
     ``torch.compile``; running it uncompiled must reproduce the eager update, skipped steps included."""
     import optkit.optimizer as base
+    from optkit._compile import chain
 
-    monkeypatch.setattr(base, "_compiled_chain", lambda: base._chain_eager)
+    monkeypatch.setattr(base, "compiled_chain", lambda: chain)
     a, b = make_params(), make_params()
     oa = FACTORIES[kind](a)
     ob = FACTORIES[kind](b)

@@ -460,7 +460,7 @@ def test_jit_compile_falls_back_with_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated compiler failure")
 
-    monkeypatch.setattr(base, "_compiled_chain", lambda: broken)
+    monkeypatch.setattr(base, "compiled_chain", lambda: broken)
     lrs = [0.1, 0.05]
     eager, _ = _train(False, lrs)
     with pytest.warns(RuntimeWarning, match="running eagerly"):

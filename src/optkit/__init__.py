@@ -3,7 +3,8 @@
 Everything public is importable from here. The modules are small and named for what they hold:
 ``clipping`` (global-norm and per-tensor clipping), ``lr_policies`` / ``schedules`` (OpenSeq2Seq learning-rate
 policies), ``loss_scale`` (fixed, dynamic, Backoff and LogMax scalers), ``optimizer`` (the Keras-style base),
-``sgd`` / ``lars`` / ``ftrl`` (optimizers), ``registry`` (optimizers by name), the wrappers
+``sgd`` / ``momentum`` / ``adam`` / ``adagrad`` / ``rmsprop`` / ``ftrl`` / ``lars`` (optimizers, one file
+each), ``registry`` (optimizers by name), the wrappers
 (``variable_clipping``, ``loss_scale_optimizer``, ``mixed_precision``, ``larc``) and ``train``
 (``optimize_loss``). All per-parameter arithmetic lives in the private ``_multi_tensor`` layer.
 """
@@ -13,6 +14,8 @@ __version__ = "0.1.0"
 # The public face, by layer: foundations (multi-tensor math, clipping, schedules, loss scaling), optimizers,
 # wrappers over any optimizer, and the one-call training step.
 from . import distributed
+from .adagrad import Adagrad
+from .adam import Adam, AdamW
 from .clipping import (
     clip_by_global_norm,
     clip_by_norm,
@@ -49,6 +52,7 @@ from .lr_policies import (
     transformer_policy,
 )
 from .mixed_precision import MixedPrecisionOptimizerWrapper, convert_model_to_half
+from .momentum import Momentum
 from .optimizer import Optimizer
 from .registry import OPTIMIZER_CLS_NAMES, get_optimizer
 from .regularization import (
@@ -58,10 +62,10 @@ from .regularization import (
     l1_regularizer,
     l2_regularizer,
 )
+from .rmsprop import RMSProp
 from .schedules import LearningRateSchedule, PolicySchedule, ScheduleLR, build_schedule
 from .sgd import SGD
 from .summaries import OPTIMIZER_SUMMARIES
-from .tf_optimizers import Adagrad, Adam, AdamW, Momentum, RMSProp
 from .train import StepResult, TrainOp, optimize_loss
 from .variable_clipping import VariableClippingOptimizer
 

@@ -27,7 +27,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ParameterTypeError", "check_params", "check_real", "check_int"]
+__all__ = ["ParameterTypeError", "check_params", "check_real", "check_int", "check_number", "is_number"]
 
 
 class ParameterTypeError(TypeError, ValueError):
@@ -143,3 +143,38 @@ def check_int(name: str, value: Any, *, where: str, minimum: int | None = None) 
     if minimum is not None and v < minimum:
         raise ValueError(f"{where}: {name} must be >= {minimum}, got {value!r}")
     return v
+
+
+def is_number(x: object) -> bool:
+    """A real Python/NumPy number that is not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_number(
+    name: str,
+    value: object,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    allow_none: bool = False,
+    integer: bool = False,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is a number in ``[low, high]``
+    (``(low, high]`` with ``low_open``); the optimizers' hyperparameter check (nothing is created before
+    it)."""
+    if value is None and allow_none:
+        return
+    if integer:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"`{name}` must be an int, got {value!r} ({type(value).__name__})")
+    elif not is_number(value):
+        raise TypeError(f"`{name}` must be a number, got {value!r} ({type(value).__name__})")
+    v = float(value)  # type: ignore[arg-type]
+    if math.isnan(v):
+        raise ValueError(f"`{name}` must not be NaN")
+    if low is not None and (v < low or (low_open and v == low)):
+        op = ">" if low_open else ">="
+        raise ValueError(f"`{name}` must be {op} {low}, got {value!r}")
+    if high is not None and v > high:
+        raise ValueError(f"`{name}` must be <= {high}, got {value!r}")

@@ -40,7 +40,9 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from .optimizer import autograd_pairs as _autograd_pairs
+from ._tf_surface import autograd_pairs as _autograd_pairs
+from ._tf_surface import check_pairs as _check_pairs
+from ._tf_surface import gradients_installed
 
 __all__ = ["OptimizerWrapper", "protocol_level"]
 
@@ -332,20 +334,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return self._result()
 
     def _with_grads(self, pairs: list[tuple[Tensor | None, Tensor]], fn: Callable[[], Any]) -> Any:
-        saved = [(p, p.grad) for p in self._all_params()]
-        try:
-            with torch.no_grad():
-                for p, _ in saved:
-                    p.grad = None
-                for g, v in pairs:
-                    if g is not None:
-                        v.grad = g.detach().clone() if not g.is_sparse else g.detach().coalesce()
-                        if v.grad.dtype != v.dtype:
-                            v.grad = v.grad.to(v.dtype)
-                return fn()
-        finally:
-            for p, g in saved:
-                p.grad = g
+        """Run ``fn`` with copies of the given gradients installed (``_tf_surface.gradients_installed``)."""
+        with gradients_installed(pairs, self._all_params()), torch.no_grad():
+            return fn()
 
     def _result(self) -> Any:
         return self.optimizer.iterations if hasattr(self.optimizer, "iterations") else self.step_applied
@@ -411,29 +402,3 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def _load_own_state(self, own: dict[str, Any]) -> None:
         pass
-
-
-# ------------------------------------------------------------------------------------------------
-
-
-
-
-def _check_pairs(
-    grads_and_vars: Iterable[tuple[Tensor | None, Tensor]], known_params: list[Tensor]
-) -> list[tuple[Tensor | None, Tensor]]:
-    """Validate ``(gradient, variable)`` pairs against the optimizer's parameters (TF errors)."""
-    pairs = list(grads_and_vars)
-    known = {id(p) for p in known_params}
-    for pair in pairs:
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise TypeError(f"`grads_and_vars` must hold (gradient, variable) pairs, got {pair!r}")
-        g, v = pair
-        if not isinstance(v, Tensor) or id(v) not in known:
-            raise ValueError("apply_gradients(): unknown variable (not one of the optimizer's parameters)")
-        if g is not None and not isinstance(g, Tensor):
-            raise TypeError(f"gradients must be Tensors or None, got {type(g).__name__}")
-        if g is not None and g.shape != v.shape:
-            raise ValueError(f"gradient shape {tuple(g.shape)} != variable shape {tuple(v.shape)}")
-    if all(g is None for g, _ in pairs):
-        raise ValueError("No gradients provided for any variable.")
-    return [tuple(p) for p in pairs]  # type: ignore[misc]

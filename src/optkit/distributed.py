@@ -30,13 +30,14 @@ shard, and ``finalize_variable_values()`` copies shard into shard without any co
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._mesh import check_mesh, replicated
 
 __all__ = [
     "WRAPPERS_KEY",
@@ -210,62 +211,6 @@ def set_optimizer_state_dict(
     dsd.set_optimizer_state_dict(model, view, osd, options=options)
     for w, own in zip(chain, owns):
         w._load_own_state(own)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# meshes
-
-
-def _is_mesh(obj: object) -> bool:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except Exception:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(obj, DeviceMesh)
-
-
-def _on_mesh(t: Tensor, mesh: Any) -> bool:
-    m = t.device_mesh
-    if m == mesh:
-        return True
-    root = m._get_root_mesh() if hasattr(m, "_get_root_mesh") else m
-    return root is not m and root == mesh
-
-
-def check_mesh(named_params: Iterable[tuple[str, Tensor]], mesh: Any) -> None:
-    """Raise unless every parameter is a DTensor on ``mesh`` (or on a sub-mesh sliced from it).
-
-    ``TypeError`` when ``mesh`` is not a ``DeviceMesh``; ``ValueError`` naming the first parameter that is a
-    plain tensor or lives on another mesh.
-    """
-    if not _is_mesh(mesh):
-        raise TypeError(
-            f"`mesh` must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
-        )
-    for name, p in named_params:
-        if not mt.is_dtensor(p):
-            raise ValueError(
-                f"parameter {name!r} is a plain tensor, not a DTensor on the optimizer's `mesh` {mesh} "
-                "(distribute it, e.g. with fully_shard or distribute_tensor, or leave `mesh` None)"
-            )
-        if not _on_mesh(p, mesh):
-            raise ValueError(
-                f"parameter {name!r} lives on mesh {p.device_mesh}, not on the optimizer's `mesh` {mesh}"
-            )
-
-
-def replicated(t: Tensor, mesh: Any) -> Tensor:
-    """``t`` (a tensor holding the same value on every rank) as a DTensor replicated on every dim of ``mesh``.
-
-    No communication; the local tensor is shared, so the view follows later in-place changes of ``t``.
-    """
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not _is_mesh(mesh):
-        raise TypeError(f"`mesh` must be a DeviceMesh, got {type(mesh).__name__}")
-    if mt.is_dtensor(t):
-        raise TypeError("`t` is already a DTensor")
-    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ Prediction: a View from the Trenches", KDD 2013, Algorithm 1)::
     w         ← (sign(z)·l1 − z) / quadratic   if |z| > l1,   else 0
     n         ← n_new
 
-Slots: ``accum`` (``n``, initialised to ``initial_accumulator_value``) and ``linear`` (``z``, zeros). TF 1
-defaults: ``learning_rate_power=-0.5``, ``initial_accumulator_value=0.1``, all regularisation 0. Sparse
-gradients update only their (de-duplicated) rows, as TF's ``SparseApplyFtrlV2`` does.
+Slots: ``accum`` (``n``, initialised to ``initial_accumulator_value``) and ``linear`` (``z``, zeros). A zero
+learning rate (the first step of a warm-up) leaves weights and slots unchanged; TF writes NaN (``0/0`` in
+``σ``). TF 1 defaults: ``learning_rate_power=-0.5``, ``initial_accumulator_value=0.1``, all regularisation
+0. Sparse gradients update only their (de-duplicated) rows, as TF's ``SparseApplyFtrlV2`` does.
 
 The dense rule runs as grouped foreach kernels over cache-sized blocks (the base's blocked pass); the
 soft threshold is written ``−sign(z)·max(|z| − l1, 0) / quadratic``, which equals the TF form exactly.
@@ -48,7 +49,9 @@ def _ftrl_pointwise(hyper, w, g, slots, lr, k, aux):
     quadratic = p_new / lr + (2.0 * l2 + beta / lr)
     shrunk = (linear_new.abs() - l1).clamp_min(0.0)
     w_new = -(linear_new.sign() * shrunk) / quadratic
-    return w_new, [accum_new, linear_new]
+    idle = lr == 0  # a zero learning rate (warm-up step 0) changes nothing instead of writing NaN
+    return (torch.where(idle, w, w_new),
+            [torch.where(idle, accum, accum_new), torch.where(idle, linear, linear_new)])
 
 
 class Ftrl(Optimizer):
@@ -119,9 +122,8 @@ class Ftrl(Optimizer):
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         lr_power, l1, l2, l2s, beta = self._pointwise_hyper(group)
-        for (device, dtype), (_, (w, g, n, z)) in self._by_device_dtype(
-            params, grads, slots["accum"], slots["linear"]
-        ).items():
+        lists = (params, grads, slots["accum"], slots["linear"])
+        for device, dtype, _, _, (w, g, n, z) in self._kernel_parts("foreach", lists, (0, 2, 3)):
             lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
             if k is not None:
                 torch._foreach_mul_(g, k.to(device))
@@ -144,7 +146,10 @@ class Ftrl(Optimizer):
             torch._foreach_mul_(w_new, shrunk)
             torch._foreach_div_(w_new, quad)
             torch._foreach_neg_(w_new)
-            skip = None if found_inf is None else found_inf.to(device) > 0.5
+            # nothing changes on a skipped step, nor with a zero learning rate (warm-up step 0: 0/0 otherwise)
+            skip = lr_ == 0
+            if found_inf is not None:
+                skip = skip | (found_inf.to(device) > 0.5)
             mt.commit_(w + n + z, w_new + n_new + z_new, skip)
 
     def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from .momentum import sparse_momentum_rows_
 from .optimizer import Optimizer, check_number
-from .sgd import fused_sgd_ok
 
 __all__ = ["LARS"]
 
@@ -44,7 +44,8 @@ _VARIANTS = ("tf1.15", "tf1.14")
 
 
 def _fused(params, grads, bufs, *, weight_decay, momentum, lr, nesterov, found_inf) -> None:
-    """``torch._fused_sgd_`` with dampening 0 (``bufs`` empty: no momentum buffer)."""
+    """``torch._fused_sgd_`` with dampening 0 (``bufs`` empty: no momentum buffer); callers are inside the
+    optimizer's fused-kernel gate."""
     torch._fused_sgd_(
         params, grads, bufs,
         weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0, nesterov=nesterov,
@@ -52,45 +53,24 @@ def _fused(params, grads, bufs, *, weight_decay, momentum, lr, nesterov, found_i
     )
 
 
-def _skip(found_inf: Tensor | None) -> Tensor | None:
-    return None if found_inf is None else found_inf > 0.5
-
-
-def _momentum_step(p, u, a, m, nesterov, found_inf, fused) -> None:
+def _momentum_step(p, u, a, m, nesterov, found_inf) -> None:
     """``a ← m·a + u``; ``p ← p − a`` (Nesterov ``p ← p − u − m·a``); nothing changes when found_inf is 1."""
-    if fused and m != 0.0:
+    if m != 0.0:
         _fused(p, u, a, weight_decay=0.0, momentum=m, lr=1.0, nesterov=nesterov, found_inf=found_inf)
         return
-    if fused:  # m == 0: a ← u (TF keeps the slot) and p ← p − u
-        _fused(a, u, [], weight_decay=-1.0, momentum=0.0, lr=-1.0, nesterov=False, found_inf=found_inf)
-        _fused(p, u, [], weight_decay=0.0, momentum=0.0, lr=1.0, nesterov=False, found_inf=found_inf)
-        return
-    a_new = torch._foreach_mul(a, m)
-    torch._foreach_add_(a_new, u)
-    if nesterov:
-        step = torch._foreach_mul(a_new, m)
-        torch._foreach_add_(step, u)
-    else:
-        step = a_new
-    mt.commit_(list(p) + list(a), torch._foreach_sub(p, step) + a_new, _skip(found_inf))
+    # m == 0: a ← u (TF keeps the slot) and p ← p − u
+    _fused(a, u, [], weight_decay=-1.0, momentum=0.0, lr=-1.0, nesterov=False, found_inf=found_inf)
+    _fused(p, u, [], weight_decay=0.0, momentum=0.0, lr=1.0, nesterov=False, found_inf=found_inf)
 
 
-def _accumulate(a, g, m, found_inf, fused) -> None:
-    """``a ← m·a + g`` (fused: ``a + (g + (m − 1)·a)``); unchanged when found_inf is 1."""
-    if fused:
-        _fused(a, g, [], weight_decay=m - 1.0, momentum=0.0, lr=-1.0, nesterov=False, found_inf=found_inf)
-        return
-    a_new = torch._foreach_mul(a, m)
-    torch._foreach_add_(a_new, g)
-    mt.commit_(a, a_new, _skip(found_inf))
+def _accumulate(a, g, m, found_inf) -> None:
+    """``a ← m·a + g`` (as ``a + (g + (m − 1)·a)``); unchanged when found_inf is 1."""
+    _fused(a, g, [], weight_decay=m - 1.0, momentum=0.0, lr=-1.0, nesterov=False, found_inf=found_inf)
 
 
-def _subtract(p, d, found_inf, fused) -> None:
+def _subtract(p, d, found_inf) -> None:
     """``p ← p − d``; unchanged when found_inf is 1."""
-    if fused:
-        _fused(p, d, [], weight_decay=0.0, momentum=0.0, lr=1.0, nesterov=False, found_inf=found_inf)
-        return
-    mt.commit_(p, torch._foreach_sub(p, d), _skip(found_inf))
+    _fused(p, d, [], weight_decay=0.0, momentum=0.0, lr=1.0, nesterov=False, found_inf=found_inf)
 
 
 def _lars_pointwise(hyper, w, g, slots, lr, k, aux):
@@ -223,10 +203,13 @@ class LARS(Optimizer):
         self._static_cache[id(group)] = (key, value)
         return value
 
-    def _prepare(self, group, names, params, grads, slots, lr, k) -> list:
+    _prepare_reads_grads = True
+
+    def _prepare(self, group, plan, params, grads, lr, k) -> list:
         """Per-tensor factors as 0-d tensors: ``(s·k, s·wd)`` for TF 1.15, ``(s, s·m)`` for TF 1.14, with
         ``s = lr·trust``. One grouped norm call (two read-only passes: weights and gradients), stacked
         vector arithmetic, no host sync."""
+        names = plan.names
         n = len(params)
         dev = mt.local(params[0]).device
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
@@ -260,29 +243,30 @@ class LARS(Optimizer):
         m = float(group["momentum"])
         nesterov = bool(group["use_nesterov"])
         b15 = group["variant"] == "tf1.15"
-        bufs = slots["momentum"]
-        c1, c2 = (list(x) for x in zip(*aux))  # (s·k, s·wd) for TF 1.15, (s, s·m) for TF 1.14
-        for (device, _dtype), (ix, (p, g, a)) in self._by_device_dtype(params, grads, bufs).items():
+        lists = (params, grads, slots["momentum"])
+        for device, _, mode, ix, (p, g, a) in self._kernel_parts("sgd", lists, (0, 2)):
             fi = None if found_inf is None else found_inf.to(device)
-            whole = len(ix) == len(params)
-            f1, f2 = (c if whole else [c[i] for i in ix] for c in (c1, c2))
-            fused = fused_sgd_ok(device, _dtype)
+            part_aux = aux if len(ix) == len(params) else [aux[i] for i in ix]
+            if mode == "fallback":
+                self._pointwise_fallback(group, p, g, [a], lr, k, fi, part_aux)
+                continue
+            f1, f2 = (list(x) for x in zip(*part_aux))  # (s·k, s·wd) for TF 1.15, (s, s·m) for TF 1.14
             if b15:
                 # u = s·k·g + s·wd·w (in cache), then a ← m·a + u; w ← w − a (or − u − m·a) in one fused pass
                 torch._foreach_mul_(g, f1)
                 torch._foreach_addcmul_(g, p, f2)
-                _momentum_step(p, g, a, m, nesterov, fi, fused)
+                _momentum_step(p, g, a, m, nesterov, fi)
             else:
                 if k is not None:
                     torch._foreach_mul_(g, k.to(device))
-                _accumulate(a, g, m, fi, fused)
+                _accumulate(a, g, m, fi)
                 if nesterov:  # step = s·g + s·m·a
                     torch._foreach_mul_(g, f1)
                     torch._foreach_addcmul_(g, a, f2)
                 else:  # step = s·a
                     torch._foreach_copy_(g, a)
                     torch._foreach_mul_(g, f1)
-                _subtract(p, g, fi, fused)
+                _subtract(p, g, fi)
 
     def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
         """Plain momentum with the base learning rate on the touched rows of coalesced sparse gradients
@@ -292,17 +276,4 @@ class LARS(Optimizer):
         nesterov = bool(group["use_nesterov"])
         skip = None if found_inf is None else found_inf > 0.5
         for p, g, a in zip(params, grads, slots["momentum"]):
-            pl, al = mt.local(p), mt.local(a)
-            index = tuple(g._indices())
-            vals = g._values()
-            lr_ = lr.to(device=vals.device, dtype=vals.dtype)
-            if k is not None:
-                vals = vals * k.to(device=vals.device, dtype=vals.dtype)
-            a_rows = al[index]
-            a_new = a_rows * m + vals
-            step = lr_ * vals + (lr_ * m) * a_new if nesterov else lr_ * a_new
-            if skip is not None:
-                a_new = torch.where(skip, a_rows, a_new)
-                step = torch.where(skip, torch.zeros_like(step), step)
-            al.index_put_(index, a_new)
-            pl.index_put_(index, pl[index] - step)
+            sparse_momentum_rows_(p, g, a, m, nesterov, lr, k, skip)

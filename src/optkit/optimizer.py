@@ -1,14 +1,16 @@
-"""The Keras-style optimizer base: a ``torch.optim.Optimizer`` with the TF surface on top.
+"""The Keras-style optimizer base: a ``torch.optim.Optimizer`` whose subclasses write only their update rule.
 
-Every optkit optimizer derives from :class:`Optimizer` and writes only its update rule over grouped tensor
-lists (:meth:`Optimizer._update`). The base runs the Keras 3 pipeline (``spec/tf_keras.md`` §4.1) once per
-``step()``, with optkit's own rules where DESIGN §1 says so:
+Every optkit optimizer derives from :class:`Optimizer` and states its rule over grouped tensor lists
+(:meth:`Optimizer._update`), plus the same rule as out-of-place pointwise math (``_pointwise``, for
+``jit_compile`` and for devices without a fused kernel). The base runs the Keras 3 pipeline
+(``spec/tf_keras.md`` §4.1) once per ``step()``, with optkit's own rules where DESIGN §1 says so:
 
 1. gradients: ``None`` skipped; sparse COO densified (unless the optimizer has a sparse rule);
 2. unscale by ``grad_scale`` (set by a loss-scale wrapper or ``torch.amp.GradScaler``);
 3. clip: ``clipvalue`` (elementwise), ``clipnorm`` (each tensor: g·c/max(‖g‖, c)) or ``global_clipnorm``
    (g·c/max(N, c), all NaN for a non-finite N) — mutually exclusive;
-4. decoupled weight decay ``w ← w − w·wd·lr`` on the parameters not excluded;
+4. decoupled weight decay ``w ← w − w·wd·lr`` on the parameters not excluded (optimizers whose
+   ``weight_decay`` means something else set ``_decoupled_weight_decay = False``);
 5. the optimizer's update rule with the current learning rate;
 6. EMA ``avg ← μ·avg + (1−μ)·w`` over all parameters (the first applied step copies ``w``), and the optional
    overwrite ``w ← avg`` every ``ema_overwrite_frequency`` applied steps;
@@ -16,7 +18,13 @@ lists (:meth:`Optimizer._update`). The base runs the Keras 3 pipeline (``spec/tf
 
 When ``found_inf`` (a 0-d tensor, 1.0 = skip) is set by a wrapper, the whole pipeline is a no-op on device
 (no host sync): the fused kernels take ``found_inf``, and every other factor is blended with it, so a skipped
-step changes no parameter, slot, average or counter. ``step_applied`` holds the outcome as a 0-d bool tensor.
+step changes no parameter, slot, average or counter. All state exists from construction, so nothing is
+created lazily on a skipped step. ``step_applied`` holds the outcome as a 0-d bool tensor.
+
+Layering: parameters are checked and normalised by :mod:`optkit._params`; the cached per-group structure of
+the dense pass is :mod:`optkit._plan`; every call of a torch fused kernel goes through the gate in
+:mod:`optkit._fused` (:meth:`Optimizer._kernel_parts`); ``jit_compile`` is :mod:`optkit._compile`; the
+TF/Keras methods are the :class:`optkit._tf_surface.TFSurface` mixin.
 
 Performance: unscaling and global clipping fold into the optimizer's fused kernel as one scalar factor, so the
 only extra traffic is one read-only norm pass; weight decay, the update and the EMA run block by block over
@@ -26,63 +34,23 @@ cache-sized chunks (``_multi_tensor.blocks``) so their chain costs about one swe
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 import re
-import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from . import _fused
 from . import _multi_tensor as mt
+from ._compile import chain, compiled_chain, warn_compile_fallback
+from ._params import normalize_param_groups
+from ._plan import Plan, check_slot_fits
+from ._tf_surface import TFSurface, autograd_pairs, is_schedule
+from ._validation import check_number, is_number
 
-__all__ = ["Optimizer"]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# argument checks (raise before any state is touched)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def check_number(
-    name: str,
-    value: object,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    allow_none: bool = False,
-    integer: bool = False,
-) -> None:
-    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is a number in range."""
-    if value is None and allow_none:
-        return
-    if integer:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise TypeError(f"`{name}` must be an int, got {value!r} ({type(value).__name__})")
-    elif not _is_number(value):
-        raise TypeError(f"`{name}` must be a number, got {value!r} ({type(value).__name__})")
-    v = float(value)  # type: ignore[arg-type]
-    if math.isnan(v):
-        raise ValueError(f"`{name}` must not be NaN")
-    if low is not None and (v < low or (low_open and v == low)):
-        op = ">" if low_open else ">="
-        raise ValueError(f"`{name}` must be {op} {low}, got {value!r}")
-    if high is not None and v > high:
-        raise ValueError(f"`{name}` must be <= {high}, got {value!r}")
-
-
-def _is_schedule(lr: object) -> bool:
-    try:
-        from .schedules import LearningRateSchedule
-    except Exception:  # pragma: no cover - schedules module unavailable
-        return False
-    return isinstance(lr, LearningRateSchedule)
+__all__ = ["Optimizer", "check_number", "autograd_pairs"]
 
 
 def _callable_arity(fn: Callable) -> int:
@@ -98,150 +66,16 @@ def _callable_arity(fn: Callable) -> int:
     return len(required)
 
 
-def autograd_pairs(
-    loss: Tensor | Callable[[], Tensor], vs: list[Tensor]
-) -> list[tuple[Tensor | None, Tensor]]:
-    """``(dloss/dv, v)`` for each ``v`` in ``vs`` (``None`` where unused); ``loss`` is a scalar tensor or a
-    zero-argument callable returning one (TF's ``compute_gradients``). Shared by optimizers and wrappers."""
-    if not vs:
-        raise ValueError("`var_list` is empty")
-    with torch.enable_grad():
-        value = loss() if callable(loss) else loss
-    if not isinstance(value, Tensor) or value.numel() != 1:
-        raise ValueError("`loss` must be (or return) a scalar tensor")
-    grads = torch.autograd.grad(value, vs, allow_unused=True)
-    return list(zip(grads, vs))
-
-
-def _normalize_param_groups(params: Any) -> list[dict]:
-    """Accept tensors, ``named_parameters()`` pairs, or param-group dicts; return groups with names."""
-    if isinstance(params, Tensor):
-        raise TypeError(
-            "`params` must be an iterable of tensors, (name, tensor) pairs or param-group dicts, "
-            "got a single Tensor"
-        )
-    items = list(params)
-    if not items:
-        raise ValueError("`params` is empty: the optimizer got no parameters")
-    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
-    counter = 0
-    for g in groups:
-        if not isinstance(g, dict) or "params" not in g:
-            raise TypeError("every param group must be a dict with a 'params' entry")
-        ps = g["params"]
-        ps = [ps] if isinstance(ps, Tensor) else list(ps)
-        given = g.get("param_names")
-        tensors, names = [], []
-        for j, item in enumerate(ps):
-            if isinstance(item, tuple):
-                if len(item) != 2 or not isinstance(item[1], Tensor):
-                    raise TypeError(f"named parameters must be (str, Tensor) pairs, got {item!r}")
-                name, t = item
-            elif isinstance(item, Tensor):
-                name, t = (given[j] if given is not None else None), item
-            else:
-                raise TypeError(f"`params` entries must be Tensors, got {type(item).__name__}")
-            if not t.is_leaf:
-                raise ValueError("can't optimize a non-leaf Tensor")
-            tensors.append(t)
-            names.append(str(name) if name is not None else f"param_{counter}")
-            counter += 1
-        g["params"] = tensors
-        g["param_names"] = names
-    return groups
-
-
-# ------------------------------------------------------------------------------------------------------------
-
-
-def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
-    return [mt.local(p).data_ptr() for p in params] if dtensor else [p.data_ptr() for p in params]
-
-
-class _Block:
-    """One block of the dense pass: owner indices, the chunks of params/slots/averages (static views), how to
-    cut each owner's gradient (``split[j]`` = (start, stop) of the flat gradient, or None for the whole
-    tensor; ``split`` None when nothing is cut) and the block's (device, dtype) when homogeneous."""
-
-    __slots__ = ("owners", "params", "slots", "averages", "split", "key", "identity", "all_wd", "avg_same")
-
-
-class _Plan:
-    """Per-group structure of the dense pass, cached across steps: names, slot lists, weight-decay mask and
-    the cache-sized blocks. Building it costs Python work per parameter; reusing it costs O(1) per step plus
-    one check per chunked gradient."""
-
-    def __init__(self, opt: Optimizer, group: dict, idx, params, grads, blocked: bool, key) -> None:
-        self.key = key
-        self.names = [group["param_names"][i] for i in idx]
-        st = opt.state
-        self.slots = {s: [st[p][s] for p in params] for s in opt.slot_names}
-        self.averages = [st[p]["average"] for p in params] if opt.use_ema else None
-        self.use_wd = [opt._use_weight_decay(p, n) for p, n in zip(params, self.names)]
-        self.any_wd = any(self.use_wd)
-        self.any_dtensor = any(mt.is_dtensor(t) for t in params) or any(mt.is_dtensor(g) for g in grads)
-        self._ptrs = _data_ptrs(params, self.any_dtensor)
-        loc = mt.local
-        slot_keys = list(opt.slot_names)
-        lists = [[loc(p) for p in params], [loc(g) for g in grads]]
-        lists += [[loc(t) for t in self.slots[s]] for s in slot_keys]
-        if self.averages is not None:
-            lists.append([loc(a) for a in self.averages])
-        on_cpu = lists[0][0].device.type == "cpu"
-        if blocked and on_cpu:
-            raw = mt.blocks(lists, opt.block_numel)
-        else:
-            raw = [(list(range(len(params))), tuple(lists))]
-        self.blocks = []
-        self._split_owners: list[tuple[int, torch.Size]] = []
-        n = len(params)
-        for owners, chunk_lists in raw:
-            b = _Block()
-            b.owners = owners
-            b.params = chunk_lists[0]
-            b.slots = {s: chunk_lists[2 + j] for j, s in enumerate(slot_keys)}
-            b.averages = chunk_lists[-1] if self.averages is not None else None
-            split = []
-            for o, chunk in zip(owners, chunk_lists[1]):
-                g = lists[1][o]
-                if chunk.numel() == g.numel() and chunk.data_ptr() == g.data_ptr():
-                    split.append(None)
-                else:
-                    start = chunk.storage_offset() - g.storage_offset()
-                    split.append((start, start + chunk.numel()))
-                    self._split_owners.append((o, g.shape))
-            b.split = None if all(r is None for r in split) else split
-            kinds = {(t.device, t.dtype) for t in b.params}
-            b.key = next(iter(kinds)) if len(kinds) == 1 else None
-            b.identity = len(owners) == n and owners == list(range(n))
-            b.all_wd = all(self.use_wd[o] for o in owners)
-            b.avg_same = b.averages is not None and all(
-                a.dtype == p.dtype for a, p in zip(b.averages, b.params))
-            self.blocks.append(b)
-        self._split_owners = list(dict(self._split_owners).items())
-
-    def params_fit(self, params: list[Tensor]) -> bool:
-        """Whether the parameters still live where the plan's chunk views point (``p.data = ...`` or a move
-        to another device replaces the storage)."""
-        return self._ptrs == _data_ptrs(params, self.any_dtensor)
-
-    def grads_fit(self, grads: list[Tensor]) -> bool:
-        """Whether this step's gradients can be cut like the plan's (contiguous, same shape)."""
-        for o, shape in self._split_owners:
-            g = mt.local(grads[o])
-            if not g.is_contiguous() or g.shape != shape:
-                return False
-        return True
-
-
-class Optimizer(torch.optim.Optimizer):
+class Optimizer(TFSurface, torch.optim.Optimizer):
     """Base class of optkit optimizers (Keras 3 semantics on a ``torch.optim.Optimizer``).
 
     Args:
-        params: tensors, ``model.named_parameters()`` or param-group dicts. Names are used by
-            :meth:`exclude_from_weight_decay` and by name-based options such as LARS ``skip_list``.
-        learning_rate: a number, a :class:`~optkit.schedules.LearningRateSchedule` (called with
-            ``iterations``, the count of applied updates) or a callable (zero arguments, or one: the step).
+        params: tensors, ``model.named_parameters()`` or param-group dicts (all named or all unnamed). Names
+            are used by :meth:`exclude_from_weight_decay` and by name-based options such as LARS
+            ``skip_list``; names given here win over names stored in a loaded state dict.
+        learning_rate: a number, a 0-d tensor (kept as the groups' ``lr``, as torch does), a
+            :class:`~optkit.schedules.LearningRateSchedule` (called with ``iterations``, the count of applied
+            updates) or a callable (zero arguments, or one: the step).
         weight_decay: decoupled decay, ``w ← w − w·weight_decay·lr`` before the update (Keras form).
         clipnorm / clipvalue / global_clipnorm: gradient clipping; at most one may be set.
         use_ema, ema_momentum, ema_overwrite_frequency: exponential moving average of the weights
@@ -249,12 +83,13 @@ class Optimizer(torch.optim.Optimizer):
         jit_compile: compile the grouped update with ``torch.compile`` (falls back to eager with a warning).
         mesh: a ``DeviceMesh`` all DTensor parameters must live on (scalar state is kept on its device type).
         name: the optimizer's name (defaults to the class name).
-        amsgrad: accepted and ignored, as in the seed.
+        amsgrad: accepted and ignored, as in the seed (``Adam`` has its own).
 
-    Subclasses set ``slot_names`` and implement :meth:`_update` (and optionally :meth:`_prepare`).
+    Subclasses set ``slot_names``, implement :meth:`_update` and ``_pointwise`` (and optionally
+    :meth:`_prepare`, :meth:`_make_slot`, :meth:`_sparse_update`).
     """
 
-    _step_supports_amp_scaling = True  # torch.amp.GradScaler may pass grad_scale / found_inf
+    _step_supports_amp_scaling = True  # step() consumes grad_scale / found_inf (torch.amp.GradScaler)
     slot_names: tuple[str, ...] = ()
     #: whether the group key ``weight_decay`` means Keras decoupled decay (LARS uses it for its own rule)
     _decoupled_weight_decay = True
@@ -264,6 +99,8 @@ class Optimizer(torch.optim.Optimizer):
     _always_block = False
     #: whether the optimizer has its own rule for sparse gradients (:meth:`_sparse_update`)
     _sparse_rule = False
+    #: whether :meth:`_prepare` reads the gradients (then per-tensor multipliers are applied before it)
+    _prepare_reads_grads = False
 
     def __init__(
         self,
@@ -285,6 +122,11 @@ class Optimizer(torch.optim.Optimizer):
         **hyper: Any,
     ) -> None:
         # ---- validation first: nothing is created if an argument is bad
+        if "lr" in hyper:
+            raise TypeError(
+                f"{type(self).__name__}: got `lr`; optkit optimizers take the TF/Keras name `learning_rate` "
+                f"(write learning_rate={hyper['lr']!r})"
+            )
         lr_value = self._validate_learning_rate(learning_rate)
         check_number("weight_decay", weight_decay, low=0.0, allow_none=True)
         check_number("clipnorm", clipnorm, low=0.0, low_open=True, allow_none=True)
@@ -310,7 +152,9 @@ class Optimizer(torch.optim.Optimizer):
         unknown = sorted(k for k in hyper if k not in declared)
         if unknown:  # a typo such as LARS(eta=...) must not train silently with the default
             raise ValueError(f"{type(self).__name__}: argument(s) not recognized: {unknown}")
-        groups = _normalize_param_groups(params)
+        groups, named = normalize_param_groups(params)
+        for g in groups:
+            self._group_lr_alias(g)
         if mesh is not None:
             self._check_mesh(mesh, groups)
 
@@ -330,14 +174,14 @@ class Optimizer(torch.optim.Optimizer):
         self._wd_exclude_regex: re.Pattern | None = None
         self._extra_variables: list[Tensor] = []
         self._compile_state = "untried"  # "ok" once a compiled step ran, "failed" after a fallback
-        self._plans: dict[int, _Plan] = {}  # id(group) -> cached structure of the dense pass
+        self._plans: dict[int, Plan] = {}  # id(group) -> cached structure of the dense pass
         self._plan_version = 0
         self._fp64_cache: dict[int, tuple] = {}
-        self._block_key: tuple | None = None
+        self._block = None  # the Block of the blocked pass being run (kernel-gate and grouping hints)
         self._host_iterations = 0  # exact while no found_inf was ever given
         self._host_exact = True
 
-        first = groups[0]["params"][0]
+        first = next(p for g in groups for p in g["params"])
         self._state_device = mt.local(first).device
         self._iterations = torch.zeros((), dtype=torch.int64, device=self._state_device)
         self.step_applied = torch.ones((), dtype=torch.bool, device=self._state_device)
@@ -347,38 +191,69 @@ class Optimizer(torch.optim.Optimizer):
         defaults.update(hyper)
         self._weight_decay_arg = weight_decay
         super().__init__(groups, defaults)
+        self._named = named  # set last: torch's __init__ adds the constructor's groups without the name check
 
     # ------------------------------------------------------------------------------------------------ set-up
 
     @staticmethod
-    def _validate_learning_rate(lr: Any) -> float | None:
-        if _is_schedule(lr) or (callable(lr) and not isinstance(lr, Tensor)):
+    def _validate_learning_rate(lr: Any) -> float | Tensor | None:
+        """The constant learning rate (a float, or the 0-d tensor itself), or None for a schedule/callable."""
+        if is_schedule(lr) or (callable(lr) and not isinstance(lr, Tensor)):
             return None
         if isinstance(lr, Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"`learning_rate` tensor must have one element, got shape {tuple(lr.shape)}")
-            lr = float(lr.detach().cpu())
-        if not _is_number(lr):
+            if lr.numel() != 1 or not lr.is_floating_point():
+                raise ValueError(
+                    f"`learning_rate` tensor must be a floating-point scalar, got shape {tuple(lr.shape)} "
+                    f"{lr.dtype}")
+            check_number("learning_rate", float(lr.detach().cpu()), low=0.0)
+            return lr
+        if not is_number(lr):
             raise TypeError(
-                "`learning_rate` must be a number, a LearningRateSchedule or a callable, "
+                "`learning_rate` must be a number, a 0-d tensor, a LearningRateSchedule or a callable, "
                 f"got {lr!r} ({type(lr).__name__})"
             )
         check_number("learning_rate", lr, low=0.0)
         return float(lr)
 
     @staticmethod
+    def _group_lr_alias(group: dict) -> None:
+        """A param group may say ``"learning_rate"`` (the TF/Keras name) instead of torch's ``"lr"``."""
+        if "learning_rate" in group:
+            if "lr" in group:
+                raise ValueError("a param group sets both 'lr' and 'learning_rate'; keep one")
+            value = group.pop("learning_rate")
+            if isinstance(value, Tensor):
+                if value.numel() != 1:
+                    raise ValueError("a param group's 'learning_rate' tensor must have one element")
+            else:
+                check_number("learning_rate", value, low=0.0)
+            group["lr"] = value
+
+    @staticmethod
     def _check_mesh(mesh: Any, groups: list[dict]) -> None:
-        """Every parameter must be a DTensor on ``mesh`` or a sub-mesh of it
-        (``optkit.distributed.check_mesh``)."""
-        from .distributed import check_mesh
+        """Every parameter must be a DTensor on ``mesh`` or a sub-mesh of it (``optkit._mesh.check_mesh``)."""
+        from ._mesh import check_mesh
 
         check_mesh(((n, p) for g in groups for n, p in zip(g["param_names"], g["params"])), mesh)
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a param group (torch API); its parameters get their optimizer state right away."""
-        if "param_names" not in param_group:
-            (param_group,) = _normalize_param_groups([param_group])
-        super().add_param_group(param_group)
+        """Add a param group (torch API); its parameters get their optimizer state right away. Its parameters
+        must be named if and only if the optimizer's are."""
+        if not hasattr(self, "_named"):  # torch's __init__ adding the constructor's groups
+            super().add_param_group(param_group)
+            self._build_group(self.param_groups[-1])
+            return
+        start = sum(len(g["params"]) for g in self.param_groups)
+        (group,), named = normalize_param_groups([param_group], start=start)
+        if named != self._named:
+            raise ValueError(
+                "all optimizer params should be with or without names: this optimizer's parameters are "
+                + ("named; pass (name, tensor) pairs" if self._named else "unnamed; pass plain tensors")
+            )
+        self._group_lr_alias(group)
+        if self.mesh is not None:
+            self._check_mesh(self.mesh, [group])
+        super().add_param_group(group)
         self._invalidate_plans()
         self._build_group(self.param_groups[-1])
 
@@ -439,8 +314,8 @@ class Optimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------ lr
 
     @property
-    def learning_rate(self) -> float | Callable:
-        """The learning rate as given: a number, a schedule or a callable."""
+    def learning_rate(self) -> float | Tensor | Callable:
+        """The learning rate as given: a number, a 0-d tensor, a schedule or a callable."""
         return self._learning_rate
 
     @learning_rate.setter
@@ -453,16 +328,16 @@ class Optimizer(torch.optim.Optimizer):
 
     def _evaluate_lr_host(self, step: int) -> float:
         fn = self._learning_rate
-        v = fn(step) if (_is_schedule(fn) or _callable_arity(fn) >= 1) else fn()
+        v = fn(step) if (is_schedule(fn) or _callable_arity(fn) >= 1) else fn()
         return float(v)
 
     def _current_lr(self, group: dict) -> Tensor:
         """The learning rate of this step as a 0-d fp32 tensor on the state device (fp64 when the group holds
         fp64 parameters)."""
         fn = self._learning_rate
-        if isinstance(fn, float):
+        if isinstance(fn, (float, Tensor)):
             lr = group["lr"]
-        elif _is_schedule(fn) or _callable_arity(fn) >= 1:
+        elif is_schedule(fn) or _callable_arity(fn) >= 1:
             lr = fn(self._iterations)
             group["lr"] = lr
         else:
@@ -496,8 +371,8 @@ class Optimizer(torch.optim.Optimizer):
     def exclude_from_weight_decay(
         self, var_list: Iterable[Tensor] | None = None, var_names: Iterable[str] | None = None
     ) -> None:
-        """Exclude parameters from decoupled weight decay: ``var_list`` by identity, ``var_names`` as regexes
-        searched (``re.search``) in each parameter's name (from ``named_parameters()``)."""
+        """Exclude parameters from weight decay: ``var_list`` by identity, ``var_names`` as regexes searched
+        (``re.search``) in each parameter's name (from ``named_parameters()``)."""
         if var_list is not None:
             vl = list(var_list)
             if not all(isinstance(v, Tensor) for v in vl):
@@ -552,7 +427,6 @@ class Optimizer(torch.optim.Optimizer):
                 params.append(p)
                 grads.append(g)
         return idx, params, grads
-
     def _apply(
         self, grad_scale: Tensor | None, found_inf: Tensor | None, multipliers: dict | None = None
     ) -> None:
@@ -616,6 +490,7 @@ class Optimizer(torch.optim.Optimizer):
 
         self._after_update(found_inf, applied)
 
+
     def _handle_sparse(self, gathered, found_inf) -> set[int]:
         """Prepare sparse COO gradients before clipping.
 
@@ -624,6 +499,10 @@ class Optimizer(torch.optim.Optimizer):
         de-duplicates ``IndexedSlices``); those stay sparse through unscaling and clipping and are updated by
         :meth:`_sparse_update`. Returns the ids of the parameters handled by the sparse rule.
         """
+        if self._sparse_rule:
+            for group, (_, _, grads) in zip(self.param_groups, gathered):
+                if any(g.is_sparse for g in grads):
+                    self._check_sparse(group)
         handled: set[int] = set()
         for _, params, grads in gathered:
             for j, g in enumerate(grads):
@@ -634,6 +513,9 @@ class Optimizer(torch.optim.Optimizer):
                     else:
                         grads[j] = g.to_dense()
         return handled
+
+    def _check_sparse(self, group: dict) -> None:
+        """Raise (before anything changes) when the group's options do not combine with sparse gradients."""
 
     def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
         """The update rule for coalesced sparse gradients (only called when ``_sparse_rule`` is True)."""
@@ -652,6 +534,10 @@ class Optimizer(torch.optim.Optimizer):
                 if sel:
                     mt.scale_([t for t, _ in sel], [m for _, m in sel])
             sp_params = [params[j] for j in sp]
+            for p in sp_params:
+                name = group["param_names"][next(i for i, q in enumerate(group["params"]) if q is p)]
+                for s in self.slot_names:
+                    check_slot_fits(name, s, p, self.state[p].get(s))
             self._sparse_update(group, sp_params, sp_grads,
                                 {s: [self.state[p][s] for p in sp_params] for s in self.slot_names},
                                 lr, k, found_inf)
@@ -667,19 +553,18 @@ class Optimizer(torch.optim.Optimizer):
             self._always_block or bool(wd) or self.use_ema or mult is not None
         )
         plan = self._plan_for(group, idx, params, grads, blocked)
-        names, slots = plan.names, plan.slots
-        if mult is not None and type(self)._prepare is not Optimizer._prepare:
+        if mult is not None and self._prepare_reads_grads:
             # _prepare reads whole-tensor quantities (norms): it must see the multiplied gradients
             sel = [(g, m) for g, m in zip(grads, mult) if m is not None]
             mt.scale_([g for g, _ in sel], [m for _, m in sel])
             mult = None
-        aux = self._prepare(group, names, params, grads, slots, lr, k)
+        aux = self._prepare(group, plan, params, grads, lr, k)
 
         decay_mask = plan.use_wd if (wd and plan.any_wd) else None
 
         if self.jit_compile and self._compile_state != "failed":
-            if self._run_compiled(group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
-                                  mult, aux):
+            if self._run_compiled(group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
+                                  applied, mult, aux):
                 return
 
         # decoupled weight decay factor, 1 − lr·wd (1 on a skipped step)
@@ -705,26 +590,27 @@ class Optimizer(torch.optim.Optimizer):
                 if dp:
                     mt.scale_local_(dp, decay, blk.key)
             baux = None if aux is None else (aux if blk.identity else [aux[o] for o in owners])
-            self._block_key = blk.key
+            self._block = blk
             try:
                 self._update(group, bp, bg, bslots, lr, k, found_inf, baux)
             finally:
-                self._block_key = None
+                self._block = None
             if ema_w is not None:
-                mt.lerp_local_(bavg, bp, ema_w, blk.key if blk.avg_same else None)
+                mt.lerp_local_(bavg, bp, ema_w, blk.key)
 
         if self.use_ema:
             self._ema_rest(group, idx, applied)
 
     def _plan_for(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor],
-                  blocked: bool) -> _Plan:
-        """The cached :class:`_Plan` of this group for this set of parameters with gradients (rebuilt when
-        the set, the optimizer state or the exclusions change, or a gradient no longer fits a chunking)."""
+                  blocked: bool) -> Plan:
+        """The cached :class:`~optkit._plan.Plan` of this group for this set of parameters with gradients
+        (rebuilt when the set, the optimizer state or the exclusions change, a parameter's storage moves, or a
+        gradient no longer fits a chunking)."""
         key = (tuple(idx), self._plan_version, blocked, self.block_numel)
         plan = self._plans.get(id(group))
         if plan is not None and plan.key == key and plan.grads_fit(grads) and plan.params_fit(params):
             return plan
-        plan = _Plan(self, group, idx, params, grads, blocked, key)
+        plan = Plan(self, group, idx, params, grads, blocked, key)
         self._plans[id(group)] = plan
         return plan
 
@@ -735,10 +621,43 @@ class Optimizer(torch.optim.Optimizer):
     def _by_device_dtype(self, *lists: Sequence[Tensor]) -> dict:
         """``_multi_tensor.group_by_device_dtype`` with a fast path: inside the base's blocked pass the
         block's (device, dtype) is known when it is homogeneous, and the lists come back as they are."""
-        key = self._block_key
-        if key is not None:
-            return {key: (list(range(len(lists[0]))), tuple(lists))}
+        blk = self._block
+        if blk is not None and blk.key is not None:
+            return {blk.key: (list(range(len(lists[0]))), tuple(lists))}
         return mt.group_by_device_dtype(*lists)
+
+    def _kernel_parts(
+        self, kernel: str, lists: Sequence[Sequence[Tensor]], written: Sequence[int]
+    ) -> Iterator[tuple[torch.device, torch.dtype, str, list[int], tuple[list[Tensor], ...]]]:
+        """The fused-kernel gate (:func:`optkit._fused.partition`) over ``lists`` (parameters first, gradients
+        second, then slots), grouped by (device, dtype).
+
+        Yields ``(device, dtype, mode, index, lists)``: ``index`` are positions in the input lists; ``mode``
+        ``"native"`` (run the kernel on ``lists`` as they are), ``"staged"`` (``lists`` are contiguous
+        float32/float64 copies, ``dtype`` is their dtype; the lists at positions ``written`` are copied back
+        after the consumer's loop body) or ``"fallback"`` (no kernel on this device: use
+        :meth:`_pointwise_fallback`).
+        """
+        blk = self._block
+        static_contiguous = blk is not None and blk.static_contiguous
+        for (device, dtype), (gidx, grouped) in self._by_device_dtype(*lists).items():
+            parts = _fused.partition(kernel, device, dtype, grouped, static_contiguous=static_contiguous)
+            for part in parts:
+                index = [gidx[i] for i in part.index]
+                if part.mode == "staged":
+                    for copies in _fused.staged(part, written):
+                        yield device, copies[0][0].dtype, "staged", index, copies
+                else:
+                    yield device, dtype, part.mode, index, part.lists
+
+    def _pointwise_fallback(self, group, params, grads, slot_lists, lr, k, found_inf, aux) -> None:
+        """The rule as out-of-place pointwise math (``_pointwise``), for devices without the fused kernel."""
+        rule = type(self)._pointwise
+        if rule is None:  # pragma: no cover - every optkit optimizer defines one
+            raise TypeError(f"{type(self).__name__} has no pointwise update rule for device "
+                            f"{mt.local(params[0]).device}")
+        chain(rule, self._pointwise_hyper(group), params, grads, tuple(slot_lists), None, lr, k, None, None,
+              None, found_inf, None, aux, upcast=True)
 
     def _ema_rest(self, group: dict, idx: list[int], applied: Tensor | None) -> None:
         """EMA over the group's parameters that took no part in this step's dense pass (Keras averages every
@@ -754,9 +673,9 @@ class Optimizer(torch.optim.Optimizer):
         """The group's static hyperparameters for :meth:`_pointwise` (Python constants; compile guards)."""
         return ()
 
-    #: the update rule as out-of-place pointwise math for ``jit_compile`` (a staticmethod
-    #: ``(hyper, w, g, slots, lr, k, aux) -> (new_w, new_slots)``; ``g`` is the raw gradient, the true
-    #: gradient is ``k·g``); None means the optimizer has no compilable form and runs eagerly.
+    #: the update rule as out-of-place pointwise math for ``jit_compile`` and the no-kernel fallback (a
+    #: staticmethod ``(hyper, w, g, slots, lr, k, aux) -> (new_w, new_slots)``; ``g`` is the raw gradient,
+    #: the true gradient is ``k·g``); None means the optimizer has no compilable form and runs eagerly.
     _pointwise: Callable | None = None
 
     def _run_compiled(self, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
@@ -767,12 +686,12 @@ class Optimizer(torch.optim.Optimizer):
         rule = type(self)._pointwise
         if rule is None:
             self._compile_state = "failed"
-            _warn_compile_fallback(TypeError(f"{type(self).__name__} has no pointwise update rule"))
+            warn_compile_fallback(TypeError(f"{type(self).__name__} has no pointwise update rule"))
             return False
-        fn = _compiled_chain()
+        fn = compiled_chain()
         if fn is None:
             self._compile_state = "failed"
-            _warn_compile_fallback(RuntimeError("torch.compile is not available"))
+            warn_compile_fallback(RuntimeError("torch.compile is not available"))
             return False
         loc = mt.local
         slot_lists = tuple([loc(t) for t in slots[s]] for s in self.slot_names)
@@ -788,12 +707,14 @@ class Optimizer(torch.optim.Optimizer):
                None if mult is None else tuple(mult), aux)
         except Exception as err:  # compilation unavailable or failed: eager from now on
             self._compile_state = "failed"
-            _warn_compile_fallback(err)
+            warn_compile_fallback(err)
             return False
         self._compile_state = "ok"
         if self.use_ema:
             self._ema_rest(group, idx, applied)
         return True
+
+    # ------------------------------------------------------------------------------------------------ EMA
 
     def _ema_weight(self, applied: Tensor | None) -> Tensor:
         hp = torch.float64 if self._state_device.type in ("cpu", "cuda") else torch.float32
@@ -834,9 +755,25 @@ class Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------ hooks
 
-    def _prepare(self, group, names, params, grads, slots, lr, k) -> list | None:
+
+    def finalize_variable_values(self, var_list: Sequence[Tensor] | None = None) -> None:
+        """With EMA on, set every parameter (or those in ``var_list``) to its moving average."""
+        if not self.use_ema:
+            return
+        ps = self._all_params() if var_list is None else list(var_list)
+        for p in ps:
+            if p not in self.state or "average" not in self.state[p]:
+                raise ValueError("finalize_variable_values(): variable has no moving average")
+        with torch.no_grad():
+            torch._foreach_copy_([mt.local(p) for p in ps], [mt.local(self.state[p]["average"]) for p in ps])
+
+    # ------------------------------------------------------------------------------------------------ hooks
+
+    def _prepare(self, group: dict, plan: Any, params: list[Tensor], grads: list[Tensor], lr: Tensor,
+                 k: Tensor | None) -> list | None:
         """Per-tensor values the update needs (e.g. LARS trust ratios), computed on whole tensors before the
-        blocked elementwise pass. Default: none."""
+        blocked elementwise pass; ``plan`` holds ``names``, ``slots`` and ``use_wd`` (the weight-decay mask)
+        for ``params``. Default: none."""
         return None
 
     def _update(
@@ -854,171 +791,14 @@ class Optimizer(torch.optim.Optimizer):
         means 1); when ``found_inf`` is 1 nothing may change. Subclasses implement this."""
         raise TypeError(f"{type(self).__name__} must implement _update()")
 
-    # --------------------------------------------------------------------------------------- Keras/TF surface
-
-    def update_step(
-        self, gradient: Tensor, variable: Tensor, learning_rate: float | Tensor | None = None
-    ) -> None:
-        """Apply the update rule to one variable (no clipping, decay, EMA or iteration count)."""
-        group = next((g for g in self.param_groups if any(p is variable for p in g["params"])), None)
-        if group is None:
-            raise ValueError("update_step(): `variable` is not one of the optimizer's parameters")
-        if gradient.shape != variable.shape:
-            raise ValueError(
-                f"gradient shape {tuple(gradient.shape)} != variable shape {tuple(variable.shape)}"
-            )
-        lr = self._current_lr(group) if learning_rate is None else torch.as_tensor(
-            learning_rate, dtype=torch.float32, device=self._state_device)
-        g = gradient.to_dense() if gradient.is_sparse else gradient.detach().clone()
-        name = group["param_names"][next(i for i, p in enumerate(group["params"]) if p is variable)]
-        slots = {s: [self.state[variable][s]] for s in self.slot_names}
-        with torch.no_grad():
-            aux = self._prepare(group, [name], [variable], [g], slots, lr, None)
-            self._update(group, [mt.local(variable)], [mt.local(g)],
-                         {s: [mt.local(t) for t in v] for s, v in slots.items()}, lr, None, None, aux)
-
-    def _all_params(self) -> list[Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def compute_gradients(
-        self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None
-    ) -> list[tuple[Tensor | None, Tensor]]:
-        """Gradients of ``loss`` (a scalar tensor or a zero-argument callable) w.r.t. ``var_list``
-        (default: every parameter) as ``(gradient, variable)`` pairs; unused variables get ``None``."""
-        return autograd_pairs(loss, self._all_params() if var_list is None else list(var_list))
-
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Tensor | None, Tensor]]) -> Tensor:
-        """Apply ``(gradient, variable)`` pairs (TF/Keras). Variables not listed are left alone this step.
-        Returns ``iterations``."""
-        pairs = list(grads_and_vars)
-        known = {id(p) for p in self._all_params()}
-        for pair in pairs:
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise TypeError(f"`grads_and_vars` must hold (gradient, variable) pairs, got {pair!r}")
-            g, v = pair
-            if not isinstance(v, Tensor) or id(v) not in known:
-                raise ValueError(
-                    "apply_gradients(): unknown variable (not one of the optimizer's parameters)"
-                )
-            if g is not None and not isinstance(g, Tensor):
-                raise TypeError(f"gradients must be Tensors or None, got {type(g).__name__}")
-            if g is not None and g.shape != v.shape:
-                raise ValueError(f"gradient shape {tuple(g.shape)} != variable shape {tuple(v.shape)}")
-        if all(g is None for g, _ in pairs):
-            raise ValueError("No gradients provided for any variable.")
-        saved = [(p, p.grad) for p in self._all_params()]
-        try:
-            for p, _ in saved:
-                p.grad = None
-            for g, v in pairs:
-                if g is not None:
-                    v.grad = g if g.dtype == v.dtype or g.is_sparse else g.to(v.dtype)
-            self.step()
-        finally:
-            for p, g in saved:
-                p.grad = g
-        return self._iterations
-
-    def minimize(
-        self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None
-    ) -> Tensor:
-        """``apply_gradients(compute_gradients(loss, var_list))``."""
-        return self.apply_gradients(self.compute_gradients(loss, var_list))
-
-    def get_slot_names(self) -> list[str]:
-        """Names of the per-variable slots (``"average"`` included when EMA is on)."""
-        return list(self.slot_names) + (["average"] if self.use_ema else [])
-
-    def get_slot(self, var: Tensor, name: str) -> Tensor:
-        """The slot ``name`` of parameter ``var``."""
-        if name not in self.get_slot_names():
-            raise ValueError(f"unknown slot {name!r}; slots are {self.get_slot_names()}")
-        if var not in self.state:
-            raise ValueError("get_slot(): `var` is not one of the optimizer's parameters")
-        return self.state[var][name]
-
-    def variables(self) -> list[Tensor]:
-        """Optimizer variables in Keras order: iterations, averages, then each slot per variable."""
-        ps = self._all_params()
-        out: list[Tensor] = [self._iterations]
-        if self.use_ema:
-            out += [self.state[p]["average"] for p in ps]
-        for s in self.slot_names:
-            out += [self.state[p][s] for p in ps]
-        return out + list(self._extra_variables)
-
-    def get_weights(self) -> list[Tensor]:
-        """Copies of :meth:`variables`."""
-        return [v.detach().clone() for v in self.variables()]
-
-    def set_weights(self, weights: Sequence[Tensor]) -> None:
-        """Set :meth:`variables` from a list (same order, count and shapes; checked before any change)."""
-        vs = self.variables()
-        ws = list(weights)
-        if len(ws) != len(vs):
-            raise ValueError(f"set_weights(): expected {len(vs)} weights, got {len(ws)}")
-        converted = []
-        for v, w in zip(vs, ws):
-            w = torch.as_tensor(w)
-            if tuple(w.shape) != tuple(v.shape):
-                raise ValueError(f"set_weights(): shape {tuple(w.shape)} does not match {tuple(v.shape)}")
-            converted.append(w)
-        with torch.no_grad():
-            for v, w in zip(vs, converted):
-                v.copy_(w)
-        self._host_iterations = int(self._iterations)
-
-    def finalize_variable_values(self, var_list: Sequence[Tensor] | None = None) -> None:
-        """With EMA on, set every parameter (or those in ``var_list``) to its moving average."""
-        if not self.use_ema:
-            return
-        ps = self._all_params() if var_list is None else list(var_list)
-        for p in ps:
-            if p not in self.state or "average" not in self.state[p]:
-                raise ValueError("finalize_variable_values(): variable has no moving average")
-        with torch.no_grad():
-            torch._foreach_copy_([mt.local(p) for p in ps], [mt.local(self.state[p]["average"]) for p in ps])
-
-    # ------------------------------------------------------------------------------------------------ config
-
-    def _hyper_config(self) -> dict:
-        """Subclass hyperparameters for get_config (taken from ``defaults``)."""
-        return {}
-
-    def get_config(self) -> dict:
-        """Every hyperparameter as plain Python values; ``from_config(config, params)`` rebuilds it."""
-        lr = self._learning_rate
-        if _is_schedule(lr):
-            lr_cfg: Any = {"class_name": type(lr).__name__, "config": lr.get_config()}
-        elif callable(lr):
-            lr_cfg = lr
-        else:
-            lr_cfg = float(self.param_groups[0]["lr"]) if self.param_groups else float(lr)
-        cfg = dict(
-            name=self.name,
-            learning_rate=lr_cfg,
-            weight_decay=self._weight_decay_arg,
-            clipnorm=self.clipnorm,
-            clipvalue=self.clipvalue,
-            global_clipnorm=self.global_clipnorm,
-            use_ema=self.use_ema,
-            ema_momentum=self.ema_momentum,
-            ema_overwrite_frequency=self.ema_overwrite_frequency,
-            jit_compile=self.jit_compile,
-        )
-        cfg.update(self._hyper_config())
-        return cfg
-
-    @classmethod
-    def from_config(cls, config: dict, params: Any) -> Optimizer:
-        """Rebuild an optimizer over ``params`` from :meth:`get_config` output."""
-        cfg = dict(config)
-        lr = cfg.get("learning_rate")
-        if isinstance(lr, dict) and "config" in lr:
-            from .schedules import LearningRateSchedule
-
-            cfg["learning_rate"] = LearningRateSchedule.from_config(lr["config"])
-        return cls(params, **cfg)
+    def _update_one(self, group: dict, index: int, p: Tensor, g: Tensor, lr: Tensor) -> None:
+        """The rule on one parameter with gradient ``g`` (Keras ``update_step``)."""
+        name = group["param_names"][index]
+        slots = {s: [self.state[p][s]] for s in self.slot_names}
+        plan = SimpleNamespace(names=[name], slots=slots, use_wd=[self._use_weight_decay(p, name)])
+        aux = self._prepare(group, plan, [p], [g], lr, None)
+        self._update(group, [mt.local(p)], [mt.local(g)],
+                     {s: [mt.local(t) for t in v] for s, v in slots.items()}, lr, None, None, aux)
 
     # --------------------------------------------------------------------------------------------- checkpoint
 
@@ -1027,6 +807,7 @@ class Optimizer(torch.optim.Optimizer):
         Keras options and the counters); cached plans are rebuilt on the next step."""
         state = dict(self.__dict__)
         state["_plans"] = {}
+        state["_block"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -1040,71 +821,162 @@ class Optimizer(torch.optim.Optimizer):
                     self.state[p]["step"] = self._iterations
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch semantics; afterwards every parameter shares one ``iterations`` counter again."""
-        super().load_state_dict(state_dict)
+        """Load a :meth:`state_dict` (torch format), checked before anything changes.
+
+        torch's load pre-hooks run first; then the structure, every slot (a tensor of the parameter's shape,
+        real floating dtype, dense) and every step count are validated against this optimizer, raising
+        ``ValueError`` that names the parameter and slot; then torch's loading (slots cast to the parameter's
+        dtype and device), and the post-hooks last. Afterwards the names given at construction are kept,
+        every parameter shares one ``iterations`` counter, slots take their parameter's memory layout, and a
+        missing EMA average starts from the current weights.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        sd = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, sd)
+            if result is not None:
+                sd = result
+        step = self._validate_state_dict(sd)
+        names = [list(g["param_names"]) for g in self.param_groups]
+        pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = type(pre)()
+        self._optimizer_load_state_dict_post_hooks = type(post)()
+        try:
+            super().load_state_dict(sd)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre
+            self._optimizer_load_state_dict_post_hooks = post
+        for g, ns in zip(self.param_groups, names):
+            g["param_names"] = ns
+            self._group_lr_alias(g)
         self._invalidate_plans()
-        steps = [st["step"] for st in self.state.values() if isinstance(st, dict) and "step" in st]
-        it = steps[0] if steps else torch.zeros((), dtype=torch.int64)
-        self._iterations = it.detach().to(device=self._state_device, dtype=torch.int64).clone()
+        self._iterations = torch.as_tensor(step, dtype=torch.int64).to(self._state_device).clone()
         for g in self.param_groups:
             for p in g["params"]:
+                st = self.state[p]
+                if self.use_ema and "average" not in st:
+                    st["average"] = p.detach().clone(memory_format=torch.preserve_format)
                 self._init_state(p, g)
+                for key, v in st.items():
+                    if key != "step" and isinstance(v, Tensor) and v.stride() != mt.local(p).stride() \
+                            and not mt.is_dtensor(v):
+                        st[key] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(v)
         self._host_iterations = int(self._iterations)
         self._host_exact = True
-        if isinstance(self._learning_rate, float) and self.param_groups:
+        if isinstance(self._learning_rate, (float, Tensor)) and self.param_groups:
             lr0 = self.param_groups[0]["lr"]
-            self._learning_rate = float(lr0) if not isinstance(lr0, Tensor) else float(lr0)
+            self._learning_rate = lr0 if isinstance(lr0, Tensor) else float(lr0)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _validate_state_dict(self, sd: dict) -> int:
+        """Check a state dict against this optimizer (see :meth:`load_state_dict`); return its step count."""
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) \
+                or not isinstance(sd.get("param_groups"), list):
+            raise ValueError(f"{where}: expected a dict with 'state' (dict) and 'param_groups' (list)")
+        saved_groups = sd["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{where}: the state dict has {len(saved_groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        id_to_param: dict[int, tuple[Tensor, str]] = {}
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            # ids are positions (torch) or parameter names (torch.distributed.checkpoint)
+            if not isinstance(sg, dict) or not isinstance(sg.get("params"), list) or not all(
+                    isinstance(i, (int, str)) and not isinstance(i, bool) for i in sg["params"]):
+                raise ValueError(f"{where}: param group {gi} must be a dict whose 'params' lists ints or names")
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(f"{where}: param group {gi} holds {len(sg['params'])} parameters in the "
+                                 f"state dict and {len(g['params'])} in this optimizer")
+            self._check_group_values(where, gi, sg, g)
+            for i, p, n in zip(sg["params"], g["params"], g["param_names"]):
+                if i in id_to_param:
+                    raise ValueError(f"{where}: parameter id {i} appears twice in 'param_groups'")
+                id_to_param[i] = (p, n)
+        allowed = set(self.slot_names) | {"step"} | ({"average"} if self.use_ema else set())
+        steps = set()
+        for key, entry in sd["state"].items():
+            if key not in id_to_param:
+                raise ValueError(f"{where}: state for unknown parameter id {key!r}")
+            p, name = id_to_param[key]
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where}: state of parameter {name!r} must be a dict")
+            extra = sorted(str(k) for k in entry if k not in allowed)
+            if extra:
+                hint = " (saved with use_ema=True?)" if "average" in extra else \
+                    " (a state dict of another optimizer?)"
+                raise ValueError(f"{where}: state of parameter {name!r} has unexpected slot(s) "
+                                 f"{extra}{hint}; {type(self).__name__} keeps {sorted(allowed)}")
+            for slot, value in entry.items():
+                if slot == "step":
+                    steps.add(self._check_step(where, name, value))
+                    continue
+                _check_loaded_slot(where, name, slot, p, value)
+        if len(steps) > 1:
+            raise ValueError(f"{where}: parameters hold different step counts {sorted(steps)}; an optkit "
+                             "optimizer keeps one count of applied updates")
+        return steps.pop() if steps else 0
+
+    @staticmethod
+    def _check_step(where: str, name: str, value: Any) -> int:
+        if isinstance(value, Tensor):
+            if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+                raise ValueError(f"{where}: 'step' of parameter {name!r} must be a real scalar")
+            v = float(value.detach().reshape(()).cpu())
+        elif is_number(value):
+            v = float(value)
+        else:
+            raise ValueError(f"{where}: 'step' of parameter {name!r} must be a number, got "
+                             f"{type(value).__name__}")
+        if not (v >= 0 and v == int(v) and v < 2**62):
+            raise ValueError(f"{where}: 'step' of parameter {name!r} must be a non-negative integer, got {v}")
+        return int(v)
+
+    @staticmethod
+    def _check_group_values(where: str, gi: int, saved: dict, live: dict) -> None:
+        """A saved hyperparameter must have the type of the live one (a hostile or foreign file must not put
+        a string learning rate or a list momentum into a group)."""
+        for key, value in saved.items():
+            if key in ("params", "param_names") or key not in live:
+                continue
+            cur = live[key]
+            ok = True
+            if isinstance(cur, bool):
+                ok = isinstance(value, bool)
+            elif is_number(cur) or (isinstance(cur, Tensor) and cur.numel() == 1):
+                ok = is_number(value) or (isinstance(value, Tensor) and value.numel() == 1
+                                          and value.is_floating_point())
+            elif isinstance(cur, str):
+                ok = isinstance(value, str)
+            elif isinstance(cur, (list, tuple)):
+                ok = isinstance(value, (list, tuple)) and len(value) == len(cur)
+            if not ok:
+                raise ValueError(f"{where}: param group {gi} key {key!r} is {type(value).__name__} "
+                                 f"({value!r}), expected {type(cur).__name__}")
+        names = saved.get("param_names")
+        if names is not None and (not isinstance(names, list) or len(names) != len(live["params"])
+                                  or not all(isinstance(n, str) for n in names)):
+            raise ValueError(f"{where}: param group {gi} 'param_names' must list one string per parameter")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, config={self.get_config()!r})"
 
 
-def _warn_compile_fallback(err: Exception) -> None:
-    warnings.warn(
-        f"jit_compile=True: torch.compile unavailable ({type(err).__name__}: {err}); running eagerly",
-        RuntimeWarning, stacklevel=4,
-    )
-
-
-def _chain_eager(rule, hyper, params, grads, slots, avgs, lr, k, wd, decay_mask, ema_w, found_inf, mult, aux):
-    """decay → update → EMA for one group, out of place per tensor, then written back (the body that
-    ``jit_compile`` hands to ``torch.compile``; inductor fuses each tensor's chain into one loop).
-
-    Keras order: ``w ← w − w·wd·lr`` (masked), the rule, ``avg ← avg + ema_w·(w − avg)``; when ``found_inf``
-    is 1 every result is replaced by its old value with ``torch.where`` (non-finite gradients leave no
-    trace).
-    """
-    skip = None if found_inf is None else found_inf > 0.5
-    for i in range(len(params)):
-        p = params[i]
-        g = grads[i]
-        if mult is not None and mult[i] is not None:
-            g = g * mult[i]
-        w = p
-        if decay_mask is not None and decay_mask[i]:
-            w = w - w * (wd * lr)
-        old_slots = [s[i] for s in slots]
-        new_w, new_slots = rule(hyper, w, g, old_slots, lr, k, None if aux is None else aux[i])
-        if skip is not None:
-            new_w = torch.where(skip, p, new_w)
-            new_slots = [torch.where(skip, o, n) for o, n in zip(old_slots, new_slots)]
-        for o, n in zip(old_slots, new_slots):
-            o.copy_(n)
-        if avgs is not None:
-            a = avgs[i]
-            w_ = ema_w if skip is None else torch.where(skip, torch.zeros_like(ema_w), ema_w)
-            a.copy_(a + w_ * (new_w.to(a.dtype) - a))
-        p.copy_(new_w)
-
-
-_COMPILED: list = []
-
-
-def _compiled_chain() -> Callable | None:
-    """The ``torch.compile``-d :func:`_chain_eager` (built once per process; None where unavailable)."""
-    if not _COMPILED:
-        try:
-            _COMPILED.append(torch.compile(_chain_eager, fullgraph=True, dynamic=False))
-        except Exception:  # pragma: no cover - torch without a working compile stack
-            _COMPILED.append(None)
-    return _COMPILED[0]
+def _check_loaded_slot(where: str, name: str, slot: str, p: Tensor, value: Any) -> None:
+    """A slot from a state dict must be a dense real floating tensor of the parameter's (global) shape, a
+    DTensor exactly when the parameter is one."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} is {type(value).__name__}, "
+                         "not a tensor")
+    if value.is_sparse or value.layout != torch.strided:
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} must be a dense tensor")
+    if not value.is_floating_point():
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} has dtype {value.dtype}; expected a "
+                         "floating-point tensor")
+    if mt.is_dtensor(value) != mt.is_dtensor(p):
+        kind = "a DTensor" if mt.is_dtensor(p) else "a plain tensor"
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} must be {kind}, like the parameter")
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} has shape {tuple(value.shape)}, the "
+                         f"parameter {tuple(p.shape)}")

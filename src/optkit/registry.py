@@ -1,16 +1,17 @@
 """Optimizers by name (OpenSeq2Seq's ``OPTIMIZER_CLS_NAMES``, ``spec/openseq2seq.md`` §3.9).
 
-Every class is called as ``cls(params, learning_rate=..., **optimizer_params)`` (how ``optimize_loss`` builds
-them) and accepts the TF argument names. Lookup is case-insensitive.
+Every class is an optkit optimizer (the Keras-style base: every option, a skipped step changes nothing, state
+exists from construction), called as ``cls(params, learning_rate=..., **optimizer_params)`` (how
+``optimize_loss`` builds them) with the TF argument names. Lookup is case-insensitive.
 
 | name | class | TF1 original |
 |---|---|---|
 | SGD | :class:`optkit.SGD` (Keras form; momentum 0 by default) | ``GradientDescentOptimizer`` |
-| Momentum | :class:`optkit.tf_optimizers.Momentum` (``torch.optim.SGD``) | ``MomentumOptimizer`` |
-| Adam | :class:`optkit.tf_optimizers.Adam` (``torch.optim.Adam``) | ``AdamOptimizer`` |
-| AdamW | :class:`optkit.tf_optimizers.AdamW` (``torch.optim.AdamW``) | ``contrib.opt.AdamWOptimizer`` |
-| Adagrad | :class:`optkit.tf_optimizers.Adagrad` (``torch.optim.Adagrad``) | ``AdagradOptimizer`` |
-| RMSProp | :class:`optkit.tf_optimizers.RMSProp` (TF rule) | ``RMSPropOptimizer`` |
+| Momentum | :class:`optkit.Momentum` (``torch.optim.SGD``'s rule) | ``MomentumOptimizer`` |
+| Adam | :class:`optkit.Adam` (``torch.optim.Adam``'s rule) | ``AdamOptimizer`` |
+| AdamW | :class:`optkit.AdamW` (``torch.optim.AdamW``'s rule) | ``contrib.opt.AdamWOptimizer`` |
+| Adagrad | :class:`optkit.Adagrad` (``torch.optim.Adagrad``'s rule) | ``AdagradOptimizer`` |
+| RMSProp | :class:`optkit.RMSProp` (TF rule) | ``RMSPropOptimizer`` |
 | Ftrl | :class:`optkit.Ftrl` | ``FtrlOptimizer`` |
 | LARS | :class:`optkit.LARS` | ``contrib.opt.LARSOptimizer`` |
 """
@@ -19,10 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from .adagrad import Adagrad
+from .adam import Adam, AdamW
 from .ftrl import Ftrl
 from .lars import LARS
+from .momentum import Momentum
+from .rmsprop import RMSProp
 from .sgd import SGD
-from .tf_optimizers import Adagrad, Adam, AdamW, Momentum, RMSProp
 
 __all__ = ["OPTIMIZER_CLS_NAMES", "get_optimizer"]
 

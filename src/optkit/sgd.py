@@ -18,9 +18,11 @@ a no-op. As with ``torch.amp.GradScaler`` + fused optimizers, the kernel writes 
 after ``step()``, ``p.grad`` holds ``−lr·g``; call ``zero_grad()`` before the next backward as usual.
 
 Exceptions: float64 groups fold ``−lr·k`` into the gradient in float64 (the kernel's ``grad_scale`` is
-float32), and float16/bfloat16 tensors on CPU take a foreach path (torch 2.13's vectorised CPU kernel is wrong
-for them). With ``weight_decay`` or EMA the base runs decay → kernel → EMA block by block over cache-sized
-chunks.
+float32). The kernel runs only where the gate (:mod:`optkit._fused`) says it is exact: float16/bfloat16
+tensors
+on CPU (torch 2.13's vectorised CPU kernel is wrong for them), non-dense tensors and gradients whose strides
+differ from the parameter's run it on contiguous float32 copies. With ``weight_decay`` or EMA the base runs
+decay → kernel → EMA block by block over cache-sized chunks.
 """
 
 from __future__ import annotations
@@ -28,51 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from . import _multi_tensor as mt
-from .optimizer import Optimizer
+from .optimizer import Optimizer, check_number
 
 __all__ = ["SGD"]
 
-
-
-def fused_sgd_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's fused SGD kernel is exact for this (device, dtype).
-
-    CUDA: every floating dtype. CPU: float32 and float64 only — the vectorised CPU kernel of torch 2.13 gives
-    wrong results for float16/bfloat16 tensors longer than one vector (checked against ``foreach=False``), so
-    half-precision CPU tensors take the foreach path.
-    """
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and dtype in (torch.float32, torch.float64)
-
-
-def _keras_sgd_foreach(
-    params: list[Tensor],
-    grads: list[Tensor],
-    bufs: list[Tensor],
-    eff_lr: Tensor,
-    momentum: float,
-    nesterov: bool,
-    found_inf: Tensor | None,
-) -> None:
-    """Foreach form (dtypes/devices without an exact fused kernel): new values out of place, then committed
-    (left unchanged on a skipped step, whatever the gradients hold)."""
-    step = torch._foreach_mul(grads, eff_lr)
-    skip = None if found_inf is None else found_inf > 0.5
-    if momentum == 0.0:
-        mt.commit_(params, torch._foreach_sub(params, step), skip)
-        return
-    v = torch._foreach_mul(bufs, momentum)
-    torch._foreach_sub_(v, step)
-    if nesterov:
-        delta = torch._foreach_mul(v, momentum)
-        torch._foreach_sub_(delta, step)
-    else:
-        delta = v
-    mt.commit_(list(params) + list(bufs), torch._foreach_add(params, delta) + v, skip)
 
 
 def _keras_sgd_pointwise(hyper, w, g, slots, lr, k, aux):
@@ -110,8 +72,6 @@ class SGD(Optimizer):
         nesterov: bool = False,
         **kwargs: Any,
     ) -> None:
-        from .optimizer import check_number
-
         check_number("momentum", momentum, low=0.0, high=1.0)
         if not isinstance(nesterov, bool):
             raise TypeError(f"`nesterov` must be a bool, got {nesterov!r}")
@@ -135,14 +95,11 @@ class SGD(Optimizer):
             )
         eff = lr if k is None else lr * k
         bufs = slots.get("momentum", []) if momentum != 0.0 else []
-        lists = (params, grads, bufs) if bufs else (params, grads)
-        for (device, dtype), (_, grouped) in self._by_device_dtype(*lists).items():
-            p, g = grouped[0], grouped[1]
-            b = grouped[2] if bufs else []
+        lists, written = ((params, grads, bufs), (0, 2)) if bufs else ((params, grads), (0,))
+        for device, dtype, mode, _, (p, g, *b) in self._kernel_parts("sgd", lists, written):
             fi = None if found_inf is None else found_inf.to(device)
-            if not fused_sgd_ok(device, dtype):
-                e = eff.to(device=device, dtype=mt.acc_dtype(dtype))
-                _keras_sgd_foreach(p, g, b, e, momentum, nesterov, fi)
+            if mode == "fallback":
+                self._pointwise_fallback(group, p, g, b, lr, k, fi, None)
                 continue
             if dtype == torch.float64:
                 # the kernel's grad_scale is float32: fold −lr·k into the gradient in float64 instead
@@ -151,7 +108,7 @@ class SGD(Optimizer):
             else:
                 scale = (-1.0 / eff.to(device)).to(torch.float32)
             torch._fused_sgd_(
-                p, g, b,
+                p, g, b[0] if b else [],
                 weight_decay=0.0, momentum=momentum, lr=-1.0, dampening=0.0, nesterov=nesterov,
                 maximize=False, is_first_step=False, grad_scale=scale, found_inf=fi,
             )

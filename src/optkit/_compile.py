@@ -1,0 +1,79 @@
+"""Out-of-place per-tensor update chains: the ``jit_compile`` path and the fallback for devices without a
+fused kernel.
+
+Every optkit optimizer states its update rule once more as pointwise math on one tensor (its ``_pointwise``
+staticmethod ``(hyper, w, g, slots, lr, k, aux) -> (new_w, new_slots)``, with the true gradient ``k·g``).
+:func:`chain` runs decay → rule → EMA with it, out of place, and writes the results back; with ``found_inf``
+set
+to 1 every result is replaced by its old value with ``torch.where``, so non-finite gradients leave no trace.
+
+* ``jit_compile=True`` hands :func:`chain` to ``torch.compile`` (:func:`compiled_chain`, built once per
+  process); inductor fuses each tensor's chain into one loop, and the learning rate, clip/unscale factor, skip
+  flag and EMA weight are tensor inputs, so changing them never recompiles.
+* The fused-kernel gate (:mod:`optkit._fused`) sends tensors on devices that have no fused kernel here, with
+  half-precision inputs upcast to float32 so that each stored value is rounded once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["chain", "compiled_chain", "warn_compile_fallback"]
+
+
+def warn_compile_fallback(err: Exception) -> None:
+    """One ``RuntimeWarning``: ``jit_compile`` falls back to eager execution."""
+    warnings.warn(
+        f"jit_compile=True: torch.compile unavailable ({type(err).__name__}: {err}); running eagerly",
+        RuntimeWarning, stacklevel=4,
+    )
+
+
+def chain(rule, hyper, params, grads, slots, avgs, lr, k, wd, decay_mask, ema_w, found_inf, mult, aux,
+          upcast: bool = False) -> None:
+    """decay → update → EMA for each tensor, out of place, then written back (module doc).
+
+    Keras order: ``w ← w − w·wd·lr`` (where ``decay_mask``), the rule, ``avg ← avg + ema_w·(w − avg)``.
+    ``slots`` is a tuple of per-slot lists; ``avgs``, ``decay_mask``, ``mult`` and ``aux`` may be None.
+    ``upcast``: compute half-precision tensors in float32 (eager fallback; inductor does this itself).
+    """
+    skip = None if found_inf is None else found_inf > 0.5
+    for i in range(len(params)):
+        p = params[i]
+        g = grads[i]
+        old_slots = [s[i] for s in slots]
+        w, olds = p, old_slots
+        if upcast and p.dtype in (torch.float16, torch.bfloat16):
+            w, g, olds = p.float(), g.float(), [s.float() for s in old_slots]
+        if mult is not None and mult[i] is not None:
+            g = g * mult[i]
+        w0 = w
+        if decay_mask is not None and decay_mask[i]:
+            w = w - w * (wd * lr)
+        new_w, new_slots = rule(hyper, w, g, olds, lr, k, None if aux is None else aux[i])
+        if skip is not None:
+            new_w = torch.where(skip, w0, new_w)
+            new_slots = [torch.where(skip, o, n) for o, n in zip(olds, new_slots)]
+        for o, n in zip(old_slots, new_slots):
+            o.copy_(n)
+        if avgs is not None:
+            a = avgs[i]
+            w_ = ema_w if skip is None else torch.where(skip, torch.zeros_like(ema_w), ema_w)
+            a.copy_(a + w_ * (new_w.to(a.dtype) - a))
+        p.copy_(new_w)
+
+
+_COMPILED: list = []
+
+
+def compiled_chain() -> Callable | None:
+    """The ``torch.compile``-d :func:`chain` (built once per process; None where unavailable)."""
+    if not _COMPILED:
+        try:
+            _COMPILED.append(torch.compile(chain, fullgraph=True, dynamic=False))
+        except Exception:  # pragma: no cover - torch without a working compile stack
+            _COMPILED.append(None)
+    return _COMPILED[0]

@@ -1,0 +1,134 @@
+"""The cached structure of the optimizer base's dense pass (one :class:`Plan` per param group).
+
+Building a plan costs Python work per parameter (names, slot lists, the weight-decay mask, the cut into
+cache-sized blocks, the layout facts the fused-kernel gate needs); reusing it costs O(1) per step plus one
+check
+per chunked gradient. A plan is rebuilt when the set of parameters with gradients, the optimizer state or the
+exclusions change, when a parameter's storage moves (``p.data = ...``, a device move) or when a gradient no
+longer fits the chunking. Building one checks every slot against its parameter (shape, dtype, device): torch's
+fused kernels read whatever memory a slot points at, so a slot that does not fit raises ``ValueError`` here
+instead of corrupting memory in a kernel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import Optimizer
+
+__all__ = ["Plan", "Block", "check_slot_fits"]
+
+
+def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
+    return [mt.local(p).data_ptr() for p in params] if dtensor else [p.data_ptr() for p in params]
+
+
+def check_slot_fits(name: str, slot: str, p: Tensor, t: object) -> None:
+    """Raise ``ValueError`` naming the parameter and slot unless ``t`` is a tensor with ``p``'s shape, dtype
+    and device (local shards compared for DTensors)."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"optimizer state of parameter {name!r}: slot {slot!r} is not a tensor "
+                         f"({type(t).__name__})")
+    lp, lt = mt.local(p), mt.local(t)
+    if lt.shape != lp.shape:
+        raise ValueError(
+            f"optimizer state of parameter {name!r}: slot {slot!r} has shape {tuple(lt.shape)}, "
+            f"the parameter {tuple(lp.shape)} (a state dict from another model, or a replaced parameter)"
+        )
+    if lt.dtype != lp.dtype or lt.device != lp.device:
+        raise ValueError(
+            f"optimizer state of parameter {name!r}: slot {slot!r} is {lt.dtype} on {lt.device}, "
+            f"the parameter {lp.dtype} on {lp.device}"
+        )
+    if lt.is_sparse or lt.layout != torch.strided:
+        raise ValueError(f"optimizer state of parameter {name!r}: slot {slot!r} must be a dense tensor")
+
+
+class Block:
+    """One block of the dense pass: owner indices, the chunks of params/slots/averages (static views), how to
+    cut each owner's gradient (``split[j]`` = (start, stop) of the flat gradient, or None for the whole
+    tensor; ``split`` None when nothing is cut), the block's (device, dtype) when homogeneous, and whether
+    every parameter and slot chunk is contiguous (the fused-kernel gate then checks only the gradients)."""
+
+    __slots__ = ("owners", "params", "slots", "averages", "split", "key", "identity", "all_wd", "avg_same",
+                 "static_contiguous")
+
+
+class Plan:
+    """Per-group structure of the dense pass, cached across steps (module doc)."""
+
+    def __init__(self, opt: Optimizer, group: dict, idx, params, grads, blocked: bool, key) -> None:
+        self.key = key
+        self.names = [group["param_names"][i] for i in idx]
+        st = opt.state
+        for name, p in zip(self.names, params):
+            state = st[p]
+            for s in opt.slot_names:
+                check_slot_fits(name, s, p, state.get(s))
+            if opt.use_ema:
+                check_slot_fits(name, "average", p, state.get("average"))
+        self.slots = {s: [st[p][s] for p in params] for s in opt.slot_names}
+        self.averages = [st[p]["average"] for p in params] if opt.use_ema else None
+        self.use_wd = [opt._use_weight_decay(p, n) for p, n in zip(params, self.names)]
+        self.any_wd = any(self.use_wd)
+        self.any_dtensor = any(mt.is_dtensor(t) for t in params) or any(mt.is_dtensor(g) for g in grads)
+        self._ptrs = _data_ptrs(params, self.any_dtensor)
+        loc = mt.local
+        slot_keys = list(opt.slot_names)
+        lists = [[loc(p) for p in params], [loc(g) for g in grads]]
+        lists += [[loc(t) for t in self.slots[s]] for s in slot_keys]
+        if self.averages is not None:
+            lists.append([loc(a) for a in self.averages])
+        on_cpu = lists[0][0].device.type == "cpu"
+        if blocked and on_cpu:
+            raw = mt.blocks(lists, opt.block_numel)
+        else:
+            raw = [(list(range(len(params))), tuple(lists))]
+        self.blocks: list[Block] = []
+        self._split_owners: list[tuple[int, torch.Size]] = []
+        n = len(params)
+        for owners, chunk_lists in raw:
+            b = Block()
+            b.owners = owners
+            b.params = chunk_lists[0]
+            b.slots = {s: chunk_lists[2 + j] for j, s in enumerate(slot_keys)}
+            b.averages = chunk_lists[-1] if self.averages is not None else None
+            split = []
+            for o, chunk in zip(owners, chunk_lists[1]):
+                g = lists[1][o]
+                if chunk.numel() == g.numel() and chunk.data_ptr() == g.data_ptr():
+                    split.append(None)
+                else:
+                    start = chunk.storage_offset() - g.storage_offset()
+                    split.append((start, start + chunk.numel()))
+                    self._split_owners.append((o, g.shape))
+            b.split = None if all(r is None for r in split) else split
+            kinds = {(t.device, t.dtype) for t in b.params}
+            b.key = next(iter(kinds)) if len(kinds) == 1 else None
+            b.identity = len(owners) == n and owners == list(range(n))
+            b.all_wd = all(self.use_wd[o] for o in owners)
+            b.avg_same = b.averages is not None and all(
+                a.dtype == p.dtype for a, p in zip(b.averages, b.params))
+            b.static_contiguous = all(t.is_contiguous() for t in b.params) and all(
+                t.is_contiguous() for s in slot_keys for t in b.slots[s])
+            self.blocks.append(b)
+        self._split_owners = list(dict(self._split_owners).items())
+
+    def params_fit(self, params: list[Tensor]) -> bool:
+        """Whether the parameters still live where the plan's chunk views point (``p.data = ...`` or a move
+        to another device replaces the storage)."""
+        return self._ptrs == _data_ptrs(params, self.any_dtensor)
+
+    def grads_fit(self, grads: list[Tensor]) -> bool:
+        """Whether this step's gradients can be cut like the plan's (contiguous, same shape)."""
+        for o, shape in self._split_owners:
+            g = mt.local(grads[o])
+            if not g.is_contiguous() or g.shape != shape:
+                return False
+        return True

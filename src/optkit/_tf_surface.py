@@ -1,0 +1,231 @@
+"""The TF/Keras surface of optkit optimizers, as thin layers over the PyTorch core (DESIGN §1.1).
+
+``compute_gradients``/``apply_gradients``/``minimize`` (TF1), ``get_slot``/``get_slot_names``/``variables``/
+``get_weights``/``set_weights``/``update_step`` (Keras) and ``get_config``/``from_config``. The helpers at the
+top are shared with the wrappers (:mod:`optkit._wrapper`):
+
+* :func:`autograd_pairs` — ``(dloss/dv, v)`` pairs, TF's ``compute_gradients``;
+* :func:`check_pairs` — validation of ``grads_and_vars`` (TF's errors), before anything changes;
+* :func:`gradients_installed` — ``apply_gradients`` steps through ``step()``: for its duration the listed
+  variables get **copies** of the given gradients as ``.grad`` (the fused kernels write into ``.grad``, and
+  clipping scales it in place, so the caller's tensors must never be handed over), every other parameter's
+  ``.grad`` is hidden, and all ``.grad`` attributes are restored afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+
+__all__ = ["TFSurface", "autograd_pairs", "check_pairs", "gradients_installed", "is_schedule"]
+
+
+def is_schedule(lr: object) -> bool:
+    """Whether ``lr`` is an :class:`optkit.schedules.LearningRateSchedule`."""
+    from .schedules import LearningRateSchedule
+
+    return isinstance(lr, LearningRateSchedule)
+
+
+def autograd_pairs(
+    loss: Tensor | Callable[[], Tensor], vs: list[Tensor]
+) -> list[tuple[Tensor | None, Tensor]]:
+    """``(dloss/dv, v)`` for each ``v`` in ``vs`` (``None`` where unused); ``loss`` is a scalar tensor or a
+    zero-argument callable returning one (TF's ``compute_gradients``)."""
+    if not vs:
+        raise ValueError("`var_list` is empty")
+    with torch.enable_grad():
+        value = loss() if callable(loss) else loss
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        raise ValueError("`loss` must be (or return) a scalar tensor")
+    grads = torch.autograd.grad(value, vs, allow_unused=True)
+    return list(zip(grads, vs))
+
+
+def check_pairs(
+    grads_and_vars: Iterable[tuple[Tensor | None, Tensor]], known_params: Sequence[Tensor]
+) -> list[tuple[Tensor | None, Tensor]]:
+    """Validate ``(gradient, variable)`` pairs against the optimizer's parameters (TF's errors); returns them
+    as a list of tuples. Nothing is changed."""
+    pairs = list(grads_and_vars)
+    known = {id(p) for p in known_params}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"`grads_and_vars` must hold (gradient, variable) pairs, got {pair!r}")
+        g, v = pair
+        if not isinstance(v, Tensor) or id(v) not in known:
+            raise ValueError("apply_gradients(): unknown variable (not one of the optimizer's parameters)")
+        if g is not None and not isinstance(g, Tensor):
+            raise TypeError(f"gradients must be Tensors or None, got {type(g).__name__}")
+        if g is not None and g.shape != v.shape:
+            raise ValueError(f"gradient shape {tuple(g.shape)} != variable shape {tuple(v.shape)}")
+    if all(g is None for g, _ in pairs):
+        raise ValueError("No gradients provided for any variable.")
+    return [tuple(p) for p in pairs]  # type: ignore[misc]
+
+
+@contextmanager
+def gradients_installed(
+    pairs: Sequence[tuple[Tensor | None, Tensor]], all_params: Sequence[Tensor]
+) -> Iterator[None]:
+    """For the ``with`` body: ``v.grad`` = a copy of ``g`` (cast to ``v``'s dtype; sparse gradients coalesced)
+    for every pair, ``None`` for the other parameters; every ``.grad`` is restored afterwards (module doc)."""
+    saved = [(p, p.grad) for p in all_params]
+    try:
+        with torch.no_grad():
+            for p, _ in saved:
+                p.grad = None
+            for g, v in pairs:
+                if g is None:
+                    continue
+                g = g.detach()
+                if g.is_sparse:
+                    copy = g.coalesce() if not g.is_coalesced() else g.clone()
+                else:
+                    copy = g.clone(memory_format=torch.preserve_format)
+                v.grad = copy if copy.dtype == v.dtype else copy.to(v.dtype)
+        yield
+    finally:
+        for p, g in saved:
+            p.grad = g
+
+
+class TFSurface:
+    """Mixin of the TF/Keras methods for :class:`optkit.Optimizer` (module doc). Relies on the base's
+    ``param_groups``, ``state``, ``slot_names``, ``use_ema``, ``_iterations``, ``_current_lr``, ``_prepare``,
+    ``_update`` and ``step``."""
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]  # type: ignore[attr-defined]
+
+    def update_step(
+        self, gradient: Tensor, variable: Tensor, learning_rate: float | Tensor | None = None
+    ) -> None:
+        """Apply the update rule to one variable (no clipping, decay, EMA or iteration count)."""
+        group = next((g for g in self.param_groups if any(p is variable for p in g["params"])), None)
+        if group is None:
+            raise ValueError("update_step(): `variable` is not one of the optimizer's parameters")
+        if gradient.shape != variable.shape:
+            raise ValueError(
+                f"gradient shape {tuple(gradient.shape)} != variable shape {tuple(variable.shape)}"
+            )
+        lr = self._current_lr(group) if learning_rate is None else torch.as_tensor(
+            learning_rate, dtype=torch.float32, device=self._state_device)
+        g = gradient.to_dense() if gradient.is_sparse else gradient.detach().clone()
+        g = g if g.dtype == variable.dtype else g.to(variable.dtype)
+        index = next(i for i, p in enumerate(group["params"]) if p is variable)
+        with torch.no_grad():
+            self._update_one(group, index, variable, g, lr)
+
+    def compute_gradients(
+        self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None
+    ) -> list[tuple[Tensor | None, Tensor]]:
+        """Gradients of ``loss`` (a scalar tensor or a zero-argument callable) w.r.t. ``var_list``
+        (default: every parameter) as ``(gradient, variable)`` pairs; unused variables get ``None``."""
+        return autograd_pairs(loss, self._all_params() if var_list is None else list(var_list))
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Tensor | None, Tensor]]) -> Tensor:
+        """Apply ``(gradient, variable)`` pairs (TF/Keras). Variables not listed are left alone this step; the
+        given gradient tensors are never modified. Returns ``iterations``."""
+        pairs = check_pairs(grads_and_vars, self._all_params())
+        with gradients_installed(pairs, self._all_params()):
+            self.step()
+        return self._iterations
+
+    def minimize(
+        self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None
+    ) -> Tensor:
+        """``apply_gradients(compute_gradients(loss, var_list))``."""
+        return self.apply_gradients(self.compute_gradients(loss, var_list))
+
+    def get_slot_names(self) -> list[str]:
+        """Names of the per-variable slots (``"average"`` included when EMA is on)."""
+        return list(self.slot_names) + (["average"] if self.use_ema else [])
+
+    def get_slot(self, var: Tensor, name: str) -> Tensor:
+        """The slot ``name`` of parameter ``var``."""
+        if name not in self.get_slot_names():
+            raise ValueError(f"unknown slot {name!r}; slots are {self.get_slot_names()}")
+        if var not in self.state:
+            raise ValueError("get_slot(): `var` is not one of the optimizer's parameters")
+        return self.state[var][name]
+
+    def variables(self) -> list[Tensor]:
+        """Optimizer variables in Keras order: iterations, averages, then each slot per variable."""
+        ps = self._all_params()
+        out: list[Tensor] = [self._iterations]
+        if self.use_ema:
+            out += [self.state[p]["average"] for p in ps]
+        for s in self.slot_names:
+            out += [self.state[p][s] for p in ps]
+        return out + list(self._extra_variables)
+
+    def get_weights(self) -> list[Tensor]:
+        """Copies of :meth:`variables`."""
+        return [v.detach().clone() for v in self.variables()]
+
+    def set_weights(self, weights: Sequence[Tensor]) -> None:
+        """Set :meth:`variables` from a list (same order, count and shapes; checked before any change)."""
+        vs = self.variables()
+        ws = list(weights)
+        if len(ws) != len(vs):
+            raise ValueError(f"set_weights(): expected {len(vs)} weights, got {len(ws)}")
+        converted = []
+        for v, w in zip(vs, ws):
+            w = torch.as_tensor(w)
+            if tuple(w.shape) != tuple(v.shape):
+                raise ValueError(f"set_weights(): shape {tuple(w.shape)} does not match {tuple(v.shape)}")
+            if not (w.is_floating_point() or v.dtype == torch.int64) or w.is_complex():
+                raise ValueError(f"set_weights(): dtype {w.dtype} does not fit {v.dtype}")
+            converted.append(w)
+        with torch.no_grad():
+            for v, w in zip(vs, converted):
+                mt.local(v).copy_(w)
+        self._host_iterations = int(self._iterations)
+
+    # ------------------------------------------------------------------------------------------------ config
+
+    def _hyper_config(self) -> dict:
+        """Subclass hyperparameters for get_config."""
+        return {}
+
+    def get_config(self) -> dict:
+        """Every hyperparameter as plain Python values; ``from_config(config, params)`` rebuilds it."""
+        lr = self._learning_rate
+        if is_schedule(lr):
+            lr_cfg: Any = {"class_name": type(lr).__name__, "config": lr.get_config()}
+        elif callable(lr) and not isinstance(lr, Tensor):
+            lr_cfg = lr
+        else:
+            lr_cfg = float(self.param_groups[0]["lr"]) if self.param_groups else float(lr)
+        cfg = dict(
+            name=self.name,
+            learning_rate=lr_cfg,
+            weight_decay=self._weight_decay_arg,
+            clipnorm=self.clipnorm,
+            clipvalue=self.clipvalue,
+            global_clipnorm=self.global_clipnorm,
+            use_ema=self.use_ema,
+            ema_momentum=self.ema_momentum,
+            ema_overwrite_frequency=self.ema_overwrite_frequency,
+            jit_compile=self.jit_compile,
+        )
+        cfg.update(self._hyper_config())
+        return cfg
+
+    @classmethod
+    def from_config(cls, config: dict, params: Any) -> Any:
+        """Rebuild an optimizer over ``params`` from :meth:`get_config` output."""
+        cfg = dict(config)
+        lr = cfg.get("learning_rate")
+        if isinstance(lr, dict) and "config" in lr:
+            from .schedules import LearningRateSchedule
+
+            cfg["learning_rate"] = LearningRateSchedule.from_config(lr["config"])
+        return cls(params, **cfg)

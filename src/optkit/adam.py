@@ -1,0 +1,143 @@
+"""Adam and AdamW (registry names ``"Adam"``, ``"AdamW"``; ``spec/openseq2seq.md`` §3.9).
+
+With ``g`` the processed gradient, ``t`` the number of this update (``iterations + 1``: skipped steps do not
+count) and ``lr`` the current learning rate (``torch.optim.Adam`` / ``AdamW``)::
+
+    Adam:   g ← g + wd·w                                   (torch's coupled L2, when weight_decay is set)
+    AdamW:  w ← w − lr·wd·w                                (decoupled; OpenSeq2Seq's effective AdamW rule)
+    m ← β1·m + (1 − β1)·g
+    v ← β2·v + (1 − β2)·g²                                 (amsgrad: v̂max ← max(v̂max, v), used below)
+    w ← w − lr/(1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
+
+TF's ``AdamOptimizer`` adds ``ε`` to ``√v`` instead of the bias-corrected root: TF's ε equals this ε·√(1 −
+β2^t) (``docs/compatibility.md``). Arguments keep TF's names (``beta1``, ``beta2``, ``epsilon``); state
+keeps torch's (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so ``torch.optim.Adam`` checkpoints load.
+
+Optkit optimizers with every base option; a skipped step changes nothing (no lazily created state, ``t`` does
+not advance). Implementation: torch's fused Adam/AdamW kernel per (device, dtype) group through the gate of
+:mod:`optkit._fused` (learning rate, unscale and global-clip factor, decay and ``found_inf`` in one pass).
+Sparse gradients are densified (duplicates summed): TF's dense-equivalent rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _multi_tensor as mt
+from ._fused import split_by_mask
+from .optimizer import Optimizer, check_number
+
+__all__ = ["Adam", "AdamW"]
+
+
+def _adam_pointwise(hyper, w, g, slots, lr, k, aux):
+    """Out-of-place Adam/AdamW step; ``aux = (t, decayed)``."""
+    beta1, beta2, eps, amsgrad, wd, decoupled = hyper
+    t, decayed = aux
+    if k is not None:
+        g = g * k
+    if wd and decayed:
+        if decoupled:
+            w = w - w * (lr * wd)
+        else:
+            g = g + w * wd
+    m = slots[0] + (g - slots[0]) * (1.0 - beta1)
+    v = slots[1] * beta2 + g * g * (1.0 - beta2)
+    bc1 = 1.0 - torch.pow(beta1, t)
+    bc2_sqrt = (1.0 - torch.pow(beta2, t)).sqrt()
+    new = [m, v]
+    if amsgrad:
+        vmax = torch.maximum(slots[2], v)
+        new.append(vmax)
+        v = vmax
+    denom = v.sqrt() / bc2_sqrt + eps
+    return w - (lr / bc1) * m / denom, new
+
+
+class Adam(Optimizer):
+    """``tf.train.AdamOptimizer(learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8)`` with torch's
+    rule (module doc).
+
+    Args:
+        params: tensors, named parameters or param groups.
+        learning_rate, beta1, beta2, epsilon: as in TF (``0 <= beta < 1``, ``epsilon >= 0``).
+        weight_decay: torch's coupled L2 (default 0), honouring :meth:`exclude_from_weight_decay`.
+        amsgrad: keep the running maximum of ``v`` (torch's option).
+        **kwargs: base options (clipnorm, clipvalue, global_clipnorm, use_ema, ..., jit_compile, mesh, name).
+    """
+
+    _decoupled_weight_decay = False
+    _kernel_name = "adam"
+
+    def __init__(self, params: Any, learning_rate: Any = 0.001, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8, *, weight_decay: float = 0.0, amsgrad: bool = False,
+                 **kwargs: Any) -> None:
+        check_number("beta1", beta1, low=0.0, high=1.0)
+        check_number("beta2", beta2, low=0.0, high=1.0)
+        if beta1 >= 1.0 or beta2 >= 1.0:
+            raise ValueError(f"`beta1` and `beta2` must be < 1, got {beta1!r}, {beta2!r}")
+        check_number("epsilon", epsilon, low=0.0)
+        check_number("weight_decay", weight_decay, low=0.0)
+        if not isinstance(amsgrad, bool):
+            raise TypeError(f"`amsgrad` must be a bool, got {amsgrad!r}")
+        self.slot_names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        super().__init__(params, learning_rate, weight_decay=float(weight_decay), beta1=float(beta1),
+                         beta2=float(beta2), epsilon=float(epsilon), amsgrad=amsgrad, **kwargs)
+
+    def _hyper_config(self) -> dict:
+        d = self.defaults
+        return {"beta1": d["beta1"], "beta2": d["beta2"], "epsilon": d["epsilon"], "amsgrad": self.amsgrad}
+
+    def _pointwise_hyper(self, group: dict) -> tuple:
+        return (float(group["beta1"]), float(group["beta2"]), float(group["epsilon"]), self.amsgrad,
+                float(group["weight_decay"]), self._kernel_name == "adamw")
+
+    _pointwise = staticmethod(_adam_pointwise)
+
+    def _prepare(self, group, plan, params, grads, lr, k) -> list:
+        """``(t, decayed)`` per tensor: the update number (0-d float32, no host sync) and the decay mask."""
+        t = (self._iterations + 1).to(torch.float32)
+        return [(t, d) for d in plan.use_wd]
+
+    def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
+        beta1, beta2, eps, amsgrad, wd, _ = self._pointwise_hyper(group)
+        t = aux[0][0]
+        mask = [d for _, d in aux] if wd and not all(d for _, d in aux) else None
+        names = self.slot_names
+        lists = (params, grads) + tuple(slots[s] for s in names)
+        kernel = torch._fused_adamw_ if self._kernel_name == "adamw" else torch._fused_adam_
+        for device, dtype, mode, ix, part in self._kernel_parts("adam", lists, (0, *range(2, len(lists)))):
+            fi = None if found_inf is None else found_inf.to(device)
+            if mode == "fallback":
+                self._pointwise_fallback(group, part[0], part[1], part[2:], lr, k, fi, [aux[i] for i in ix])
+                continue
+            scale = None
+            if k is not None:
+                if dtype == torch.float64:  # the kernel's grad_scale is float32: unscale in float64
+                    torch._foreach_mul_(part[1], k.to(device=device, dtype=dtype))
+                else:
+                    scale = torch.reciprocal(k.to(device=device, dtype=torch.float32))
+            lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
+            t_ = t.to(device)
+            for decayed, sub in split_by_mask(mask, ix, part):
+                p, g, m, v = sub[:4]
+                kernel(p, g, m, v, sub[4] if amsgrad else [], [t_] * len(p),
+                       lr=lr_, beta1=beta1, beta2=beta2, weight_decay=wd if decayed else 0.0, eps=eps,
+                       amsgrad=amsgrad, maximize=False, grad_scale=scale, found_inf=fi)
+
+
+class AdamW(Adam):
+    """``tf.contrib.opt.AdamWOptimizer(weight_decay, learning_rate=0.001, beta1, beta2, epsilon)`` as used by
+    OpenSeq2Seq: decoupled decay ``w ← w − lr·weight_decay·w`` before the Adam step (``torch.optim.AdamW``).
+    ``weight_decay`` is required, as in TF; :meth:`exclude_from_weight_decay` takes parameters out of it."""
+
+    _kernel_name = "adamw"
+
+    def __init__(self, params: Any, weight_decay: float, learning_rate: Any = 0.001, beta1: float = 0.9,
+                 beta2: float = 0.999, epsilon: float = 1e-8, *, amsgrad: bool = False,
+                 **kwargs: Any) -> None:
+        check_number("weight_decay", weight_decay, low=0.0)
+        super().__init__(params, learning_rate, beta1, beta2, epsilon, weight_decay=weight_decay,
+                         amsgrad=amsgrad, **kwargs)

@@ -1,0 +1,148 @@
+"""Momentum: ``tf.train.MomentumOptimizer`` (registry name ``"Momentum"``, ``spec/openseq2seq.md`` §3.9).
+
+With ``g`` the processed gradient (plus ``weight_decay·w``, torch's coupled L2, when set) and ``lr`` the
+current learning rate::
+
+    a ← μ·a + g
+    w ← w − lr·a                 (Nesterov: w ← w − lr·(g + μ·a), a the new accumulator)
+
+This is ``torch.optim.SGD(momentum=μ, dampening=0, nesterov=...)`` exactly; the accumulator starts at zero
+(torch starts it at the first gradient: the same value after one step). The accumulator holds raw gradients,
+so unlike Keras ``SGD`` it does not rescale past steps when the learning rate changes.
+
+An optkit optimizer (every base option: clipping, EMA, schedules, ``grad_scale``/``found_inf``, the TF
+surface), so a skipped step changes nothing and all state exists from construction. Implementation: one call
+of
+torch's fused SGD kernel per (device, dtype) group, through the gate of :mod:`optkit._fused` (learning rate,
+unscale and global-clip factor and ``found_inf`` folded in). Sparse gradients take the TF rule on the
+de-duplicated touched rows only (``a[r] ← μ·a[r] + g[r]; w[r] ← w[r] − lr·a[r]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+from ._fused import split_by_mask
+from .optimizer import Optimizer, check_number
+
+__all__ = ["Momentum"]
+
+
+def _momentum_pointwise(hyper, w, g, slots, lr, k, aux):
+    """Out-of-place Momentum step (``aux``: whether weight decay applies to this tensor, or None)."""
+    momentum, nesterov, wd = hyper
+    if k is not None:
+        g = g * k
+    if wd and aux is not False:
+        g = g + w * wd
+    a = slots[0] * momentum + g if momentum else slots[0]
+    step = (g + a * momentum if nesterov else a) if momentum else g
+    return w - step * lr, [a]
+
+
+class Momentum(Optimizer):
+    """``tf.train.MomentumOptimizer(learning_rate, momentum, use_nesterov=False)`` (module doc).
+
+    Args:
+        params: tensors, named parameters or param groups.
+        learning_rate: number, 0-d tensor, schedule or callable (required, as in TF).
+        momentum: ``μ >= 0`` (required, as in TF).
+        use_nesterov: Nesterov momentum.
+        weight_decay: torch's coupled L2 (``g ← g + weight_decay·w``, default 0), honouring
+            :meth:`exclude_from_weight_decay`.
+        **kwargs: base options (clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, jit_compile, mesh, name).
+
+    State per parameter: ``momentum_buffer`` (torch's name, so ``torch.optim.SGD`` checkpoints load).
+    """
+
+    slot_names = ("momentum_buffer",)
+    _decoupled_weight_decay = False
+    _sparse_rule = True
+
+    def __init__(self, params: Any, learning_rate: Any, momentum: float, use_nesterov: bool = False, *,
+                 weight_decay: float = 0.0, **kwargs: Any) -> None:
+        check_number("momentum", momentum, low=0.0)
+        if not isinstance(use_nesterov, bool):
+            raise TypeError(f"`use_nesterov` must be a bool, got {use_nesterov!r}")
+        check_number("weight_decay", weight_decay, low=0.0)
+        super().__init__(params, learning_rate, weight_decay=float(weight_decay), momentum=float(momentum),
+                         use_nesterov=use_nesterov, **kwargs)
+
+    def _hyper_config(self) -> dict:
+        d = self.defaults
+        return {"momentum": d["momentum"], "use_nesterov": d["use_nesterov"]}
+
+    def _pointwise_hyper(self, group: dict) -> tuple:
+        return (float(group["momentum"]), bool(group["use_nesterov"]), float(group["weight_decay"]))
+
+    _pointwise = staticmethod(_momentum_pointwise)
+
+    def _prepare(self, group, plan, params, grads, lr, k) -> list | None:
+        """The weight-decay mask when some parameters are excluded from the coupled decay."""
+        if group["weight_decay"] and not all(plan.use_wd):
+            return list(plan.use_wd)
+        return None
+
+    def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
+        m, nesterov, wd = self._pointwise_hyper(group)
+        lists = (params, grads, slots["momentum_buffer"])
+        for device, dtype, mode, ix, part in self._kernel_parts("sgd", lists, (0, 2)):
+            fi = None if found_inf is None else found_inf.to(device)
+            if mode == "fallback":
+                self._pointwise_fallback(group, *part[:2], [part[2]], lr, k, fi,
+                                         None if aux is None else [aux[i] for i in ix])
+                continue
+            scale = None
+            if k is not None:
+                if dtype == torch.float64:  # the kernel's grad_scale is float32: unscale in float64
+                    torch._foreach_mul_(part[1], k.to(device=device, dtype=dtype))
+                else:
+                    scale = torch.reciprocal(k.to(device=device, dtype=torch.float32))
+            lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
+            for decayed, (p, g, b) in split_by_mask(aux, ix, part):
+                torch._fused_sgd_(
+                    p, g, b if m else [],
+                    weight_decay=wd if decayed else 0.0, momentum=m, lr=lr_, dampening=0.0,
+                    nesterov=nesterov, maximize=False, is_first_step=False, grad_scale=scale, found_inf=fi,
+                )
+
+    def _check_sparse(self, group: dict) -> None:
+        if group["weight_decay"]:
+            raise ValueError("Momentum: weight_decay does not combine with sparse gradients (TF's sparse "
+                             "rule updates the touched rows only); use a dense gradient or weight_decay=0")
+
+    def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
+        """TF's ``SparseApplyMomentum`` on the touched rows of coalesced sparse gradients."""
+        m, nesterov, _ = self._pointwise_hyper(group)
+        skip = None if found_inf is None else found_inf > 0.5
+        for p, g, a in zip(params, grads, slots["momentum_buffer"]):
+            sparse_momentum_rows_(p, g, a, m, nesterov, lr, k, skip)
+
+
+def sparse_momentum_rows_(p: Tensor, g: Tensor, a: Tensor, m: float, nesterov: bool, lr: Tensor,
+                          k: Tensor | None, skip: Tensor | None) -> None:
+    """``a[r] ← m·a[r] + g[r]``; ``w[r] ← w[r] − lr·a[r]`` (Nesterov ``w[r] − lr·g[r] − lr·m·a[r]``) on the
+    rows of the coalesced sparse gradient ``g``; unchanged when ``skip`` is True. Shared with LARS."""
+    pl, al = mt.local(p), mt.local(a)
+    index = tuple(g._indices())
+    vals = g._values()
+    acc = mt.acc_dtype(vals.dtype)
+    lr_ = lr.to(device=vals.device, dtype=acc)
+    vals = vals.to(acc)
+    if k is not None:
+        vals = vals * k.to(device=vals.device, dtype=acc)
+    a_rows = al[index].to(acc)
+    a_new = a_rows * m + vals
+    step = lr_ * vals + (lr_ * m) * a_new if nesterov else lr_ * a_new
+    w_rows = pl[index].to(acc)
+    w_new = w_rows - step
+    if skip is not None:
+        a_new = torch.where(skip, a_rows, a_new)
+        w_new = torch.where(skip, w_rows, w_new)
+    al.index_put_(index, a_new.to(al.dtype))
+    pl.index_put_(index, w_new.to(pl.dtype))

@@ -1,0 +1,126 @@
+"""RMSProp: ``tf.train.RMSPropOptimizer`` (registry name ``"RMSProp"``, ``spec/openseq2seq.md`` §3.9).
+
+TF rule (mean square ``ms`` starts at 1, ``mom`` and ``mg`` at 0)::
+
+    ms  ← ms + (1 − ρ)·(g² − ms)
+    mg  ← mg + (1 − ρ)·(g − mg)                               (centered only)
+    mom ← μ·mom + lr·g / √(ms + ε)        (centered: √(max(ms − mg², 0) + ε))
+    w   ← w − mom
+
+``torch.optim.RMSprop`` differs in three places (``ms`` starts at 0, ε is added outside the root, the learning
+rate stays out of the momentum buffer), so this is optkit's own optimizer. Centered: ``ms − mg²`` is the
+gradient variance and is never negative in exact arithmetic; rounding can make it so when the variance is
+tiny, and TF then takes the root of a negative number (NaN weights). optkit clamps it at 0 first
+(``docs/compatibility.md``).
+
+Implementation: a chain of foreach kernels per (device, dtype) group over cache-sized blocks (the base's
+blocked
+pass); float16/bfloat16 tensors are computed on float32 copies (:mod:`optkit._fused`), so each stored value is
+rounded once. Complex parameters are refused (``TypeError``) by the base.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+from .optimizer import Optimizer, check_number
+
+__all__ = ["RMSProp"]
+
+
+def _rmsprop_pointwise(hyper, w, g, slots, lr, k, aux):
+    """Out-of-place TF RMSProp step (``slots = (rms, momentum[, mg])``)."""
+    decay, momentum, epsilon, centered = hyper
+    if k is not None:
+        g = g * k
+    ms = slots[0] + (g * g - slots[0]) * (1.0 - decay)
+    new = [ms]
+    if centered:
+        mg = slots[2] + (g - slots[2]) * (1.0 - decay)
+        denom = (ms - mg * mg).clamp_min(0.0) + epsilon
+    else:
+        denom = ms + epsilon
+    mom = slots[1] * momentum + lr * g / denom.sqrt()
+    new.append(mom)
+    if centered:
+        new.append(mg)
+    return w - mom, new
+
+
+class RMSProp(Optimizer):
+    """``tf.train.RMSPropOptimizer(learning_rate, decay=0.9, momentum=0.0, epsilon=1e-10, centered=False)``
+    (module doc for the rule). All base options apply.
+
+    State per parameter: ``rms`` (starts at 1), ``momentum`` and, centered, ``mg`` (TF's slot names).
+    """
+
+    _always_block = True
+
+    def __init__(self, params: Any, learning_rate: Any = 0.001, decay: float = 0.9, momentum: float = 0.0,
+                 epsilon: float = 1e-10, centered: bool = False, **kwargs: Any) -> None:
+        check_number("decay", decay, low=0.0, high=1.0)
+        check_number("momentum", momentum, low=0.0)
+        check_number("epsilon", epsilon, low=0.0)
+        if not isinstance(centered, bool):
+            raise TypeError(f"`centered` must be a bool, got {centered!r}")
+        self.slot_names = ("rms", "momentum", "mg") if centered else ("rms", "momentum")
+        super().__init__(params, learning_rate, decay=float(decay), momentum=float(momentum),
+                         epsilon=float(epsilon), centered=centered, **kwargs)
+
+    def _make_slot(self, p: Tensor, slot: str, group: dict) -> Tensor:
+        if slot == "rms":
+            return torch.ones_like(p, memory_format=torch.preserve_format)
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _hyper_config(self) -> dict:
+        d = self.defaults
+        return {key: d[key] for key in ("decay", "momentum", "epsilon", "centered")}
+
+    def _pointwise_hyper(self, group: dict) -> tuple:
+        return (group["decay"], group["momentum"], group["epsilon"], group["centered"])
+
+    _pointwise = staticmethod(_rmsprop_pointwise)
+
+    def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
+        decay, momentum, epsilon, centered = self._pointwise_hyper(group)
+        lists = [params, grads] + [slots[s] for s in self.slot_names]
+        written = (0, *range(2, len(lists)))
+        for device, dtype, _, _, grouped in self._kernel_parts("foreach", lists, written):
+            w, g, ms, mom = grouped[:4]
+            lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
+            if k is not None:
+                torch._foreach_mul_(g, k.to(device))
+            ms_new = torch._foreach_mul(g, g)
+            torch._foreach_sub_(ms_new, ms)
+            torch._foreach_mul_(ms_new, 1.0 - decay)
+            torch._foreach_add_(ms_new, ms)
+            new_lists, olds = [ms_new], [ms]
+            if centered:
+                mg = grouped[4]
+                mg_new = torch._foreach_sub(g, mg)
+                torch._foreach_mul_(mg_new, 1.0 - decay)
+                torch._foreach_add_(mg_new, mg)
+                # the variance ms − mg² is >= 0 exactly; rounding must not make its root NaN
+                denom = torch._foreach_addcmul(ms_new, mg_new, mg_new, value=-1.0)
+                torch._foreach_clamp_min_(denom, 0.0)
+                torch._foreach_add_(denom, epsilon)
+            else:
+                denom = torch._foreach_add(ms_new, epsilon)
+            torch._foreach_sqrt_(denom)
+            step = torch._foreach_mul(g, lr_)
+            torch._foreach_div_(step, denom)
+            mom_new = torch._foreach_mul(mom, momentum)
+            torch._foreach_add_(mom_new, step)
+            w_new = torch._foreach_sub(w, mom_new)
+            new_lists.append(mom_new)
+            olds.append(mom)
+            if centered:
+                new_lists.append(mg_new)
+                olds.append(mg)
+            skip = None if found_inf is None else found_inf.to(device) > 0.5
+            targets = list(w) + [t for o in olds for t in o]
+            mt.commit_(targets, list(w_new) + [t for n in new_lists for t in n], skip)
