@@ -44,7 +44,7 @@ from ._tf_surface import autograd_pairs as _autograd_pairs
 from ._tf_surface import check_pairs as _check_pairs
 from ._tf_surface import gradients_installed
 
-__all__ = ["OptimizerWrapper", "protocol_level"]
+__all__ = ["OptimizerWrapper", "protocol_level", "step_inner"]
 
 _PROTOCOL = ("grad_scale", "found_inf", "grad_multipliers")
 
@@ -58,6 +58,26 @@ def protocol_level(opt: torch.optim.Optimizer) -> str:
     if getattr(opt, "_step_supports_amp_scaling", False):
         return "amp"
     return "none"
+
+
+def step_inner(opt: torch.optim.Optimizer) -> Any:
+    """``opt.step()`` as a wrapper calls it: ``opt``'s own step hooks run, the global ones
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``) do not — they already
+    ran around the outermost ``step()``, and must fire once per training step, not once per wrapper level."""
+    fn = type(opt).step
+    raw = getattr(fn, "__wrapped__", None)
+    if raw is None or not getattr(fn, "hooked", False) or "step" in opt.__dict__:
+        return opt.step()  # not patched by torch (or patched per instance, e.g. by an LR scheduler)
+    args: tuple = (opt,)
+    kwargs: dict = {}
+    for pre_hook in opt._optimizer_step_pre_hooks.values():
+        result = pre_hook(opt, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    out = raw(*args, **kwargs)
+    for post_hook in opt._optimizer_step_post_hooks.values():
+        post_hook(opt, args, kwargs)
+    return out
 
 
 def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -245,7 +265,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
                 if v is not None:
                     setattr(inner, k, v)
             try:
-                inner.step()
+                step_inner(inner)
             finally:
                 for k, v in values.items():
                     if v is not None and k in inner.__dict__:
@@ -283,7 +303,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
                 # generic optimizers cannot skip on the device: one host read per step (documented)
                 self.step_applied = torch.zeros((), dtype=torch.bool, device=dev)
                 return self.step_applied
-            inner.step()
+            step_inner(inner)
             found_inf = None
         self.step_applied = self._applied_from(found_inf, dev)
         return self.step_applied
@@ -305,7 +325,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         if found_inf is not None:
             inner.found_inf = found_inf
         try:
-            inner.step()
+            step_inner(inner)
         finally:
             for k in ("grad_scale", "found_inf"):
                 if k in inner.__dict__:
@@ -375,12 +395,34 @@ class OptimizerWrapper(torch.optim.Optimizer):
     # --------------------------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """``{"optimizer": inner state_dict, "wrapper": {"type": class name, **own state}}``."""
-        return {"optimizer": self.optimizer.state_dict(),
-                "wrapper": {"type": type(self).__name__, **self._own_state()}}
+        """``{"optimizer": inner state_dict, "wrapper": {"type": class name, **own state}}``; the wrapper's
+        ``register_state_dict_pre_hook``/``post_hook`` hooks run around it (torch semantics)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = {"optimizer": self.optimizer.state_dict(),
+                      "wrapper": {"type": type(self).__name__, **self._own_state()}}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load a :meth:`state_dict`; the wrapper part is validated before anything changes."""
+        """Load a :meth:`state_dict`; the wrapper part is validated before anything changes. The load
+        pre-hooks run first (on a shallow copy; they may return a replacement), the post-hooks last (torch
+        semantics)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_checked(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_checked(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or set(state_dict) != {"optimizer", "wrapper"}:
             raise ValueError(f"{type(self).__name__}.load_state_dict: expected a dict with keys "
                              "'optimizer' and 'wrapper' (from a wrapper's state_dict())")

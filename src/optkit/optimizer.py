@@ -827,8 +827,8 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         real floating dtype, dense) and every step count are validated against this optimizer, raising
         ``ValueError`` that names the parameter and slot; then torch's loading (slots cast to the parameter's
         dtype and device), and the post-hooks last. Afterwards the names given at construction are kept,
-        every parameter shares one ``iterations`` counter, slots take their parameter's memory layout, and a
-        missing EMA average starts from the current weights.
+        every parameter shares one ``iterations`` counter, slots are the optimizer's own copies in their
+        parameter's memory layout, and a missing EMA average starts from the current weights.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -838,6 +838,11 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             if result is not None:
                 sd = result
         step = self._validate_state_dict(sd)
+        # own copies: torch would alias the given tensors (``Tensor.to`` returns the same tensor when nothing
+        # changes), so two optimizers loaded from one live state dict would update one buffer
+        own = {key: {s: v.detach().clone() if isinstance(v, Tensor) else v for s, v in e.items()}
+               for key, e in sd["state"].items()}
+        sd = {**sd, "state": own}
         names = [list(g["param_names"]) for g in self.param_groups]
         pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_pre_hooks = type(pre)()
@@ -885,7 +890,8 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             # ids are positions (torch) or parameter names (torch.distributed.checkpoint)
             if not isinstance(sg, dict) or not isinstance(sg.get("params"), list) or not all(
                     isinstance(i, (int, str)) and not isinstance(i, bool) for i in sg["params"]):
-                raise ValueError(f"{where}: param group {gi} must be a dict whose 'params' lists ints or names")
+                raise ValueError(f"{where}: param group {gi} must be a dict whose 'params' lists ints or "
+                                 "names")
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(f"{where}: param group {gi} holds {len(sg['params'])} parameters in the "
                                  f"state dict and {len(g['params'])} in this optimizer")

@@ -1,0 +1,245 @@
+"""The contract matrix: one row per optimizer, wrapper stack and option set, with what each supports.
+
+``tests/test_contract_matrix.py`` crosses every row with dtypes, layouts, sparse gradients, skips,
+checkpoints, deepcopy, names, tensor learning rates, hooks, closures and ``apply_gradients``; the train-op
+rows (``optimize_loss`` configurations) are crossed in ``tests/test_contract_train_op.py``. A new optimizer,
+wrapper or option joins by adding a row here.
+
+Each row builds its optimizer over ``named`` parameters (``(name, tensor)`` pairs, or plain tensors when the
+row does not use names) and states its float64 NumPy reference (``tests/reference_rules.py``): the rule, its
+hyperparameters and base options, plus what the wrapper does around it (gradient scale fed to ``.grad``,
+per-tensor gradient transform, post-step weight transform).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import optkit
+from reference_rules import Reference, _norm
+
+LR = 0.05
+
+#: the parameter set of every row: names and shapes (a 4-D tensor for channels_last, a bias for exclusions)
+SHAPES = {"enc.weight": (6, 4), "enc.bias": (4,), "conv.weight": (4, 3, 3, 3)}
+#: the sparse case: an embedding whose gradient touches rows 1, 4 (twice) and 7
+SPARSE_SHAPE = (10, 3)
+SPARSE_ROWS = [1, 4, 4, 7]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the matrix.
+
+    ``build(params, lr)``: the optimizer over ``params`` (named pairs) with learning rate ``lr`` (a float or a
+    0-d tensor). ``rule``/``hp``/``base``: the float64 reference. ``feed_scale``: ``.grad`` is set to
+    ``scale·g`` (loss-scale wrappers unscale it). ``grad_transform(ws, gs, lr)`` and ``post(ws)``: what a
+    wrapper does around the rule. ``sparse``: ``"rows"`` (TF's touched-rows rule, reference ``sparse_rule``
+    on the touched rows), ``"dense"`` (densified: same as the dense gradient), or an exception type (a clear
+    refusal). ``dtypes``: parameter dtypes it takes; ``half_masters``: half parameters with fp32 masters.
+    """
+
+    id: str
+    build: Callable[[list, Any], torch.optim.Optimizer]
+    rule: str
+    hp: dict = field(default_factory=dict)
+    base: dict = field(default_factory=dict)
+    per_tensor: Callable[[list[str]], list[dict]] | None = None
+    decay_mask: Callable[[list[str]], list[bool]] | None = None
+    feed_scale: float = 1.0
+    grad_transform: Callable | None = None
+    post: Callable | None = None
+    sparse: Any = "dense"
+    sparse_rule: str | None = None
+    sparse_hp: dict | None = None
+    dtypes: tuple = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    half_masters: bool = False
+    uses_names: bool = False
+    torch_twin: Callable | None = None  # torch.optim equivalent (params, lr) -> optimizer, if any
+
+    def reference(self, names: list[str], ws: list[np.ndarray], lr: float = LR) -> Reference:
+        base = {"lr": lr, **self.base}
+        if self.decay_mask is not None:
+            base["decay_mask"] = self.decay_mask(names)
+        per = self.per_tensor(names) if self.per_tensor else None
+        return _WrappedReference(self, Reference(self.rule, ws, self.hp, base, per), lr)
+
+
+class _WrappedReference:
+    """The row's wrapper math around the rule's :class:`Reference`."""
+
+    def __init__(self, row: Row, ref: Reference, lr: float) -> None:
+        self.row, self.ref, self.lr = row, ref, lr
+
+    @property
+    def ws(self) -> list[np.ndarray]:
+        return self.ref.ws
+
+    def step(self, grads: list[np.ndarray], rows: list[int] | None = None) -> list[np.ndarray]:
+        if self.row.grad_transform is not None:
+            grads = self.row.grad_transform(self.ref.ws, grads, self.ref.lr())
+        ws = self.ref.step(grads)
+        if self.row.post is not None:
+            self.ref.ws = self.row.post(ws) if rows is None else self.row.post(ws, rows)
+        return self.ref.ws
+
+
+# ------------------------------------------------------------------------------------------------ wrappers
+
+
+def larc_transform(eta: float, mode: str = "clip", min_update: float = 1e-7, eps: float = 1e-7):
+    """OpenSeq2Seq LARC (spec/openseq2seq.md §4): g ← r·g per tensor."""
+
+    def fn(ws, gs, lr):
+        out = []
+        for w, g in zip(ws, gs):
+            wn, gn = _norm(w), _norm(g)
+            if mode == "clip":
+                r = 1.0 if lr == 0 else min(max(eta * wn / (lr * (gn + eps)), min_update), 1.0)
+            else:
+                r = max(eta * wn / (gn + eps), min_update)
+            out.append(r * g)
+        return out
+
+    return fn
+
+
+def variable_clip_post(index: int, dims: tuple[int, ...], max_norm: float):
+    """``VariableClippingOptimizer``: after the step, w ← w·c/max(‖w‖_dims, c) for one variable; with a sparse
+    gradient only its touched rows (``rows``) are clipped (TF's ``IndexedSlices`` path)."""
+
+    def fn(ws, rows=None):
+        w = ws[index]
+        n = np.sqrt(np.sum(w * w, axis=dims, keepdims=True))
+        clipped = w * max_norm / np.maximum(n, max_norm)
+        ws = list(ws)
+        if rows is None:
+            ws[index] = clipped
+        else:
+            out = w.copy()
+            out[rows] = clipped[rows]
+            ws[index] = out
+        return ws
+
+    return fn
+
+
+def _named(params):
+    return [(n, p) for n, p in params]
+
+
+def _plain(params):
+    return [p for _, p in params]
+
+
+def _bias_mask(names):
+    return ["bias" not in n for n in names]
+
+
+def _lars_skip_bias(names):
+    return [{"_lars_skipped": "bias" in n} for n in names]
+
+
+def _no_decay_bias(names):
+    return [{"_decayed": "bias" not in n} for n in names]
+
+
+def _excluding_bias(opt):
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    return opt
+
+
+# ------------------------------------------------------------------------------------------------ the rows
+
+ROWS: list[Row] = [
+    Row("SGD", lambda ps, lr: optkit.SGD(_plain(ps), learning_rate=lr), "keras_sgd",
+        torch_twin=lambda ps, lr: torch.optim.SGD(ps, lr=lr, foreach=False)),
+    Row("SGD-nesterov-wd", lambda ps, lr: _excluding_bias(optkit.SGD(
+        _named(ps), learning_rate=lr, momentum=0.9, nesterov=True, weight_decay=0.1)),
+        "keras_sgd", {"momentum": 0.9, "nesterov": True}, {"weight_decay": 0.1}, decay_mask=_bias_mask,
+        uses_names=True),
+    Row("SGD-ema-globalclip", lambda ps, lr: optkit.SGD(
+        _plain(ps), learning_rate=lr, momentum=0.5, use_ema=True, ema_momentum=0.8,
+        ema_overwrite_frequency=3, global_clipnorm=1.5),
+        "keras_sgd", {"momentum": 0.5},
+        {"use_ema": True, "ema_momentum": 0.8, "ema_overwrite_frequency": 3, "global_clipnorm": 1.5}),
+    Row("SGD-clipnorm", lambda ps, lr: optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9, clipnorm=0.7),
+        "keras_sgd", {"momentum": 0.9}, {"clipnorm": 0.7}),
+    Row("SGD-clipvalue", lambda ps, lr: optkit.SGD(_plain(ps), learning_rate=lr, clipvalue=0.3),
+        "keras_sgd", {}, {"clipvalue": 0.3}),
+    Row("Momentum", lambda ps, lr: optkit.Momentum(_plain(ps), lr, 0.9), "momentum", {"momentum": 0.9},
+        sparse="rows", sparse_rule="momentum",
+        torch_twin=lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, foreach=False)),
+    Row("Momentum-nesterov-wd", lambda ps, lr: _excluding_bias(optkit.Momentum(
+        _named(ps), lr, 0.9, use_nesterov=True, weight_decay=0.05)),
+        "momentum", {"momentum": 0.9, "use_nesterov": True, "weight_decay": 0.05},
+        per_tensor=_no_decay_bias, sparse=ValueError, uses_names=True),
+    Row("Adam", lambda ps, lr: optkit.Adam(_plain(ps), lr), "adam",
+        torch_twin=lambda ps, lr: torch.optim.Adam(ps, lr=lr, foreach=False)),
+    Row("Adam-amsgrad-l2", lambda ps, lr: optkit.Adam(_plain(ps), lr, beta1=0.8, amsgrad=True,
+                                                       weight_decay=0.01),
+        "adam", {"beta1": 0.8, "amsgrad": True, "weight_decay": 0.01},
+        torch_twin=lambda ps, lr: torch.optim.Adam(ps, lr=lr, betas=(0.8, 0.999), amsgrad=True,
+                                                   weight_decay=0.01, foreach=False)),
+    Row("AdamW", lambda ps, lr: optkit.AdamW(_plain(ps), 0.1, lr), "adam",
+        {"weight_decay": 0.1, "_decoupled": True},
+        torch_twin=lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, foreach=False)),
+    Row("Adagrad", lambda ps, lr: optkit.Adagrad(_plain(ps), lr), "adagrad", sparse="rows",
+        sparse_rule="adagrad",
+        torch_twin=lambda ps, lr: torch.optim.Adagrad(ps, lr=lr, initial_accumulator_value=0.1, eps=0.0,
+                                                      foreach=False)),
+    Row("RMSProp", lambda ps, lr: optkit.RMSProp(_plain(ps), lr), "rmsprop"),
+    Row("RMSProp-centered-momentum", lambda ps, lr: optkit.RMSProp(_plain(ps), lr, momentum=0.5,
+                                                                   centered=True),
+        "rmsprop", {"momentum": 0.5, "centered": True}),
+    Row("Ftrl", lambda ps, lr: optkit.Ftrl(_plain(ps), lr, l1_regularization_strength=0.01,
+                                           l2_regularization_strength=0.02),
+        "ftrl", {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02},
+        sparse="rows", sparse_rule="ftrl"),
+    Row("LARS", lambda ps, lr: optkit.LARS(_named(ps), lr, eeta=0.01, skip_list=["bias"]), "lars",
+        {"eeta": 0.01}, per_tensor=_lars_skip_bias, sparse="rows", sparse_rule="momentum",
+        sparse_hp={"momentum": 0.9}, uses_names=True),
+    Row("LARS-tf1.14-nesterov", lambda ps, lr: optkit.LARS(_plain(ps), lr, eeta=0.01, use_nesterov=True,
+                                                           variant="tf1.14"),
+        "lars", {"eeta": 0.01, "use_nesterov": True, "variant": "tf1.14"}, sparse="rows",
+        sparse_rule="momentum", sparse_hp={"momentum": 0.9, "use_nesterov": True}),
+    # ---- wrappers and stacks
+    Row("LossScale(SGD,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
+        optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), optkit.DynamicLossScale(256.0)),
+        "keras_sgd", {"momentum": 0.9}, feed_scale=256.0),
+    Row("LossScale(Adam,fixed)", lambda ps, lr: optkit.LossScaleOptimizer(optkit.Adam(_plain(ps), lr), 64.0),
+        "adam", feed_scale=64.0),
+    Row("LARC(Momentum)", lambda ps, lr: optkit.LARC(optkit.Momentum(_plain(ps), lr, 0.9), 0.02),
+        "momentum", {"momentum": 0.9}, grad_transform=larc_transform(0.02)),
+    Row("LARC-scale(SGD)", lambda ps, lr: optkit.LARC(optkit.SGD(_plain(ps), learning_rate=lr), 0.02,
+                                                      larc_mode="scale"),
+        "keras_sgd", grad_transform=larc_transform(0.02, "scale")),
+    Row("VariableClipping(SGD)", lambda ps, lr: optkit.VariableClippingOptimizer(
+        optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), {ps[0][1]: [1]}, 0.9),
+        "keras_sgd", {"momentum": 0.9}, post=variable_clip_post(0, (1,), 0.9)),
+    Row("LossScale(LARC(SGD))", lambda ps, lr: optkit.LossScaleOptimizer(
+        optkit.LARC(optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), 0.02), 128.0),
+        "keras_sgd", {"momentum": 0.9}, feed_scale=128.0, grad_transform=larc_transform(0.02)),
+    Row("MixedPrecision(Momentum)", lambda ps, lr: optkit.MixedPrecisionOptimizerWrapper(
+        optkit.Momentum(_plain(ps), lr, 0.9), loss_scale=None),
+        "momentum", {"momentum": 0.9}, dtypes=(torch.float16, torch.bfloat16), half_masters=True),
+    Row("MixedPrecision(LARC(SGD),dynamic)", lambda ps, lr: optkit.MixedPrecisionOptimizerWrapper(
+        optkit.LARC(optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), 0.02),
+        loss_scale=optkit.DynamicLossScale(256.0)),
+        "keras_sgd", {"momentum": 0.9}, feed_scale=256.0, grad_transform=larc_transform(0.02),
+        dtypes=(torch.float16, torch.bfloat16), half_masters=True),
+]
+
+ROW_IDS = [r.id for r in ROWS]
+BY_ID = {r.id: r for r in ROWS}
+
+
+def innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    while hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer):
+        opt = opt.optimizer
+    return opt

@@ -1,0 +1,570 @@
+"""The contract matrix (issue #10): every row of ``tests/contract_table.py`` crossed with dtypes, layouts,
+sparse gradients, skips, checkpoints, deepcopy, names, tensor learning rates, hooks, closures and
+``apply_gradients``.
+
+References: the float64 NumPy pipeline of ``tests/reference_rules.py`` for every numeric case (and
+``torch.optim``'s single-tensor path where the semantics coincide); for skips, checkpoints and copies the
+uninterrupted run of the same row, bit for bit. Small tensors, a few steps each.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import optkit
+from contract_table import BY_ID, LR, ROW_IDS, ROWS, SHAPES, SPARSE_ROWS, SPARSE_SHAPE, Row, innermost
+from reference_rules import Reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+
+STEPS = 3
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "fp16": torch.float16, "bf16": torch.bfloat16}
+LAYOUTS = ["contiguous", "noncontig_param", "channels_last", "channels_last_param_contig_grad", "transposed",
+           "grad_strides"]
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+
+def values(seed: int, scale: float = 1.0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s) * scale for n, s in SHAPES.items()}
+
+
+def laid_out(x: torch.Tensor, name: str, layout: str, role: str) -> torch.Tensor:
+    """``x`` (contiguous) copied into the memory layout ``layout`` asks for this tensor and role."""
+    four_d, two_d = x.ndim == 4, x.ndim == 2
+    if layout == "noncontig_param" and role == "param":
+        base = torch.zeros(*x.shape, 2, dtype=x.dtype)
+        view = base[..., 0]
+        view.copy_(x)
+        return view
+    if layout == "channels_last" and four_d:
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "channels_last_param_contig_grad" and four_d and role == "param":
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "transposed" and two_d and role == "param":
+        return x.t().contiguous().t()
+    if layout == "grad_strides" and role == "grad":
+        if two_d:
+            return x.t().contiguous().t()
+        if four_d:
+            return x.contiguous(memory_format=torch.channels_last)
+    return x.clone()
+
+
+def make_params(dtype, layout="contiguous", seed=0) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name, v in values(seed, 0.5).items():
+        t = laid_out(torch.tensor(v, dtype=torch.float64).to(dtype), name, layout, "param")
+        out.append((name, t.requires_grad_()))
+    return out
+
+
+def grads_at(step: int, dtype, seed=1) -> list[torch.Tensor]:
+    return [torch.tensor(v, dtype=torch.float64).to(dtype) for v in values(1000 * seed + step).values()]
+
+
+def set_grads(params, grads, layout="contiguous", scale=1.0):
+    for (name, p), g in zip(params, grads):
+        p.grad = laid_out((g.double() * scale).to(g.dtype), name, layout, "grad")
+
+
+def snapshot(params, opt) -> list[torch.Tensor]:
+    """Everything that must not change on a skip: parameters, every tensor in the state dict, the count."""
+    out = [p.detach().clone() for _, p in params]
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            out.append(x.detach().clone())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(opt.state_dict())
+    return out
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert torch.equal(x, y) or (x.isnan().any() and torch.equal(x.nan_to_num(), y.nan_to_num()))
+
+
+def feed_scale(row: Row, opt) -> float:
+    """The scale the gradients must carry: a loss-scale wrapper's current ``S`` (it backs off after an
+    overflow), else the row's."""
+    scale = getattr(opt, "loss_scale", None)
+    return float(scale) if isinstance(scale, torch.Tensor) else row.feed_scale
+
+
+def train(row: Row, dtype=torch.float32, layout="contiguous", steps=STEPS, lr=LR, params=None, opt=None,
+          start=0):
+    params = make_params(dtype, layout) if params is None else params
+    opt = row.build(params, lr) if opt is None else opt
+    for k in range(start, start + steps):
+        set_grads(params, grads_at(k, dtype), layout, feed_scale(row, opt))
+        opt.step()
+    return params, opt
+
+
+def optimizer_snapshot(params, opt) -> list[torch.Tensor]:
+    """:func:`snapshot` without the loss-scale state: parameters, fp32 masters and the innermost optimizer's
+    state (what a skipped step must leave alone even while a dynamic scaler backs off)."""
+    inner = innermost(opt)
+    masters = [p for g in inner.param_groups for p in g["params"]]
+    return snapshot(params + [("master", m) for m in masters], inner)
+
+
+def reference(row: Row, dtype, steps=STEPS, lr=LR) -> list[np.ndarray]:
+    names = list(SHAPES)
+    ws0 = [p.detach().double().numpy() for _, p in make_params(dtype)]
+    ref = row.reference(names, ws0, lr)
+    for k in range(steps):
+        ref.step([g.double().numpy() for g in grads_at(k, dtype)])
+    return ref.ws
+
+
+def tolerance(dtype, row: Row) -> tuple[float, float]:
+    if dtype == torch.float64:
+        return 1e-9, 1e-11
+    if dtype == torch.float32:
+        return 2e-5, 5e-6
+    eps = torch.finfo(dtype).eps
+    return 4 * eps, 8 * eps
+
+
+def assert_matches(params, ref_ws, dtype, row):
+    rtol, atol = tolerance(dtype, row)
+    for (name, p), w in zip(params, ref_ws):
+        got = p.detach().double().numpy()
+        scale = max(1.0, float(np.abs(w).max()))
+        np.testing.assert_allclose(got, w, rtol=rtol, atol=atol * scale, err_msg=name)
+
+
+def param_dtypes(row: Row) -> list[str]:
+    return [k for k, d in DTYPES.items() if d in row.dtypes]
+
+
+def cases(*, dtype_key=False):
+    out = []
+    for row in ROWS:
+        if dtype_key:
+            out += [pytest.param(row.id, k, id=f"{row.id}-{k}") for k in param_dtypes(row)]
+        else:
+            out.append(pytest.param(row.id, id=row.id))
+    return out
+
+
+def default_dtype(row: Row):
+    return row.dtypes[0]
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+
+def test_every_registry_optimizer_and_wrapper_is_a_row():
+    built = {}
+    for row in ROWS:
+        opt = row.build(make_params(default_dtype(row)), LR)
+        built.setdefault(type(innermost(opt)), row.id)
+        o = opt
+        while o is not innermost(opt):
+            built.setdefault(type(o), row.id)
+            o = o.optimizer
+    missing = [n for n, cls in optkit.OPTIMIZER_CLS_NAMES.items() if cls not in built]
+    wrappers = [optkit.LossScaleOptimizer, optkit.LARC, optkit.VariableClippingOptimizer,
+                optkit.MixedPrecisionOptimizerWrapper]
+    missing += [w.__name__ for w in wrappers if w not in built]
+    assert not missing, f"not in the contract table: {missing}"
+
+
+# ------------------------------------------------------------------------------------------------ numerics
+
+
+@pytest.mark.parametrize("row_id,dt", cases(dtype_key=True))
+def test_dtype_matches_float64_reference(row_id, dt):
+    row, dtype = BY_ID[row_id], DTYPES[dt]
+    params, _ = train(row, dtype)
+    assert_matches(params, reference(row, dtype), dtype, row)
+    for _, p in params:
+        assert p.dtype == dtype
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_layout_matches_reference(row_id, layout):
+    """Non-dense parameters, channels_last and transposed weights, and gradients whose strides differ from the
+    parameter's give the same update as contiguous tensors (torch's fused kernels alone get these wrong)."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    params, _ = train(row, dtype, layout)
+    assert_matches(params, reference(row, dtype), dtype, row)
+    base, _ = train(row, dtype)
+    for (n, p), (_, q) in zip(params, base):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS if r.torch_twin is not None])
+def test_torch_twin_single_tensor_path(row_id):
+    """Where optkit's rule is torch's, the result equals ``torch.optim`` with ``foreach=False`` (float64)."""
+    row = BY_ID[row_id]
+    params, _ = train(row, torch.float64)
+    twin_params = make_params(torch.float64)
+    twin = row.torch_twin([p for _, p in twin_params], LR)
+    train(row, torch.float64, params=twin_params, opt=twin)
+    for (n, p), (_, q) in zip(params, twin_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-13, msg=n)
+
+
+# ------------------------------------------------------------------------------------------------ sparse
+
+
+def _sparse_grad(step: int, dtype) -> torch.Tensor:
+    rng = np.random.default_rng(500 + step)
+    vals = torch.tensor(rng.standard_normal((len(SPARSE_ROWS), SPARSE_SHAPE[1])), dtype=dtype)
+    idx = torch.tensor([SPARSE_ROWS])
+    return torch.sparse_coo_tensor(idx, vals, SPARSE_SHAPE)
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS if not r.half_masters])
+def test_sparse_gradients(row_id):
+    """``nn.Embedding(sparse=True)`` gradients: the touched-rows rule (TF's ``IndexedSlices`` semantics, the
+    duplicate row summed), the densified gradient, or a clear refusal, as the table says."""
+    row = BY_ID[row_id]
+    torch.manual_seed(0)
+    w0 = torch.randn(SPARSE_SHAPE, dtype=torch.float64) * 0.5
+    w = w0.clone().requires_grad_()
+    opt = row.build([("emb.weight", w)], LR)
+    if isinstance(row.sparse, type):
+        w.grad = _sparse_grad(0, torch.float64) * row.feed_scale
+        before = snapshot([("w", w)], opt)
+        with pytest.raises(row.sparse):
+            opt.step()
+        assert_bitwise(snapshot([("w", w)], opt), before)
+        return
+    for k in range(STEPS):
+        w.grad = _sparse_grad(k, torch.float64) * row.feed_scale
+        opt.step()
+    dense = [_sparse_grad(k, torch.float64).to_dense() for k in range(STEPS)]
+    if row.sparse == "dense":
+        ref = row.reference(["emb.weight"], [w0.numpy()])
+        for g in dense:
+            ref.step([g.numpy()], rows=sorted(set(SPARSE_ROWS)))
+        np.testing.assert_allclose(w.detach().numpy(), ref.ws[0], rtol=1e-10, atol=1e-12)
+        return
+    rows = sorted(set(SPARSE_ROWS))
+    others = [i for i in range(SPARSE_SHAPE[0]) if i not in rows]
+    assert torch.equal(w.detach()[others], w0[others]), "untouched rows must not change"
+    sub = Reference(row.sparse_rule, [w0[rows].numpy()], row.sparse_hp or row.hp, {"lr": LR})
+    for g in dense:
+        sub.step([g[rows].numpy()])
+    np.testing.assert_allclose(w.detach()[rows].numpy(), sub.ws[0], rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ skips
+
+
+def _skip_step(params, opt, dtype, row):
+    garbage = grads_at(99, dtype)
+    garbage[0].view(-1)[0] = float("inf")
+    garbage[1].view(-1)[0] = float("nan")
+    set_grads(params, garbage, scale=feed_scale(row, opt))
+    opt.found_inf = torch.ones(())
+    try:
+        opt.step()
+    finally:
+        del opt.found_inf
+    assert not bool(opt.step_applied)
+
+
+@pytest.mark.parametrize("at", [0, 2])
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_skip_changes_nothing(row_id, at):
+    """A skipped step (``found_inf`` = 1, the ``torch.amp.GradScaler`` protocol) at the first or a later
+    update changes no parameter, slot, average or counter (no lazily created state), and the run continues
+    bit-identically to the run without it. (A dynamic loss scale still backs off: that is its job.)"""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    plain_params, plain_opt = train(row, dtype, steps=4)
+    params = make_params(dtype)
+    opt = row.build(params, LR)
+    if at:
+        train(row, dtype, steps=at, params=params, opt=opt)
+    before = optimizer_snapshot(params, opt)
+    _skip_step(params, opt, dtype, row)
+    assert_bitwise(optimizer_snapshot(params, opt), before)
+    train(row, dtype, steps=4 - at, params=params, opt=opt, start=at)
+    assert_bitwise(optimizer_snapshot(params, opt), optimizer_snapshot(plain_params, plain_opt))
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS if r.feed_scale == 1.0 and not r.half_masters])
+def test_gradscaler_skips_first_step(row_id):
+    """Under ``torch.amp.GradScaler`` an overflowing first step leaves everything as it was."""
+    row = BY_ID[row_id]
+    params = make_params(torch.float32)
+    opt = row.build(params, LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    before = snapshot(params, opt)
+    loss = sum((p * g).sum() for (_, p), g in zip(params, grads_at(0, torch.float32)))
+    scaler.scale(loss * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert_bitwise(snapshot(params, opt), before)
+    assert float(scaler.get_scale()) == 2.0**7
+
+
+# ------------------------------------------------------------------------------------------------ state
+
+
+def _fresh_copy(params):
+    return [(n, p.detach().clone().requires_grad_()) for n, p in params]
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_checkpoint_round_trip_is_bit_identical(row_id):
+    """``state_dict`` → ``torch.save`` → ``torch.load(weights_only=True)`` → a fresh optimizer → continue
+    equals the uninterrupted run, bit for bit."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    ref_params, ref_opt = train(row, dtype, steps=4)
+    params, opt = train(row, dtype, steps=2)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    params2 = _fresh_copy(params)
+    opt2 = row.build(params2, LR)
+    opt2.load_state_dict(loaded)
+    train(row, dtype, steps=2, params=params2, opt=opt2, start=2)
+    assert_bitwise(snapshot(params2, opt2), snapshot(ref_params, ref_opt))
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_deepcopy_continues_identically(row_id):
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    params, opt = train(row, dtype, steps=2)
+    params2, opt2 = copy.deepcopy((params, opt))
+    train(row, dtype, steps=2, params=params, opt=opt, start=2)
+    train(row, dtype, steps=2, params=params2, opt=opt2, start=2)
+    assert_bitwise(snapshot(params2, opt2), snapshot(params, opt))
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_misfit_state_is_refused_and_nothing_changes(row_id):
+    """A state dict whose slot does not fit its parameter (another model, a truncated file) raises
+    ``ValueError`` naming the slot, before anything is loaded."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    params, opt = train(row, dtype, steps=1)
+    sd = opt.state_dict()
+    inner_sd = sd
+    while "optimizer" in inner_sd and "wrapper" in inner_sd:
+        inner_sd = inner_sd["optimizer"]
+    entry = next(iter(inner_sd["state"].values()))
+    slot = next((k for k in entry if k != "step"), "momentum")
+    entry[slot] = torch.zeros(3, dtype=entry[slot].dtype if slot in entry else torch.float32)
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=str(slot)):
+        opt.load_state_dict(sd)
+    assert_bitwise(snapshot(params, opt), before)
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_python_number_step_loads(row_id):
+    """Older checkpoints store ``step`` as a Python number."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    ref_params, ref_opt = train(row, dtype, steps=3)
+    params, opt = train(row, dtype, steps=2)
+    sd = opt.state_dict()
+    inner_sd = sd
+    while "optimizer" in inner_sd and "wrapper" in inner_sd:
+        inner_sd = inner_sd["optimizer"]
+    for entry in inner_sd["state"].values():
+        if "step" in entry:
+            entry["step"] = int(entry["step"])
+    params2 = _fresh_copy(params)
+    opt2 = row.build(params2, LR)
+    opt2.load_state_dict(sd)
+    train(row, dtype, steps=1, params=params2, opt=opt2, start=2)
+    assert_bitwise([p for _, p in params2], [p for _, p in ref_params])
+
+
+# ------------------------------------------------------------------------------------------------ names
+
+
+def _optimizer_rows():
+    return [r.id for r in ROWS if isinstance(r.build(make_params(r.dtypes[0]), LR), optkit.Optimizer)]
+
+
+@pytest.mark.parametrize("row_id", _optimizer_rows())
+def test_names_given_at_construction_win_over_a_loaded_state(row_id):
+    """A state dict saved by an optimizer built without names (``param_0``, ...) must not replace the real
+    names: name-based options (exclusions, LARS ``skip_list``) keep applying after the load."""
+    row = BY_ID[row_id]
+    params, opt = train(row, torch.float32, steps=2)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        g["param_names"] = [f"param_{i}" for i in range(len(g["params"]))]
+    params2 = _fresh_copy(params)
+    opt2 = row.build(params2, LR)
+    names_before = [list(g["param_names"]) for g in opt2.param_groups]
+    opt2.load_state_dict(sd)
+    assert [list(g["param_names"]) for g in opt2.param_groups] == names_before
+    train(row, torch.float32, steps=2, params=params, opt=opt, start=2)
+    train(row, torch.float32, steps=2, params=params2, opt=opt2, start=2)
+    assert_bitwise([p for _, p in params2], [p for _, p in params])
+
+
+@pytest.mark.parametrize("row_id", _optimizer_rows())
+def test_named_and_unnamed_parameters(row_id):
+    """The same optimizer built from ``named_parameters()`` or plain tensors computes the same update (rows
+    whose options do not use names); mixing named and unnamed parameters raises, as torch does."""
+    row = BY_ID[row_id]
+    opt0 = row.build(make_params(torch.float32), LR)
+    cls, cfg = type(opt0), opt0.get_config()
+    named, plain = make_params(torch.float32), make_params(torch.float32)
+    a = cls.from_config(cfg, named)
+    b = cls.from_config(cfg, [p for _, p in plain])
+    if row.uses_names:
+        assert a.param_groups[0]["param_names"] == list(SHAPES)
+    else:
+        train(row, torch.float32, params=named, opt=a)
+        train(row, torch.float32, params=plain, opt=b)
+        assert_bitwise([p for _, p in named], [p for _, p in plain])
+    mixed = make_params(torch.float32)
+    with pytest.raises(ValueError, match="with or without names"):
+        cls.from_config(cfg, [mixed[0], mixed[1][1], mixed[2]])
+    with pytest.raises(TypeError, match="complex"):
+        cls.from_config(cfg, [torch.zeros(3, dtype=torch.complex64, requires_grad=True)])
+
+
+# ------------------------------------------------------------------------------------------------ lr, hooks
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_tensor_learning_rate(row_id):
+    """A 0-d tensor learning rate works like the number, and changing it in place takes effect (torch)."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    lr_t = torch.tensor(LR)
+    params, opt = train(row, dtype, steps=2, lr=lr_t)
+    ref_params, ref_opt = train(row, dtype, steps=2, lr=float(lr_t))
+    assert_bitwise([p for _, p in params], [p for _, p in ref_params])
+    lr_t.fill_(LR / 2)
+    for g in innermost(ref_opt).param_groups:
+        g["lr"] = LR / 2
+    if isinstance(innermost(ref_opt), optkit.Optimizer):
+        innermost(ref_opt).learning_rate = LR / 2
+    train(row, dtype, steps=1, params=params, opt=opt, start=2)
+    train(row, dtype, steps=1, params=ref_params, opt=ref_opt, start=2)
+    for (_, p), (_, q) in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_step_hooks_fire_once_per_step(row_id):
+    """Instance and global step hooks fire once per ``step()``, also through a stack of wrappers."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    params = make_params(dtype)
+    opt = row.build(params, LR)
+    calls = []
+    handles = [opt.register_step_pre_hook(lambda o, a, k: calls.append("pre")),
+               opt.register_step_post_hook(lambda o, a, k: calls.append("post")),
+               register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global-pre")),
+               register_optimizer_step_post_hook(lambda o, a, k: calls.append("global-post"))]
+    try:
+        train(row, dtype, steps=2, params=params, opt=opt)
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(calls) == sorted(["pre", "post", "global-pre", "global-post"] * 2)
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_state_dict_hooks(row_id):
+    """``register_state_dict_pre/post_hook`` and ``register_load_state_dict_pre/post_hook`` run, in torch's
+    order, on optimizers and wrappers alike; a post hook may replace the dict."""
+    row = BY_ID[row_id]
+    params, opt = train(row, default_dtype(row), steps=1)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("post") or {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: calls.append("load-pre") or {k: v for k, v in sd.items() if k != "extra"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    sd = opt.state_dict()
+    assert sd["extra"] == 1
+    opt.load_state_dict(sd)
+    assert calls == ["pre", "post", "load-pre", "load-post"]
+
+
+# ------------------------------------------------------------------------------------------------ step API
+
+
+def _closure_backwards(row: Row) -> bool:
+    """Loss-scale and mixed-precision wrappers back-propagate ``loss·S`` themselves."""
+    return row.feed_scale == 1.0 and not row.half_masters
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_closure(row_id):
+    """``step(closure)`` returns the closure's loss and applies the gradients the closure produced."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    params = make_params(dtype)
+    opt = row.build(params, LR)
+    cs = grads_at(0, dtype)
+
+    def closure():
+        opt.zero_grad()
+        loss = sum((p * c).sum() for (_, p), c in zip(params, cs))
+        if _closure_backwards(row):
+            loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    expected = sum((p0 * c).sum() for (_, p0), c in zip(make_params(dtype), cs))
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    ref_params, _ = train(row, dtype, steps=1)
+    for (_, p), (_, q) in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_apply_gradients_leaves_its_arguments_untouched(row_id):
+    """TF/Keras ``apply_gradients``: the given gradient tensors are never written (fused kernels, clipping and
+    unscaling work on copies), so re-applying one gradient list is two equal steps."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    params = make_params(dtype)
+    opt = row.build(params, LR)
+    variables = [p for _, p in params] if not row.half_masters else opt._all_params()
+    grads = [g.to(v.dtype) for g, v in zip(grads_at(0, dtype), variables)]
+    if row.half_masters:
+        grads = [g * row.feed_scale for g in grads]
+    kept = [g.clone() for g in grads]
+    opt.apply_gradients(list(zip(grads, variables)))
+    opt.apply_gradients(list(zip(grads, variables)))
+    assert_bitwise(grads, kept)
+    ref_params = make_params(dtype)
+    ref_opt = row.build(ref_params, LR)
+    for _ in range(2):
+        set_grads(ref_params, grads_at(0, dtype), scale=row.feed_scale)
+        ref_opt.step()
+    for (_, p), (_, q) in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
