@@ -1,0 +1,227 @@
+"""The contract matrix, train-op rows: ``optimize_loss`` configurations crossed with overflow skips (first and
+later update), checkpoints through ``torch.load(weights_only=True)`` (also inside an accumulation window),
+dtypes and parameter layouts.
+
+References: the same configuration without the overflowing window (skips), the uninterrupted run (checkpoints,
+bit for bit), the same configuration on a float64 model (dtypes), the contiguous model (layouts).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import optkit
+
+UPDATES = 4
+
+
+@dataclass(frozen=True)
+class TrainRow:
+    id: str
+    optimizer: str
+    params: dict = field(default_factory=dict)
+    lr: float = 0.05
+    dtype: Any = torch.float32
+    loss_scaling: Any = 1.0
+    loss_scaling_params: dict | None = None
+    larc_params: dict | None = None
+    clip_gradients: float | None = None
+    iter_size: int = 1
+
+    @property
+    def dynamic(self) -> bool:
+        return isinstance(self.loss_scaling, str)
+
+
+ROWS = [
+    # every registry optimizer in float32 under dynamic scaling: a first-update overflow must skip cleanly
+    *[TrainRow(f"{name}-fp32-dynamic", name, p, loss_scaling="dynamic")
+      for name, p in [("SGD", {"momentum": 0.9}), ("Momentum", {"momentum": 0.9}), ("Adam", {}),
+                      ("AdamW", {"weight_decay": 0.01}), ("Adagrad", {}), ("RMSProp", {}), ("Ftrl", {}),
+                      ("LARS", {"eeta": 0.01})]],
+    TrainRow("Momentum-fp32-Backoff", "Momentum", {"momentum": 0.9}, loss_scaling="Backoff"),
+    TrainRow("Momentum-fp32-LogMax", "Momentum", {"momentum": 0.9}, loss_scaling="LogMax"),
+    TrainRow("Momentum-bf16", "Momentum", {"momentum": 0.9}, dtype=torch.bfloat16),
+    TrainRow("SGD-mixed-Backoff-LARC", "SGD", {"momentum": 0.9}, dtype="mixed", loss_scaling="Backoff",
+             larc_params={"larc_eta": 0.02}),
+    TrainRow("Adam-fp32-accumulate-clip", "Adam", {}, clip_gradients=0.5, iter_size=2,
+             loss_scaling="dynamic"),
+    TrainRow("LARS-bf16", "LARS", {"eeta": 0.01}, dtype=torch.bfloat16),
+    TrainRow("AdamW-fp16-dynamic", "AdamW", {"weight_decay": 0.01}, dtype=torch.float16,
+             loss_scaling="dynamic"),
+    TrainRow("Momentum-mixed-LogMax-accumulate", "Momentum", {"momentum": 0.9}, dtype="mixed",
+             loss_scaling="LogMax", iter_size=2),
+]
+BY_ID = {r.id: r for r in ROWS}
+
+
+def model_dtype(row: TrainRow):
+    return torch.float16 if row.dtype == "mixed" else row.dtype
+
+
+def make_model(dtype, layout="contiguous") -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+    if layout == "transposed":
+        w = model[0].weight
+        model[0].weight = nn.Parameter(w.detach().t().contiguous().t())
+    return model
+
+
+def batch(k: int, dtype, poison: bool = False):
+    g = torch.Generator().manual_seed(100 + k)
+    x = torch.randn(8, 4, generator=g).to(dtype)
+    y = torch.randn(8, 2, generator=g).to(dtype)
+    if poison:
+        x = x * float("inf")
+    return x, y
+
+
+def build(row: TrainRow, model: nn.Module, op_dtype=None):
+    def loss(x, y):
+        return ((model(x).float() - y.float()) ** 2).mean()
+
+    return optimize_loss(row, loss, model, op_dtype)
+
+
+def optimize_loss(row, loss, model, op_dtype=None):
+    return optkit.optimize_loss(
+        loss, row.optimizer, dict(row.params), row.lr, dtype=row.dtype if op_dtype is None else op_dtype,
+        loss_scaling=row.loss_scaling, loss_scaling_params=row.loss_scaling_params,
+        larc_params=row.larc_params, clip_gradients=row.clip_gradients, iter_size=row.iter_size, model=model)
+
+
+def run(row, op, model, updates, start=0, dtype=None, poison_at=None):
+    dtype = model_dtype(row) if dtype is None else dtype
+    results = []
+    for u in range(start, start + updates):
+        for m in range(row.iter_size):
+            results.append(op(*batch(10 * u + m, dtype)))
+        if poison_at is not None and u == poison_at:
+            for m in range(row.iter_size):
+                results.append(op(*batch(10 * u + m, dtype, poison=m == 0)))
+    return results
+
+
+def state_tensors(op, model) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in model.parameters()]
+    out += [m.detach().clone() for m in op.masters]
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            out.append(x.detach().clone())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(op.optimizer.state_dict())
+    return out
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def assert_close_models(a: nn.Module, b: nn.Module, dtype):
+    tol = {torch.float32: 1e-6, torch.float64: 1e-12}.get(dtype, 4 * torch.finfo(dtype).eps)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.detach().double(), q.detach().double(), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------------ skips
+
+
+@pytest.mark.parametrize("at", [0, 2])
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS if r.dynamic])
+def test_overflow_window_is_skipped_cleanly(row_id, at):
+    """A window whose loss overflows (the common OpenSeq2Seq set-up: Momentum + dynamic scaling, first
+    update) changes no weight, master or optimizer slot, and the run continues as if it never happened."""
+    row = BY_ID[row_id]
+    ref_model = make_model(model_dtype(row))
+    ref_op = build(row, ref_model)
+    run(row, ref_op, ref_model, UPDATES)
+    model = make_model(model_dtype(row))
+    op = build(row, model)
+    run(row, op, model, at)
+    before = state_tensors(op, model)
+    step_before = int(op.global_step)
+    results = [op(*batch(999 + m, model_dtype(row), poison=m == 0)) for m in range(row.iter_size)]
+    assert not bool(results[-1].applied)
+    assert int(op.global_step) == step_before
+    assert_bitwise(state_tensors(op, model), before)
+    run(row, op, model, UPDATES - at, start=at)
+    for p in model.parameters():
+        assert torch.isfinite(p).all()
+    assert_close_models(model, ref_model, model_dtype(row))
+
+
+# ------------------------------------------------------------------------------------------------ state
+
+
+@pytest.mark.parametrize("micro", [0, 1])
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS])
+def test_checkpoint_round_trip_is_bit_identical(row_id, micro):
+    """Train op ``state_dict`` → ``torch.save`` → ``torch.load(weights_only=True)`` → a fresh train op over a
+    copy of the model → continue: bit-identical to the uninterrupted run, also from inside a window."""
+    row = BY_ID[row_id]
+    if micro and row.iter_size == 1:
+        pytest.skip("no accumulation window")
+    dt = model_dtype(row)
+    ref_model = make_model(dt)
+    ref_op = build(row, ref_model)
+    run(row, ref_op, ref_model, UPDATES)
+    model = make_model(dt)
+    op = build(row, model)
+    run(row, op, model, 2)
+    for m in range(micro):
+        op(*batch(10 * 2 + m, dt))
+    buf = io.BytesIO()
+    torch.save({"op": op.state_dict(), "model": model.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model2 = make_model(dt)
+    model2.load_state_dict(saved["model"])
+    op2 = build(row, model2)
+    op2.load_state_dict(saved["op"])
+    for m in range(micro, row.iter_size):
+        op2(*batch(10 * 2 + m, dt))
+    run(row, op2, model2, UPDATES - 3, start=3)
+    assert_bitwise([p.detach() for p in model2.parameters()], [p.detach() for p in ref_model.parameters()])
+    assert_bitwise(state_tensors(op2, model2), state_tensors(ref_op, ref_model))
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS])
+def test_dtype_against_float64_model(row_id):
+    """Each configuration in its own precision stays close to the same configuration on a float64 model."""
+    row = BY_ID[row_id]
+    dt = model_dtype(row)
+    model = make_model(dt)
+    run(row, build(row, model), model, UPDATES)
+    ref = make_model(torch.float64)
+    run(row, build(row, ref, op_dtype=torch.float32), ref, UPDATES, dtype=torch.float64)
+    tol = {torch.float32: 2e-5}.get(dt, 20 * torch.finfo(dt).eps)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().double(), q.detach(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS])
+def test_transposed_weight_layout(row_id):
+    """A weight whose strides are not contiguous gives the update of the contiguous model."""
+    row = BY_ID[row_id]
+    dt = model_dtype(row)
+    a, b = make_model(dt), make_model(dt, "transposed")
+    assert not b[0].weight.is_contiguous()
+    run(row, build(row, a), a, UPDATES)
+    run(row, build(row, b), b, UPDATES)
+    assert_close_models(a, b, dt)
