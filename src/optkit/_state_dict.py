@@ -1,0 +1,136 @@
+"""Validation of a state dict before an optkit optimizer loads it (nothing in a file is trusted).
+
+torch's ``Optimizer.load_state_dict`` checks only the number of groups and of parameters per group, casts
+the slots to the parameter's dtype and device, and trusts the rest. torch's fused kernels then read as many
+elements as the parameter has, whatever the slot holds: a truncated or foreign slot corrupts memory. Here
+every part is checked first, and the error names the parameter and the slot:
+
+* structure: ``{"state": dict, "param_groups": list}``, as many groups and parameters per group as the
+  optimizer has, parameter ids (positions, or names from ``torch.distributed.checkpoint``) each once;
+* hyperparameters: a saved value has the type of the live one (no string learning rate, no list momentum);
+* slots: only the ones the optimizer keeps (``"average"`` only with EMA on), each a dense real floating tensor
+  of the parameter's global shape, a DTensor exactly when the parameter is one;
+* steps: non-negative integers (a Python number or a scalar tensor), one value for every parameter (an optkit
+  optimizer keeps one count of applied updates).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _multi_tensor as mt
+from ._validation import is_number
+
+__all__ = ["validate_state_dict"]
+
+
+def validate_state_dict(opt: Any, sd: dict) -> int:
+    """Check the state dict ``sd`` against the optimizer ``opt`` before anything is loaded (see
+    :meth:`optkit.Optimizer.load_state_dict`); return its step count."""
+    where = f"{type(opt).__name__}.load_state_dict"
+    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) \
+            or not isinstance(sd.get("param_groups"), list):
+        raise ValueError(f"{where}: expected a dict with 'state' (dict) and 'param_groups' (list)")
+    saved_groups = sd["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"{where}: the state dict has {len(saved_groups)} param groups, this optimizer "
+                         f"{len(opt.param_groups)}")
+    id_to_param: dict[int, tuple[Tensor, str]] = {}
+    for gi, (sg, g) in enumerate(zip(saved_groups, opt.param_groups)):
+        # ids are positions (torch) or parameter names (torch.distributed.checkpoint)
+        if not isinstance(sg, dict) or not isinstance(sg.get("params"), list) or not all(
+                isinstance(i, (int, str)) and not isinstance(i, bool) for i in sg["params"]):
+            raise ValueError(f"{where}: param group {gi} must be a dict whose 'params' lists ints or "
+                             "names")
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(f"{where}: param group {gi} holds {len(sg['params'])} parameters in the "
+                             f"state dict and {len(g['params'])} in this optimizer")
+        _check_group_values(where, gi, sg, g)
+        for i, p, n in zip(sg["params"], g["params"], g["param_names"]):
+            if i in id_to_param:
+                raise ValueError(f"{where}: parameter id {i} appears twice in 'param_groups'")
+            id_to_param[i] = (p, n)
+    allowed = set(opt.slot_names) | {"step"} | ({"average"} if opt.use_ema else set())
+    steps = set()
+    for key, entry in sd["state"].items():
+        if key not in id_to_param:
+            raise ValueError(f"{where}: state for unknown parameter id {key!r}")
+        p, name = id_to_param[key]
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: state of parameter {name!r} must be a dict")
+        extra = sorted(str(k) for k in entry if k not in allowed)
+        if extra:
+            hint = " (saved with use_ema=True?)" if "average" in extra else \
+                " (a state dict of another optimizer?)"
+            raise ValueError(f"{where}: state of parameter {name!r} has unexpected slot(s) "
+                             f"{extra}{hint}; {type(opt).__name__} keeps {sorted(allowed)}")
+        for slot, value in entry.items():
+            if slot == "step":
+                steps.add(_check_step(where, name, value))
+                continue
+            _check_loaded_slot(where, name, slot, p, value)
+    if len(steps) > 1:
+        raise ValueError(f"{where}: parameters hold different step counts {sorted(steps)}; an optkit "
+                         "optimizer keeps one count of applied updates")
+    return steps.pop() if steps else 0
+
+def _check_step(where: str, name: str, value: Any) -> int:
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{where}: 'step' of parameter {name!r} must be a real scalar")
+        v = float(value.detach().reshape(()).cpu())
+    elif is_number(value):
+        v = float(value)
+    else:
+        raise ValueError(f"{where}: 'step' of parameter {name!r} must be a number, got "
+                         f"{type(value).__name__}")
+    if not (v >= 0 and v == int(v) and v < 2**62):
+        raise ValueError(f"{where}: 'step' of parameter {name!r} must be a non-negative integer, got {v}")
+    return int(v)
+
+def _check_group_values(where: str, gi: int, saved: dict, live: dict) -> None:
+    """A saved hyperparameter must have the type of the live one (a hostile or foreign file must not put
+    a string learning rate or a list momentum into a group)."""
+    for key, value in saved.items():
+        if key in ("params", "param_names") or key not in live:
+            continue
+        cur = live[key]
+        ok = True
+        if isinstance(cur, bool):
+            ok = isinstance(value, bool)
+        elif is_number(cur) or (isinstance(cur, Tensor) and cur.numel() == 1):
+            ok = is_number(value) or (isinstance(value, Tensor) and value.numel() == 1
+                                      and value.is_floating_point())
+        elif isinstance(cur, str):
+            ok = isinstance(value, str)
+        elif isinstance(cur, (list, tuple)):
+            ok = isinstance(value, (list, tuple)) and len(value) == len(cur)
+        if not ok:
+            raise ValueError(f"{where}: param group {gi} key {key!r} is {type(value).__name__} "
+                             f"({value!r}), expected {type(cur).__name__}")
+    names = saved.get("param_names")
+    if names is not None and (not isinstance(names, list) or len(names) != len(live["params"])
+                              or not all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{where}: param group {gi} 'param_names' must list one string per parameter")
+
+
+def _check_loaded_slot(where: str, name: str, slot: str, p: Tensor, value: Any) -> None:
+    """A slot from a state dict must be a dense real floating tensor of the parameter's (global) shape, a
+    DTensor exactly when the parameter is one."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} is {type(value).__name__}, "
+                         "not a tensor")
+    if value.is_sparse or value.layout != torch.strided:
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} must be a dense tensor")
+    if not value.is_floating_point():
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} has dtype {value.dtype}; expected a "
+                         "floating-point tensor")
+    if mt.is_dtensor(value) != mt.is_dtensor(p):
+        kind = "a DTensor" if mt.is_dtensor(p) else "a plain tensor"
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} must be {kind}, like the parameter")
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} has shape {tuple(value.shape)}, the "
+                         f"parameter {tuple(p.shape)}")
