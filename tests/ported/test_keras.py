@@ -31,6 +31,16 @@ from optkit import SGD, DynamicLossScale, LossScaleOptimizer
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 
 F32, F64 = torch.float32, torch.float64
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread (restored afterwards): results do not depend on it, and the fused CPU kernels
+    are much slower when two threads compete for two shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 APPLY_GRADIENTS_MUTATES = pytest.mark.xfail(
     strict=True, reason="apply_gradients writes -lr*g into the caller's gradient tensor (fused kernel)")
 

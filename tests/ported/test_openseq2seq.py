@@ -42,6 +42,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread (restored afterwards): results do not depend on it, and the fused CPU kernels
+    are much slower when two threads compete for two shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 
 @pytest.fixture(autouse=True)
 def _no_leftover_regularizers():
@@ -158,8 +168,9 @@ def test_regularization_mixed():
 
 @pytest.mark.parametrize("dtype", ["mixed", F32])
 def test_convergence(dtype):
-    """mp_wrapper_test.py: test_convergence (numpy seed 0, linear least squares 10×10, "Adam" with lr 0.05,
-    6000 updates, 'mixed' and float32 both reach the closed-form solution within atol 0.01)."""
+    """mp_wrapper_test.py: test_convergence (numpy seed 0, linear least squares 10×10, "Adam" with lr 0.05:
+    within 6000 updates, 'mixed' and float32 both reach the closed-form solution within atol 0.01). The run
+    stops early once it is there (checked every 200 updates) to keep the suite fast."""
     rs = np.random.RandomState(0)
     X, y = rs.rand(10, 10), rs.rand(10, 1)
     w_star = np.linalg.solve(X.T @ X, X.T @ y)
@@ -168,8 +179,10 @@ def test_convergence(dtype):
     Xt, yt = torch.tensor(X, dtype=pdt), torch.tensor(y, dtype=pdt)
     op = optimize_loss(lambda: torch.mean(((yt - Xt @ w) ** 2).float()), "Adam", {}, 0.05, var_list=[w],
                        dtype=dtype)
-    for _ in range(6000):
+    for k in range(1, 6001):
         op()
+        if k % 200 == 0 and np.abs(op.masters[0].detach().double().numpy() - w_star).max() < 0.01:
+            break
     close(op.masters[0], w_star, tol=0.01)
     if dtype == "mixed":
         assert w.dtype == F16 and op.masters[0].dtype == F32
