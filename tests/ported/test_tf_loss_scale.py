@@ -309,3 +309,26 @@ def test_apply_gradients_takes_unscaled_gradients():
     opt.apply_gradients([(torch.tensor([float("nan"), 1.0]), w)])
     close(w, [0.5, 1.5])
     assert float(opt.loss_scale) == 4.0
+
+
+@pytest.mark.parametrize("make_inner", [lambda ps: optkit.Momentum(ps, learning_rate=1.0, momentum=1.0),
+                                        lambda ps: optkit.SGD(ps, learning_rate=1.0, momentum=1.0)],
+                         ids=["Momentum", "SGD"])
+def test_dynamic_loss_scale_with_slots_after_a_skipped_first_step(make_inner, monkeypatch):
+    """loss_scale_optimizer_test.py: testDynamicLossScaleWithSlots, preceded by an overflowing first step.
+    The skipped step must leave the momentum slot as if it never happened (compatibility.md, row "wrappers:
+    skipped torch fused optimizer steps"); fresh memory is made NaN so that an uninitialised buffer would
+    show. Scale 2 → 1 on the overflow, then ×4 per finite step."""
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real_empty_like(*a, **k).fill_(float("nan")))
+    v = var([1.0, 2.0])
+    opt = LossScaleOptimizer(make_inner([v]),
+                             DynamicLossScale(initial_loss_scale=2.0, increment_period=1, multiplier=4))
+    opt.minimize(lambda: (v * torch.tensor([float("inf"), 1.0])).sum(), var_list=[v])
+    close(v, [1.0, 2.0])
+    assert float(opt.loss_scale) == 1.0
+    opt.minimize(lambda: v.sum(), var_list=[v])
+    close(v, [0.0, 1.0])
+    opt.minimize(lambda: v.sum(), var_list=[v])
+    close(v, [-2.0, -1.0])
+    assert float(opt.loss_scale) == 16.0
