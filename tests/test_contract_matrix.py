@@ -444,7 +444,7 @@ def test_named_and_unnamed_parameters(row_id):
         train(row, torch.float32, params=plain, opt=b)
         assert_bitwise([p for _, p in named], [p for _, p in plain])
     mixed = make_params(torch.float32)
-    with pytest.raises(ValueError, match="with or without names"):
+    with pytest.raises(ValueError, match="with/without names"):
         cls.from_config(cfg, [mixed[0], mixed[1][1], mixed[2]])
     with pytest.raises(TypeError, match="complex"):
         cls.from_config(cfg, [torch.zeros(3, dtype=torch.complex64, requires_grad=True)])

@@ -353,7 +353,7 @@ def test_build_is_idempotent_and_state_exists_at_construction():
 def test_add_param_group_builds_state_and_names():
     params = make_params()
     opt = SGD(params[:2], learning_rate=0.1, momentum=0.9)
-    with pytest.raises(ValueError, match="with or without names"):  # torch's rule: all named or none
+    with pytest.raises(ValueError, match="with/without names"):  # torch's rule: all named or none
         opt.add_param_group({"params": [params[2][1]], "lr": 0.01})
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [params[2]], "lr": 0.01})

@@ -88,7 +88,7 @@ def normalize_param_groups(params: Any, start: int = 0) -> tuple[list[dict], boo
         g["param_names"] = names
     if len(named_flags) > 1:
         raise ValueError(
-            "all optimizer params should be with or without names; some param names are missing "
+            "all optimizer params should be with/without names; some param names are missing "
             "(pass model.named_parameters() for every group, or plain tensors for all)"
         )
     return groups, named_flags == {True}

@@ -124,7 +124,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
     ) -> None:
         # ---- validation first: nothing is created if an argument is bad
         if "lr" in hyper:
-            raise TypeError(
+            raise ValueError(
                 f"{type(self).__name__}: got `lr`; optkit optimizers take the TF/Keras name `learning_rate` "
                 f"(write learning_rate={hyper['lr']!r})"
             )
@@ -248,7 +248,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         (group,), named = normalize_param_groups([param_group], start=start)
         if named != self._named:
             raise ValueError(
-                "all optimizer params should be with or without names: this optimizer's parameters are "
+                "all optimizer params should be with/without names: this optimizer's parameters are "
                 + ("named; pass (name, tensor) pairs" if self._named else "unnamed; pass plain tensors")
             )
         self._group_lr_alias(group)

@@ -16,7 +16,8 @@ tiny, and TF then takes the root of a negative number (NaN weights). optkit clam
 Implementation: a chain of foreach kernels per (device, dtype) group over cache-sized blocks (the base's
 blocked
 pass); float16/bfloat16 tensors are computed on float32 copies (:mod:`optkit._fused`), so each stored value is
-rounded once. Complex parameters are refused (``TypeError``) by the base.
+rounded once. Sparse gradients update only the de-duplicated touched rows (weights and slots), as TF's
+``SparseApplyRMSProp`` does. Complex parameters are refused (``TypeError``) by the base.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class RMSProp(Optimizer):
     """
 
     _always_block = True
+    _sparse_rule = True
 
     def __init__(self, params: Any, learning_rate: Any = 0.001, decay: float = 0.9, momentum: float = 0.0,
                  epsilon: float = 1e-10, centered: bool = False, **kwargs: Any) -> None:
@@ -124,3 +126,22 @@ class RMSProp(Optimizer):
             skip = None if found_inf is None else found_inf.to(device) > 0.5
             targets = list(w) + [t for o in olds for t in o]
             mt.commit_(targets, list(w_new) + [t for n in new_lists for t in n], skip)
+
+    def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
+        """TF's ``SparseApplyRMSProp`` / ``SparseApplyCenteredRMSProp``: the rule on the touched rows of
+        coalesced sparse gradients; other rows keep their weights and slots."""
+        hyper = self._pointwise_hyper(group)
+        skip = None if found_inf is None else found_inf > 0.5
+        names = self.slot_names
+        for i, (p, g) in enumerate(zip(params, grads)):
+            targets = [mt.local(p)] + [mt.local(slots[s][i]) for s in names]
+            index = tuple(g._indices())
+            acc = mt.acc_dtype(g.dtype)
+            rows = [t[index].to(acc) for t in targets]
+            kk = None if k is None else k.to(device=g.device, dtype=acc)
+            w_new, new_slots = _rmsprop_pointwise(hyper, rows[0], g._values().to(acc), rows[1:],
+                                                  lr.to(device=g.device, dtype=acc), kk, None)
+            for t, old, new in zip(targets, rows, [w_new, *new_slots]):
+                if skip is not None:
+                    new = torch.where(skip.to(t.device), old, new)
+                t.index_put_(index, new.to(t.dtype))

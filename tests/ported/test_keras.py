@@ -41,8 +41,6 @@ def _one_thread():
     yield
     torch.set_num_threads(n)
 
-APPLY_GRADIENTS_MUTATES = pytest.mark.xfail(
-    strict=True, reason="apply_gradients writes -lr*g into the caller's gradient tensor (fused kernel)")
 
 
 def var(values, dtype=F32):
@@ -109,7 +107,7 @@ def test_sgd_weight_decay_and_exclusions():
     assert float(var2.detach()) == 2.0 and float(var3.detach()) == 2.0
 
 
-@pytest.mark.parametrize("reuse", [pytest.param(True, marks=APPLY_GRADIENTS_MUTATES), False],
+@pytest.mark.parametrize("reuse", [True, False],
                          ids=["same_tensor", "fresh_copies"])
 def test_sgd_correctness_with_golden(reuse):
     """sgd_test.py: test_correctness_with_golden (defaults: lr 0.01, momentum 0, nesterov; a first step with

@@ -17,8 +17,7 @@ Where optkit deliberately differs, the test encodes optkit's documented behaviou
   and one test shows how far TF's printed rule is from it for the upstream vectors.
 * SGD: optkit's SGD is the Keras form (row "registry: SGD"); with momentum 0 it is TF's GradientDescent.
 
-``IndexedSlices`` gradients become sparse COO tensors. Tests that fail because of a known optkit bug are
-marked ``xfail(strict=True)`` with the cause.
+``IndexedSlices`` gradients become sparse COO tensors.
 """
 
 from __future__ import annotations
@@ -48,17 +47,6 @@ def _one_thread():
 # TF's assertAllCloseAccordingToType tolerances
 TOL = {F16: 1e-3, torch.bfloat16: 1e-2, F32: 1e-6, F64: 1e-6}
 
-HALF_CPU_MOMENTUM = pytest.mark.xfail(
-    strict=True, reason="Momentum (torch fused SGD) gives wrong results for float16/bfloat16 on CPU")
-SPARSE_MOMENTUM = pytest.mark.xfail(
-    strict=True, reason="Momentum uses torch's fused SGD, which rejects sparse gradients")
-TENSOR_LR = pytest.mark.xfail(strict=True, reason="0-d tensor learning_rate is rejected (TypeError)")
-SPARSE_ADAGRAD = pytest.mark.xfail(
-    strict=True, reason="Adagrad uses torch's fused kernel, which rejects sparse gradients")
-SPARSE_ADAM = pytest.mark.xfail(
-    strict=True, reason="Adam (torch.optim.Adam) rejects sparse gradients; TF1 Adam applies IndexedSlices")
-APPLY_GRADIENTS_MUTATES = pytest.mark.xfail(
-    strict=True, reason="apply_gradients writes -lr*g into the caller's gradient tensor (fused kernel)")
 
 
 def var(values, dtype=F32):
@@ -100,8 +88,8 @@ def _nesterov_numpy(var_, accum, g, lr, momentum):
 @pytest.mark.parametrize(
     "dtype,tile",
     [(F16, 1), (torch.bfloat16, 1), (F32, 1), (F64, 1), (F32, 32), (F64, 32),
-     pytest.param(F16, 32, marks=HALF_CPU_MOMENTUM),
-     pytest.param(torch.bfloat16, 32, marks=HALF_CPU_MOMENTUM)],
+     (F16, 32),
+     (torch.bfloat16, 32)],
 )
 def test_momentum_basic(dtype, tile):
     """momentum_test.py: doTestBasic / testBasic / testResourceBasic (two steps, lr 2.0, momentum 0.9). The
@@ -123,7 +111,6 @@ def test_momentum_basic(dtype, tile):
     close(v1, [2.98 - (0.9 * 0.01 + 0.01) * 2.0, 3.98 - (0.9 * 0.01 + 0.01) * 2.0] * tile, dtype)
 
 
-@TENSOR_LR
 def test_momentum_tensor_learning_rate():
     """momentum_test.py: testTensorLearningRateAndMomentum (learning rate given as a 0-d tensor)."""
     v0 = var([1.0, 2.0])
@@ -150,7 +137,6 @@ def test_momentum_nesterov_matches_numpy(dtype):
         close(v1, n1, dtype, tol=1e-6 if dtype == F32 else 1e-12)
 
 
-@SPARSE_MOMENTUM
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_momentum_sparse_nesterov(dtype):
     """momentum_test.py: testSparseNesterovMomentum (var0's gradient as IndexedSlices over rows [0, 1])."""
@@ -172,7 +158,7 @@ def _embedding_loss(v0, sparse_grad):
     return (pred * pred).sum()
 
 
-@pytest.mark.parametrize("sparse_grad", [False, pytest.param(True, marks=SPARSE_MOMENTUM)])
+@pytest.mark.parametrize("sparse_grad", [False, (True)])
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_momentum_minimize_embedding_lookup(dtype, sparse_grad):
     """momentum_test.py: testMinimizeSparseResourceVariable (momentum 0, lr 1: [[1, 2]] → [[−111, −138]])."""
@@ -183,7 +169,7 @@ def test_momentum_minimize_embedding_lookup(dtype, sparse_grad):
     close(v0, [[-111.0, -138.0]], dtype)
 
 
-@pytest.mark.parametrize("sparse_grad", [False, pytest.param(True, marks=SPARSE_MOMENTUM)])
+@pytest.mark.parametrize("sparse_grad", [False, (True)])
 def test_momentum_minimize_with_2d_indices_embedding_lookup(sparse_grad):
     """momentum_test.py: testMinimizeWith2DIndicesForEmbeddingLookup (ones(2, 2), sum of row [[1]])."""
     v0 = var(torch.ones(2, 2).tolist())
@@ -249,7 +235,6 @@ def test_momentum_like_dist_belief_mom01():
         np.testing.assert_allclose(v0.detach().numpy(), out, rtol=1e-6, atol=1e-6)
 
 
-@SPARSE_MOMENTUM
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_momentum_sparse(dtype):
     """momentum_test.py: testSparse (row 1 of zeros(4, 2) and rows 2, 3 of ones(4, 2), two steps)."""
@@ -270,10 +255,6 @@ def test_momentum_sparse(dtype):
     close(v1[2], [0.98 - 0.019 * 2.0] * 2, dtype)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Momentum: a skipped first step (found_inf=1) keeps torch's uninitialised empty_like buffer",
-)
 def test_momentum_skipped_first_update_leaves_no_garbage(monkeypatch):
     """momentum_test.py: the basic two-step vector, after a first update that a loss-scaling caller skipped
     through the GradScaler protocol (``grad_scale``/``found_inf``, which ``Momentum`` advertises). A skipped
@@ -325,7 +306,6 @@ def test_adagrad_basic_matches_tf_rule_float64():
     close(v0, w, F64, tol=1e-14)
 
 
-@TENSOR_LR
 def test_adagrad_tensor_learning_rate():
     """adagrad_test.py: testTensorLearningRate (lr = constant(3.0))."""
     v0 = var([1.0, 2.0])
@@ -335,7 +315,6 @@ def test_adagrad_tensor_learning_rate():
     close(v0, ADAGRAD_VAR0)
 
 
-@SPARSE_ADAGRAD
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_adagrad_sparse_basic(dtype):
     """adagrad_test.py: testSparseBasic (row 0 of var0 and row 1 of var1 get gradients; three steps)."""
@@ -348,7 +327,6 @@ def test_adagrad_sparse_basic(dtype):
     close(v1, [[3.0], [ADAGRAD_VAR1[1]]], dtype)
 
 
-@SPARSE_ADAGRAD
 def test_adagrad_sparse_repeated_indices():
     """adagrad_test.py: testSparseRepeatedIndices (indices [1, 1] with 0.1 each ≡ index [1] with 0.2)."""
     rep, agg = var([[1.0], [2.0]]), var([[1.0], [2.0]])
@@ -368,7 +346,7 @@ OUT_STABILITY = [[0.00891194, -0.10712013, 0.11047515, 0.22636929, -0.0144573, -
 @pytest.mark.parametrize(
     "dtype,sparse_grad",
     [(F16, False), (F32, False), (F64, False),
-     pytest.param(F32, True, marks=SPARSE_ADAGRAD), pytest.param(F64, True, marks=SPARSE_ADAGRAD)],
+     (F32, True), (F64, True)],
 )
 def test_adagrad_stability(dtype, sparse_grad):
     """adagrad_test.py: testSparseStability (tiny gradients, lr 1.0: one step from a fresh optimizer,
@@ -456,7 +434,6 @@ def test_adam_epsilon_placement_against_tf_reference():
     assert abs(torch_form[0] - tf_form[0]) > 1e-3
 
 
-@TENSOR_LR
 def test_adam_tensor_learning_rate():
     """adam_test.py: testTensorLearningRate (lr = constant(0.001))."""
     v0 = var([1.0, 2.0])
@@ -468,7 +445,6 @@ def test_adam_tensor_learning_rate():
     close(v0, n0)
 
 
-@SPARSE_ADAM
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_adam_sparse(dtype):
     """adam_test.py: doTestSparse (IndexedSlices covering both rows; same numbers as the dense run)."""
@@ -481,7 +457,6 @@ def test_adam_sparse(dtype):
         close(v0, n0, dtype)
 
 
-@SPARSE_ADAM
 def test_adam_sparse_repeated_indices():
     """adam_test.py: testSparseRepeatedIndices (indices [1, 1] with 0.1 each ≡ index [1] with 0.2)."""
     rep, agg = var([[1.0], [2.0]]), var([[1.0], [2.0]])
@@ -589,8 +564,6 @@ def test_rmsprop_sparse_weights(hp, dtype):
             close(opt.get_slot(v, "mg"), r[1], dtype)
 
 
-@pytest.mark.xfail(strict=True, reason="RMSProp densifies sparse gradients: the rms slot of untouched rows "
-                                       "decays (TF SparseApplyRMSProp leaves untouched rows alone)")
 def test_rmsprop_sparse_untouched_rows_keep_rms():
     """rmsprop_test.py: testSparse, the ``rms`` slot of the row that never gets a gradient stays at 1."""
     hp = RMSPROP_PARAMS[1]
@@ -871,10 +844,9 @@ def test_gradient_descent_sparse_basic(dtype):
 @pytest.mark.parametrize(
     "make",
     [
-        pytest.param(lambda ps: optkit.SGD(ps, learning_rate=2.0, momentum=0.9), id="SGD",
-                     marks=APPLY_GRADIENTS_MUTATES),
+        pytest.param(lambda ps: optkit.SGD(ps, learning_rate=2.0, momentum=0.9), id="SGD"),
         pytest.param(lambda ps: optkit.LARS(ps, learning_rate=2.0, momentum=0.9, weight_decay=0.0, eeta=1e9,
-                                            skip_list=["param"]), id="LARS", marks=APPLY_GRADIENTS_MUTATES),
+                                            skip_list=["param"]), id="LARS"),
         pytest.param(lambda ps: optkit.RMSProp(ps, learning_rate=2.0, momentum=0.9), id="RMSProp"),
         pytest.param(lambda ps: optkit.Ftrl(ps, learning_rate=2.0), id="Ftrl"),
     ],

@@ -29,8 +29,6 @@ from torch.nn import Parameter
 import optkit
 
 F64 = torch.float64
-NON_CONTIGUOUS = pytest.mark.xfail(
-    strict=True, reason="non-contiguous parameters get wrong updates from the fused SGD kernel (Momentum)")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -172,8 +170,7 @@ def test_lars_basic_cases(name, variant):
 def _non_contiguous_cases():
     for name in TIMM_NAMES:
         for variant, vid in enumerate(VARIANT_IDS):
-            broken = name in ("larc", "nlarc") and vid in ("flat", "two_groups")
-            yield pytest.param(name, variant, id=f"{name}-{vid}", marks=[NON_CONTIGUOUS] if broken else [])
+            yield pytest.param(name, variant, id=f"{name}-{vid}")
 
 
 @pytest.mark.parametrize("name,variant", list(_non_contiguous_cases()))

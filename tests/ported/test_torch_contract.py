@@ -51,8 +51,6 @@ class Case:
     make: Callable  # make(params) -> optimizer; params: a list of tensors, (name, tensor) pairs or groups
     wrapper: bool = False
     backward_in_closure: bool = True  # False: the closure returns the unscaled loss, the wrapper back-props
-    torch_subclass: bool = False  # Momentum / Adam / AdamW / Adagrad: thin torch.optim subclasses
-    fused_sgd: bool = False  # uses torch's fused SGD kernel on CPU float32
     tags: set = field(default_factory=set)
 
 
@@ -65,49 +63,42 @@ def _first_tensor(params):
 
 
 BASE = [
-    Case("SGD", lambda ps: optkit.SGD(ps, learning_rate=0.01), fused_sgd=True),
-    Case("SGD_momentum", lambda ps: optkit.SGD(ps, learning_rate=0.01, momentum=0.9), fused_sgd=True),
+    Case("SGD", lambda ps: optkit.SGD(ps, learning_rate=0.01)),
+    Case("SGD_momentum", lambda ps: optkit.SGD(ps, learning_rate=0.01, momentum=0.9)),
     Case("SGD_nesterov_wd_ema", lambda ps: optkit.SGD(ps, learning_rate=0.01, momentum=0.9, nesterov=True,
-                                                      weight_decay=0.01, use_ema=True), fused_sgd=True),
-    Case("Momentum", lambda ps: optkit.Momentum(ps, learning_rate=0.01, momentum=0.9), torch_subclass=True,
-         fused_sgd=True),
-    Case("Adam", lambda ps: optkit.Adam(ps, learning_rate=0.01), torch_subclass=True),
-    Case("AdamW", lambda ps: optkit.AdamW(ps, 0.01, learning_rate=0.01), torch_subclass=True),
-    Case("Adagrad", lambda ps: optkit.Adagrad(ps, learning_rate=0.1), torch_subclass=True),
+                                                      weight_decay=0.01, use_ema=True)),
+    Case("Momentum", lambda ps: optkit.Momentum(ps, learning_rate=0.01, momentum=0.9)),
+    Case("Adam", lambda ps: optkit.Adam(ps, learning_rate=0.01)),
+    Case("AdamW", lambda ps: optkit.AdamW(ps, 0.01, learning_rate=0.01)),
+    Case("Adagrad", lambda ps: optkit.Adagrad(ps, learning_rate=0.1)),
     Case("RMSProp", lambda ps: optkit.RMSProp(ps, learning_rate=0.01, momentum=0.5, centered=True)),
     Case("Ftrl", lambda ps: optkit.Ftrl(ps, learning_rate=0.1, l1_regularization_strength=0.01)),
-    Case("LARS", lambda ps: optkit.LARS(ps, learning_rate=0.1), fused_sgd=True),
+    Case("LARS", lambda ps: optkit.LARS(ps, learning_rate=0.1)),
     Case("LARS_tf1.14_nesterov", lambda ps: optkit.LARS(ps, learning_rate=0.1, variant="tf1.14",
-                                                       use_nesterov=True), fused_sgd=True),
+                                                       use_nesterov=True)),
 ]
 WRAPPERS = [
     Case("LARC(SGD)", lambda ps: optkit.LARC(optkit.SGD(ps, learning_rate=0.01, momentum=0.9), larc_eta=0.01),
-         wrapper=True, fused_sgd=True),
+         wrapper=True),
     Case("VariableClipping(SGD)", lambda ps: optkit.VariableClippingOptimizer(
-        optkit.SGD(ps, learning_rate=0.01, momentum=0.9), {_first_tensor(ps): [0]}, 1.0), wrapper=True,
-        fused_sgd=True),
+        optkit.SGD(ps, learning_rate=0.01, momentum=0.9), {_first_tensor(ps): [0]}, 1.0), wrapper=True),
     Case("LossScale(SGD)", lambda ps: optkit.LossScaleOptimizer(
         optkit.SGD(ps, learning_rate=0.01, momentum=0.9), optkit.DynamicLossScale(initial_loss_scale=8.0)),
-        wrapper=True, backward_in_closure=False, fused_sgd=True),
+        wrapper=True, backward_in_closure=False),
     Case("MixedPrecision(SGD)", lambda ps: optkit.MixedPrecisionOptimizerWrapper(
-        optkit.SGD(ps, learning_rate=0.01, momentum=0.9), "dynamic"), wrapper=True, backward_in_closure=False,
-        fused_sgd=True),
+        optkit.SGD(ps, learning_rate=0.01, momentum=0.9), "dynamic"), wrapper=True,
+        backward_in_closure=False),
 ]
 ALL = BASE + WRAPPERS
 UNCLIPPED = [c for c in ALL if c.name != "VariableClipping(SGD)"]  # its clip table names one parameter
-NATIVE = [c for c in BASE if not c.torch_subclass]
 
 
 def ids(cases):
     return [c.name for c in cases]
 
 
-def _xfail_if(cond, reason):
-    return [pytest.mark.xfail(strict=True, reason=reason)] if cond else []
-
-
-def cases_with(cases, pred, reason):
-    return [pytest.param(c, id=c.name, marks=_xfail_if(pred(c), reason)) for c in cases]
+def cases_of(cases):
+    return [pytest.param(c, id=c.name) for c in cases]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -297,11 +288,7 @@ def test_lr_scheduler_drives_the_group_lr(case):
 
 
 def _tensor_lr_cases():
-    out = []
-    for c in NATIVE + [c for c in BASE if c.torch_subclass]:
-        reason = "0-d tensor learning_rate is rejected (TypeError) by Momentum/Adam/AdamW/Adagrad"
-        out.append(pytest.param(c, id=c.name, marks=_xfail_if(c.torch_subclass, reason)))
-    return out
+    return cases_of(BASE)
 
 
 KWARG_LR = {
@@ -390,9 +377,7 @@ def _steps_to_python(sd):
     return sd
 
 
-@pytest.mark.parametrize("case", cases_with(
-    [c for c in BASE if c.name != "Momentum"], lambda c: not c.torch_subclass,
-    "load_state_dict crashes when a state's 'step' is a Python number (int has no .detach)"))
+@pytest.mark.parametrize("case", cases_of([c for c in BASE if c.name != "Momentum"]))
 def test_load_nontensor_step(case):
     """test_optim.py: test_load_nontensor_step (older checkpoints hold ``step`` as a Python number; loading
     one continues identically)."""
@@ -416,9 +401,7 @@ def test_deepcopy_and_pickle(case):
     assert_same(opt.state_dict(), again.state_dict())
 
 
-@pytest.mark.parametrize("case", cases_with(
-    ALL, lambda c: not c.torch_subclass,
-    "load_state_dict of an unnamed-param checkpoint overwrites the live param names with param_<i>"))
+@pytest.mark.parametrize("case", cases_of(ALL))
 def test_unnamed_checkpoint_keeps_param_names(case):
     """test_optim.py named-parameter tests: names are saved in ``param_groups[i]['param_names']``; loading a
     checkpoint taken from an optimizer over unnamed parameters keeps the loading optimizer's names (torch)."""
@@ -435,8 +418,6 @@ def test_unnamed_checkpoint_keeps_param_names(case):
     assert inner.param_groups[0]["param_names"] == ["layer.weight", "layer.bias"]
 
 
-@pytest.mark.xfail(strict=True, reason="load_state_dict of an unnamed-param checkpoint overwrites param "
-                                       "names, so name-based weight-decay exclusion stops matching")
 def test_unnamed_checkpoint_keeps_name_based_weight_decay_exclusion():
     """The consequence of the previous test for Keras-style ``exclude_from_weight_decay(var_names=...)``:
     after loading, the bias must still be excluded from the decay (zero gradient, lr 0.1, wd 0.5)."""
@@ -471,8 +452,7 @@ def test_step_pre_and_post_hooks(case):
     assert len(calls) == 4
 
 
-@pytest.mark.parametrize("case", cases_with(
-    ALL, lambda c: c.wrapper, "wrappers fire the global step hooks twice (wrapper and inner step)"))
+@pytest.mark.parametrize("case", cases_of(ALL))
 def test_global_step_hooks_fire_once_per_step(case):
     """test_optim.py: test_step_all_hooks (global pre/post hooks from register_optimizer_step_pre_hook /
     _post_hook run once per user ``step()``, around the per-optimizer hooks)."""
@@ -493,8 +473,7 @@ def test_global_step_hooks_fire_once_per_step(case):
     assert calls == ["global_pre", "pre", "post", "global_post"]
 
 
-@pytest.mark.parametrize("case", cases_with(
-    ALL, lambda c: c.wrapper, "wrappers override state_dict/load_state_dict and skip their hooks"))
+@pytest.mark.parametrize("case", cases_of(ALL))
 def test_state_dict_hooks(case):
     """test_optim.py: test_state_dict_pre_hook / test_state_dict_post_hook / test_load_state_dict_pre_hook /
     test_load_state_dict_post_hook (each runs once; a post hook may return a modified dict)."""
@@ -541,13 +520,7 @@ def _pair_runs(case, w_src, b_src, x, grad_layout=None, steps=3):
     torch.testing.assert_close(b.detach(), bc.detach(), rtol=1e-5, atol=1e-6)
 
 
-def _non_contiguous_broken(c):
-    return c.fused_sgd or c.name in ("Adam", "AdamW", "Adagrad")
-
-
-@pytest.mark.parametrize("case", cases_with(
-    ALL, _non_contiguous_broken,
-    "non-contiguous params get wrong updates from the fused kernels (SGD/LARS/Momentum/Adam/Adagrad)"))
+@pytest.mark.parametrize("case", cases_of(ALL))
 def test_non_contiguous_params(case):
     """test_optim.py / timm _test_basic_cases: parameters ``torch.randn(10, 5, 2)[..., 0]`` and
     ``torch.randn(10, 2)[..., 0]`` follow the same trajectory as contiguous copies."""
@@ -563,9 +536,7 @@ def _transposed_layout(grad):
     return grad.t().contiguous().t()
 
 
-@pytest.mark.parametrize("case", cases_with(
-    ALL, _non_contiguous_broken,
-    "gradients whose strides differ from the parameter's get wrong updates from the fused kernels"))
+@pytest.mark.parametrize("case", cases_of(ALL))
 def test_gradient_with_different_strides(case):
     """test_optim.py (grads need not share the parameter's layout): a column-major gradient for a row-major
     parameter gives the same update as the contiguous gradient."""
@@ -605,17 +576,7 @@ def test_mixed_float32_float64_params(case):
 
 
 def _complex_refused_cases():
-    accepted = {"SGD", "SGD_momentum", "SGD_nesterov_wd_ema", "Momentum", "Adam", "AdamW", "Adagrad",
-                "RMSProp"}
-    out = []
-    for c in BASE:
-        if c.name in accepted:
-            wrong = " and is silently wrong" if c.name == "RMSProp" else ""
-            marks = _xfail_if(True, f"{c.name} accepts complex parameters{wrong} (contract: TypeError)")
-        else:
-            marks = _xfail_if(True, f"{c.name} fails on complex parameters with a non-TypeError at step()")
-        out.append(pytest.param(c, id=c.name, marks=marks))
-    return out
+    return cases_of(BASE)
 
 
 @pytest.mark.parametrize("case", _complex_refused_cases())
@@ -660,9 +621,7 @@ def test_common_error_inputs(case):
         case.make([])
 
 
-@pytest.mark.parametrize("case", cases_with(
-    BASE, lambda c: not c.torch_subclass,
-    "mixing named and unnamed parameters is accepted silently (torch raises ValueError)"))
+@pytest.mark.parametrize("case", cases_of(BASE))
 def test_named_and_unnamed_params_cannot_be_mixed(case):
     """common_optimizers.py: "all optimizer params should be with/without names" (within a group and across
     groups)."""
@@ -686,9 +645,7 @@ TF_SURFACE = ["compute_gradients", "apply_gradients", "minimize", "get_slot", "g
               "get_config", "iterations"]
 
 
-@pytest.mark.parametrize("case", cases_with(
-    BASE, lambda c: c.torch_subclass,
-    "the torch-subclass optimizers (Momentum/Adam/AdamW/Adagrad) lack the TF surface"))
+@pytest.mark.parametrize("case", cases_of(BASE))
 def test_tf_surface(case):
     """optkit's API: every optimizer is a torch.optim.Optimizer and also has compute_gradients,
     apply_gradients, minimize, get_slot(_names), variables, get_config/from_config and iterations; one
