@@ -91,9 +91,11 @@ def ref_backoff(flags, smin, smax, factor, window):
     return out
 
 
-def ref_logmax(events, smin=1.0, smax=2.0**14, log_max=16.0, b1=0.99, b2=0.999, z=3.09, bug=False):
+def ref_logmax(events, smin=1.0, smax=2.0**14, log_max=16.0, b1=0.99, b2=0.999, z=3.09, bug=False,
+               log_min=-24.0):
     """OpenSeq2Seq LogMaxScaler in float64. ``events`` = [(overflow, amax)]. With the optkit fixes unless
-    ``bug``: overflow sample log_max (bug: 2**log_max), target exponent log_max (bug: 16), amax == 0 skipped.
+    ``bug``: overflow sample log_max (bug: 2**log_max), target exponent log_max (bug: 16), amax == 0 (every
+    scaled gradient underflowed) grows the scale by 2^(log_max − log_min), clipped, statistics unchanged.
     Returns [(scale, mu, sigma)]."""
     xh = sl = sq = 0.0
     c1 = c2 = 1.0
@@ -101,7 +103,9 @@ def ref_logmax(events, smin=1.0, smax=2.0**14, log_max=16.0, b1=0.99, b2=0.999, 
     mu = sigma = 0.0
     out = []
     for overflow, amax in events:
-        if overflow or amax > 0 or bug:
+        if not bug and not overflow and amax == 0:
+            scale = min(max(scale * 2.0 ** (log_max - log_min), smin), smax)
+        elif overflow or amax > 0 or bug:
             x = (2.0**log_max if bug else log_max) if overflow else math.log2(amax)
             xh = b1 * xh + (1 - b1) * x
             c1 *= b1
@@ -233,7 +237,8 @@ def test_logmax_defaults():
     s = LogMaxScaler()
     assert s().item() == 1.0
     assert s.get_config()["params"] == {"scale_min": 1.0, "scale_max": 16384.0, "log_max": 16.0,
-                                        "beta1": 0.99, "beta2": 0.999, "overflow_std_dev": 3.09}
+                                        "beta1": 0.99, "beta2": 0.999, "overflow_std_dev": 3.09,
+                                        "log_min": -24.0}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -262,16 +267,17 @@ def test_logmax_uses_log_max_as_target_exponent():
     assert s().item() == ref[0][0]
 
 
-def test_logmax_zero_amax_carries_no_information():
+def test_logmax_zero_amax_means_underflow_and_the_scale_grows():
+    """An all-zero gradient at scale S: every |g|·S fell below float16's smallest subnormal 2^-24, so the
+    scale grows by 2^40, clipped (issue #11: LogMax stayed at 1 forever); the statistics do not move."""
     s = LogMaxScaler()
-    before = {k: v.clone() for k, v in s.state_dict().items() if k != "config"}
+    assert s().item() == 1.0
+    before = {k: v.clone() for k, v in s.state_dict().items() if k not in ("config", "scale", "iteration")}
     assert bool(s.update(ZERO, torch.tensor(0.0)))
+    assert s().item() == ref_logmax([(False, 0.0)])[0][0] == 2.0**14  # 2^(16 + 24) clipped to scale_max
     after = s.state_dict()
     for k, v in before.items():
-        if k == "iteration":
-            assert after[k].item() == 1
-        else:
-            assert torch.equal(after[k], v), k
+        assert torch.equal(after[k], v), k
     seq = [(False, 0.0), (False, 1.0), (False, 0.0), (False, 4.0), (False, 0.0), (False, 0.25)]
     got = drive(LogMaxScaler(), [0] * 6, [a for _, a in seq])
     ref = ref_logmax(seq)
@@ -805,3 +811,19 @@ def test_public_names():
                  "LossScale", "LossScaleAtMinimumWarning", "get_loss_scale"):
         assert hasattr(optkit, name)
     assert "FixedLossScale(loss_scale_value=2.0" in repr(FixedLossScale(2))
+
+
+def test_logmax_recovers_from_underflowing_float16_gradients():
+    """The issue's case: float16 gradients of 1e-9 underflow to 0 at S = 1; LogMax must raise the scale until
+    they are representable, and the updates then apply the unscaled gradient."""
+    from optkit import SGD, LossScaleOptimizer
+
+    w = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    opt = LossScaleOptimizer(SGD([w], learning_rate=1e6), "logmax")
+    for _ in range(3):
+        opt.zero_grad()
+        loss = (w.float() * 1e-9).sum()
+        opt.scale_loss(loss).backward()
+        opt.step()
+    assert float(opt.loss_scale) > 1.0
+    assert float(w[0]) < 0.0  # lr·g = 1e-3 per update once the gradient survives in float16

@@ -451,9 +451,9 @@ class DynamicLossScale(LossScale):
 _BACKOFF_PARAMS = {"scale_min": float, "scale_max": float, "step_factor": float, "step_window": int}
 _BACKOFF_DEFAULTS = {"scale_min": 1.0, "scale_max": 2.0**14, "step_factor": 2.0, "step_window": 2000}
 _LOGMAX_PARAMS = {"scale_min": float, "scale_max": float, "log_max": float, "beta1": float, "beta2": float,
-                  "overflow_std_dev": float}
+                  "overflow_std_dev": float, "log_min": float}
 _LOGMAX_DEFAULTS = {"scale_min": 1.0, "scale_max": 2.0**14, "log_max": 16.0, "beta1": 0.99, "beta2": 0.999,
-                    "overflow_std_dev": 3.09}
+                    "overflow_std_dev": 3.09, "log_min": -24.0}
 
 
 def _clamp_params(p: dict[str, Any], where: str) -> tuple[float, float]:
@@ -525,9 +525,12 @@ class LogMaxScaler(LossScale):
     formulas in the module docstring. Fixes (each a row in ``docs/compatibility.md``): an overflow feeds ``x =
     log_max`` (the original fed ``2^log_max = 65536`` into the log-domain EMA and sat at ``scale_min`` for
     ~11.5k updates); the target exponent is ``log_max`` (the original hard-coded 16, equal by default); a
-    finite step with ``amax == 0`` (or any ``amax <= 0``) leaves the EMAs, bias corrections and ``S``
-    unchanged (the original became NaN forever); the initial scale 1.0 is clipped into ``[scale_min,
-    scale_max]``.
+    finite step with ``amax == 0`` means every scaled gradient underflowed the half format (below
+    ``2^log_min``, ``log_min`` −24.0: float16's smallest subnormal), so ``S·2^(log_max − log_min)`` cannot
+    overflow: the scale grows that far (clipped to ``scale_max``) and the statistics are left alone (the
+    original took ``log2(0) = −inf`` and became NaN forever; ignoring the step kept a run that starts at
+    ``S = 1`` with underflowing gradients at 1 forever); the initial scale 1.0 is clipped into
+    ``[scale_min, scale_max]``.
     """
 
     needs_amax = True
@@ -542,7 +545,9 @@ class LogMaxScaler(LossScale):
         check_real("beta1", p["beta1"], where=where, minimum=0.0, maximum=1.0, max_inclusive=False)
         check_real("beta2", p["beta2"], where=where, minimum=0.0, maximum=1.0, max_inclusive=False)
         check_real("overflow_std_dev", p["overflow_std_dev"], where=where, minimum=0.0)
+        check_real("log_min", p["log_min"], where=where, maximum=float(p["log_max"]), max_inclusive=False)
         self.params = p
+        self.log_min = float(p["log_min"])
         self.scale_min, self.scale_max = lo, hi
         self.log_max = float(p["log_max"])
         self.beta1 = float(p["beta1"])
@@ -587,6 +592,11 @@ class LogMaxScaler(LossScale):
         for name, new in (("x_hat", x_hat), ("b1_correction", b1c), ("slow_x_hat", slow),
                           ("xsquared_hat", sq), ("b2_correction", b2c), ("scale", new_scale)):
             st[name].copy_(torch.where(informative, new, st[name]))
+        # amax == 0: every scaled gradient fell below 2^log_min, so even S·2^(log_max − log_min) overflows
+        # nothing: grow the scale that far (clipped), statistics unchanged
+        underflow = ~overflow & (amax == 0)
+        grown = torch.clamp(st["scale"] * 2.0 ** (self.log_max - self.log_min), self.scale_min, self.scale_max)
+        st["scale"].copy_(torch.where(underflow, grown.to(_F32), st["scale"]))
         st["iteration"].add_(1)
         return ~overflow, floor_hit
 
