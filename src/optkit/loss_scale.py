@@ -595,7 +595,8 @@ class LogMaxScaler(LossScale):
         # amax == 0: every scaled gradient fell below 2^log_min, so even S·2^(log_max − log_min) overflows
         # nothing: grow the scale that far (clipped), statistics unchanged
         underflow = ~overflow & (amax == 0)
-        grown = torch.clamp(st["scale"] * 2.0 ** (self.log_max - self.log_min), self.scale_min, self.scale_max)
+        growth = 2.0 ** (self.log_max - self.log_min)
+        grown = torch.clamp(st["scale"] * growth, self.scale_min, self.scale_max)
         st["scale"].copy_(torch.where(underflow, grown.to(_F32), st["scale"]))
         st["iteration"].add_(1)
         return ~overflow, floor_hit
