@@ -18,6 +18,7 @@ Nothing here calls ``.item()`` or branches on a tensor value: results stay on th
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -45,19 +46,22 @@ __all__ = [
     "norms_along",
 ]
 
-try:  # DTensor is public from torch 2.5 on; keep the import optional for minimal builds.
-    from torch.distributed.tensor import DTensor as _DTensor
-except Exception:  # pragma: no cover - torch built without distributed
-    _DTensor = None
-
-
 # ------------------------------------------------------------------------------------------------------------
 # tensor views
 
 
+def _dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor`` if that module is loaded, else None. Not importing it here keeps
+    ``import optkit`` light (it costs about as much as ``import torch``); no DTensor can exist before it is
+    imported, so a tensor cannot be one while this returns None."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return None if mod is None else getattr(mod, "DTensor", None)
+
+
 def is_dtensor(t: object) -> bool:
     """True when ``t`` is a ``torch.distributed.tensor.DTensor``."""
-    return _DTensor is not None and isinstance(t, _DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: Tensor) -> Tensor:
@@ -479,7 +483,7 @@ def _rebuild_like(orig: Tensor, new_values: Tensor) -> Tensor:
             lt._indices(), new_values, lt.shape, is_coalesced=lt.is_coalesced()
         )
     if is_dtensor(orig):
-        out = _DTensor.from_local(  # type: ignore[union-attr]
+        out = _dtensor_class().from_local(  # type: ignore[union-attr]
             out, orig.device_mesh, orig.placements, run_check=False, shape=orig.shape, stride=orig.stride()
         )
     return out
