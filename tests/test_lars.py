@@ -359,7 +359,7 @@ def test_zero_momentum_and_zero_decay_allowed_and_learning_rate_required():
 
 def test_config_keeps_options():
     opt = LARS(
-        [torch.ones(2, requires_grad=True)],
+        [("w", torch.ones(2, requires_grad=True))],
         0.2,
         momentum=0.8,
         weight_decay=1e-3,
@@ -393,4 +393,4 @@ def test_config_keeps_options():
         "variant": "tf1.14",
         "exclude_1d": True,
     }
-    assert LARS.from_config(cfg, [torch.ones(2, requires_grad=True)]).get_config() == cfg
+    assert LARS.from_config(cfg, [("w", torch.ones(2, requires_grad=True))]).get_config() == cfg

@@ -497,3 +497,16 @@ def test_lars_rejects_negative_eeta_and_epsilon():
         LARS([w], 0.1, eeta=-0.001)
     with pytest.raises(ValueError, match="epsilon"):
         LARS([w], 0.1, epsilon=-1.0)
+
+
+def test_name_based_options_need_names():
+    """exclude_from_weight_decay(var_names=...) and LARS skip_list match names: with model.parameters()
+    (no names) they would match nothing, silently; both refuse and name the remedy."""
+    ps = [p for _, p in make_params()]
+    opt = SGD(ps, learning_rate=0.1, weight_decay=0.1)
+    with pytest.raises(ValueError, match="named_parameters"):
+        opt.exclude_from_weight_decay(var_names=["bias"])
+    opt.exclude_from_weight_decay(var_list=ps[1:2])  # by identity still works
+    with pytest.raises(ValueError, match="named_parameters"):
+        LARS(ps, learning_rate=0.1, skip_list=["bias"])
+    LARS(make_params(), learning_rate=0.1, skip_list=["bias"])

@@ -161,6 +161,11 @@ class LARS(Optimizer):
             eeta=float(eeta), epsilon=float(epsilon), skip_list=skip_list, use_nesterov=use_nesterov,
             variant=variant, exclude_1d=exclude_1d, **kwargs,
         )
+        if not self._named and any(g["skip_list"] for g in self.param_groups):
+            raise ValueError(
+                "LARS: `skip_list` matches parameter names, but the parameters came without names (they "
+                "would all be called param_<i> and nothing would be skipped); pass model.named_parameters()"
+            )
 
     # ------------------------------------------------------------------------------------------------ config
 

@@ -386,6 +386,12 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             names = sorted(set(var_names))
             if not all(isinstance(n, str) for n in names):
                 raise TypeError("`var_names` must contain strings")
+            if names and not self._named:
+                raise ValueError(
+                    "exclude_from_weight_decay(var_names=...) matches parameter names, but this optimizer got "
+                    "its parameters without names (param_<i>), so nothing would match; build it from "
+                    "model.named_parameters(), or pass var_list=[...] instead"
+                )
             if names:
                 pattern = "|".join(names)
                 if self._wd_exclude_regex is not None:

@@ -845,8 +845,9 @@ def test_gradient_descent_sparse_basic(dtype):
     "make",
     [
         pytest.param(lambda ps: optkit.SGD(ps, learning_rate=2.0, momentum=0.9), id="SGD"),
-        pytest.param(lambda ps: optkit.LARS(ps, learning_rate=2.0, momentum=0.9, weight_decay=0.0, eeta=1e9,
-                                            skip_list=["param"]), id="LARS"),
+        pytest.param(lambda ps: optkit.LARS([(f"param_{i}", p) for i, p in enumerate(ps)], learning_rate=2.0,
+                                            momentum=0.9, weight_decay=0.0, eeta=1e9, skip_list=["param"]),
+                     id="LARS"),
         pytest.param(lambda ps: optkit.RMSProp(ps, learning_rate=2.0, momentum=0.9), id="RMSProp"),
         pytest.param(lambda ps: optkit.Ftrl(ps, learning_rate=2.0), id="Ftrl"),
     ],
