@@ -388,8 +388,8 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
                 raise TypeError("`var_names` must contain strings")
             if names and not self._named:
                 raise ValueError(
-                    "exclude_from_weight_decay(var_names=...) matches parameter names, but this optimizer got "
-                    "its parameters without names (param_<i>), so nothing would match; build it from "
+                    "exclude_from_weight_decay(var_names=...) matches parameter names, but this optimizer "
+                    "got its parameters without names (param_<i>), so nothing would match; build it from "
                     "model.named_parameters(), or pass var_list=[...] instead"
                 )
             if names:
