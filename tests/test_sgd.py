@@ -473,3 +473,25 @@ def test_jit_compile_falls_back_with_warning(monkeypatch):
 def test_public_names():
     assert optkit.SGD is SGD
     assert optkit.Optimizer is optkit.optimizer.Optimizer
+
+
+def test_one_cycle_lr_turns_momentum_on():
+    """torch's OneCycleLR cycles the group's momentum, also over SGD(momentum=0): the momentum slot appears
+    (zeros, as the Keras rule starts) and each step uses the scheduled lr and momentum (float64 NumPy)."""
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(5)
+    grads = [rng.standard_normal(5) for _ in range(6)]
+    w = torch.tensor(w0, requires_grad=True)
+    opt = SGD([w], learning_rate=0.1)
+    assert "momentum" not in opt.state[w]
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=6)
+    ref_w, m = w0.copy(), np.zeros(5)
+    for g in grads:
+        lr, mu = opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]
+        m = mu * m - lr * g
+        ref_w = ref_w + m
+        w.grad = torch.tensor(g)
+        opt.step()
+        sched.step()
+    assert "momentum" in opt.state[w]
+    np.testing.assert_allclose(w.detach().numpy(), ref_w, rtol=1e-12, atol=1e-12)

@@ -69,18 +69,18 @@ class Plan:
         st = opt.state
         for name, p in zip(self.names, params):
             state = st[p]
-            for s in opt.slot_names:
+            for s in opt._active_slots(group):
                 check_slot_fits(name, s, p, state.get(s))
             if opt.use_ema:
                 check_slot_fits(name, "average", p, state.get("average"))
-        self.slots = {s: [st[p][s] for p in params] for s in opt.slot_names}
+        slot_keys = list(opt._active_slots(group))
+        self.slots = {s: [st[p][s] for p in params] for s in slot_keys}
         self.averages = [st[p]["average"] for p in params] if opt.use_ema else None
         self.use_wd = [opt._use_weight_decay(p, n) for p, n in zip(params, self.names)]
         self.any_wd = any(self.use_wd)
         self.any_dtensor = any(mt.is_dtensor(t) for t in params) or any(mt.is_dtensor(g) for g in grads)
         self._ptrs = _data_ptrs(params, self.any_dtensor)
         loc = mt.local
-        slot_keys = list(opt.slot_names)
         lists = [[loc(p) for p in params], [loc(g) for g in grads]]
         lists += [[loc(t) for t in self.slots[s]] for s in slot_keys]
         if self.averages is not None:

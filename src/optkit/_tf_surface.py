@@ -145,8 +145,9 @@ class TFSurface:
         return self.apply_gradients(self.compute_gradients(loss, var_list))
 
     def get_slot_names(self) -> list[str]:
-        """Names of the per-variable slots (``"average"`` included when EMA is on)."""
-        return list(self.slot_names) + (["average"] if self.use_ema else [])
+        """Names of the per-variable slots in use (``"average"`` included when EMA is on)."""
+        used = {s for g in self.param_groups for s in self._active_slots(g)}
+        return [s for s in self.slot_names if s in used] + (["average"] if self.use_ema else [])
 
     def get_slot(self, var: Tensor, name: str) -> Tensor:
         """The slot ``name`` of parameter ``var``."""
@@ -163,7 +164,7 @@ class TFSurface:
         if self.use_ema:
             out += [self.state[p]["average"] for p in ps]
         for s in self.slot_names:
-            out += [self.state[p][s] for p in ps]
+            out += [self.state[p][s] for p in ps if s in self.state[p]]
         return out + list(self._extra_variables)
 
     def get_weights(self) -> list[Tensor]:

@@ -179,6 +179,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         self._plan_version = 0
         self._fp64_cache: dict[int, tuple] = {}
         self._block = None  # the Block of the blocked pass being run (kernel-gate and grouping hints)
+        self._slots_seen: dict[int, tuple[str, ...]] = {}  # id(group) -> the slots created for it
         self._host_iterations = 0  # exact while no found_inf was ever given
         self._host_exact = True
 
@@ -262,10 +263,26 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         for p in group["params"]:
             self._init_state(p, group)
 
+    def _active_slots(self, group: dict) -> tuple[str, ...]:
+        """The slots ``group`` uses (default: all of ``slot_names``; SGD keeps no momentum buffer for a
+        group whose momentum is 0)."""
+        return self.slot_names
+
+    def _ensure_slots(self) -> None:
+        """Create the slots a group started to use since the last step (a scheduler such as ``OneCycleLR``
+        turning momentum on): zeros, which is what the rule would start from; O(groups) per step."""
+        for g in self.param_groups:
+            active = self._active_slots(g)
+            if self._slots_seen.get(id(g)) != active:
+                for p in g["params"]:
+                    self._init_state(p, g)
+                self._slots_seen[id(g)] = active
+                self._invalidate_plans()
+
     def _init_state(self, p: Tensor, group: dict) -> None:
         st = self.state[p]
         st["step"] = self._iterations
-        for slot in self.slot_names:
+        for slot in self._active_slots(group):
             if slot not in st:
                 st[slot] = self._make_slot(p, slot, group)
         if self.use_ema and "average" not in st:
@@ -441,6 +458,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         gradient before clipping (used by wrappers such as LARC to fold a per-tensor factor into the blocked
         pass instead of a separate sweep)."""
         dev = self._state_device
+        self._ensure_slots()
         gathered = [self._gather(g) for g in self.param_groups]
         all_grads = [g for _, _, gs in gathered for g in gs]
         if found_inf is not None:
@@ -543,10 +561,10 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             sp_params = [params[j] for j in sp]
             for p in sp_params:
                 name = group["param_names"][next(i for i, q in enumerate(group["params"]) if q is p)]
-                for s in self.slot_names:
+                for s in self._active_slots(group):
                     check_slot_fits(name, s, p, self.state[p].get(s))
             self._sparse_update(group, sp_params, sp_grads,
-                                {s: [self.state[p][s] for p in sp_params] for s in self.slot_names},
+                                {s: [self.state[p][s] for p in sp_params] for s in self._active_slots(group)},
                                 lr, k, found_inf)
             keep = [j for j, p in enumerate(params) if id(p) not in sparse_handled]
             idx, params, grads = [idx[j] for j in keep], [params[j] for j in keep], [grads[j] for j in keep]
@@ -701,7 +719,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             warn_compile_fallback(RuntimeError("torch.compile is not available"))
             return False
         loc = mt.local
-        slot_lists = tuple([loc(t) for t in slots[s]] for s in self.slot_names)
+        slot_lists = tuple([loc(t) for t in slots[s]] for s in self._active_slots(group))
         avgs = [loc(self.state[p]["average"]) for p in params] if self.use_ema else None
         dev = loc(params[0]).device
         ema_w = self._ema_weight(None).to(dev) if self.use_ema else None
@@ -801,7 +819,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
     def _update_one(self, group: dict, index: int, p: Tensor, g: Tensor, lr: Tensor) -> None:
         """The rule on one parameter with gradient ``g`` (Keras ``update_step``)."""
         name = group["param_names"][index]
-        slots = {s: [self.state[p][s]] for s in self.slot_names}
+        slots = {s: [self.state[p][s]] for s in self._active_slots(group)}
         plan = SimpleNamespace(names=[name], slots=slots, use_wd=[self._use_weight_decay(p, name)])
         aux = self._prepare(group, plan, [p], [g], lr, None)
         self._update(group, [mt.local(p)], [mt.local(g)],

@@ -56,7 +56,8 @@ class SGD(Optimizer):
     Args:
         params: tensors, named parameters or param groups.
         learning_rate: number, schedule or callable (default 0.01).
-        momentum: float in [0, 1] (default 0.0). A ``momentum`` slot exists only when it is non-zero.
+        momentum: float in [0, 1] (default 0.0). A group keeps a ``momentum`` slot while its momentum is
+            non-zero; a scheduler that turns it on (``OneCycleLR``) gets a zero slot at the next step.
         nesterov: Nesterov momentum (default False).
         **kwargs: base options (weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
             ema_overwrite_frequency, jit_compile, mesh, name, amsgrad).
@@ -75,10 +76,14 @@ class SGD(Optimizer):
         check_number("momentum", momentum, low=0.0, high=1.0)
         if not isinstance(nesterov, bool):
             raise TypeError(f"`nesterov` must be a bool, got {nesterov!r}")
-        self.slot_names = ("momentum",) if momentum != 0 else ()
         super().__init__(params, learning_rate, momentum=float(momentum), nesterov=nesterov, **kwargs)
 
+    slot_names = ("momentum",)
     _pointwise = staticmethod(_keras_sgd_pointwise)
+
+    def _active_slots(self, group: dict) -> tuple[str, ...]:
+        """A ``momentum`` slot for groups with non-zero momentum (created when a scheduler turns it on)."""
+        return ("momentum",) if group["momentum"] else ()
 
     def _hyper_config(self) -> dict:
         return {"momentum": self.defaults["momentum"], "nesterov": self.defaults["nesterov"]}
@@ -89,10 +94,6 @@ class SGD(Optimizer):
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         momentum = float(group["momentum"])
         nesterov = bool(group["nesterov"])
-        if momentum != 0.0 and "momentum" not in slots:
-            raise ValueError(
-                "param group momentum was changed from 0 after construction; momentum slots do not exist"
-            )
         eff = lr if k is None else lr * k
         bufs = slots.get("momentum", []) if momentum != 0.0 else []
         lists, written = ((params, grads, bufs), (0, 2)) if bufs else ((params, grads), (0,))
