@@ -510,3 +510,44 @@ def test_name_based_options_need_names():
     with pytest.raises(ValueError, match="named_parameters"):
         LARS(ps, learning_rate=0.1, skip_list=["bias"])
     LARS(make_params(), learning_rate=0.1, skip_list=["bias"])
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_ema_weights_swaps_in_and_back(wrapped):
+    """``with opt.ema_weights():`` evaluates with the averages and restores the training weights bit for bit
+    (also after an exception); step() inside raises; without EMA it is a ValueError."""
+    from optkit import LARC, MixedPrecisionOptimizerWrapper
+
+    params = make_params()
+    opt = SGD(params, learning_rate=0.1, momentum=0.9, use_ema=True, ema_momentum=0.5)
+    for k in range(3):
+        do_step(opt, params, k)
+    live = [p.detach().clone() for _, p in params]
+    avgs = [opt.get_slot(p, "average").clone() for _, p in params]
+    outer = LARC(opt, 0.01) if wrapped else opt
+    with outer.ema_weights():
+        for (_, p), a in zip(params, avgs):
+            assert torch.equal(p, a)
+        with pytest.raises(RuntimeError, match="ema_weights"):
+            outer.step()
+    for (_, p), w in zip(params, live):
+        assert torch.equal(p, w)
+    with pytest.raises(KeyError):
+        with opt.ema_weights():
+            raise KeyError("boom")
+    for (_, p), w in zip(params, live):
+        assert torch.equal(p, w)
+    with pytest.raises(ValueError, match="use_ema"):
+        with SGD(make_params(), learning_rate=0.1).ema_weights():
+            pass
+    # half parameters with fp32 masters: the model sees the rounded averages inside, its own weights after
+    w = torch.nn.Parameter(torch.randn(8, dtype=torch.float16))
+    mp = MixedPrecisionOptimizerWrapper(SGD([w], learning_rate=0.1, use_ema=True, ema_momentum=0.5))
+    for k in range(2):
+        w.grad = torch.randn(8, generator=torch.Generator().manual_seed(k)).half()
+        mp.step()
+    before = w.detach().clone()
+    avg = mp.optimizer.get_slot(mp.optimizer.param_groups[0]["params"][0], "average")
+    with mp.ema_weights():
+        assert torch.equal(w, avg.half())
+    assert torch.equal(w, before)

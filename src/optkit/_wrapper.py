@@ -177,6 +177,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """Pass-through: swap in the inner optimizer's moving averages (optkit optimizers with EMA)."""
         self._inner_attr("finalize_variable_values")(var_list)
 
+    def ema_weights(self, var_list: Sequence[Tensor] | None = None) -> Any:
+        """Pass-through: the inner optimizer's :meth:`optkit.Optimizer.ema_weights` context manager."""
+        return self._inner_attr("ema_weights")(var_list)
+
     @property
     def learning_rate(self) -> Any:
         """The inner optimizer's learning rate (optkit optimizers), else the first group's ``lr``."""

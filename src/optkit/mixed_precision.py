@@ -35,7 +35,8 @@ normalisation layers in float32 (inputs cast to fp32 and outputs back to the hal
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -162,6 +163,22 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             masters = [half.get(id(v), v) for v in var_list]
         self._inner_attr("finalize_variable_values")(masters)
         self._copy_back()
+
+    @contextmanager
+    def ema_weights(self, var_list: Sequence[Tensor] | None = None) -> Iterator[None]:
+        """The inner optimizer's :meth:`optkit.Optimizer.ema_weights` on the fp32 masters, with the half
+        parameters refreshed from them inside the block and restored on exit (``var_list`` may name model
+        parameters)."""
+        masters = None
+        if var_list is not None:
+            half = {id(p): m for p, m in self._pairs}
+            masters = [half.get(id(v), v) for v in var_list]
+        try:
+            with self._inner_attr("ema_weights")(masters):
+                self._copy_back()
+                yield
+        finally:
+            self._copy_back()
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group of model parameters; half ones get masters first."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -179,6 +180,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         self._plan_version = 0
         self._fp64_cache: dict[int, tuple] = {}
         self._block = None  # the Block of the blocked pass being run (kernel-gate and grouping hints)
+        self._ema_swapped = False  # inside an ema_weights() block
         self._slots_seen: dict[int, tuple[str, ...]] = {}  # id(group) -> the slots created for it
         self._host_iterations = 0  # exact while no found_inf was ever given
         self._host_exact = True
@@ -432,6 +434,9 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         ``grad_scale`` / ``found_inf`` attributes (set by a loss-scale wrapper or ``torch.amp.GradScaler``)
         are honoured: gradients are divided by ``grad_scale`` and the step is a no-op when ``found_inf`` is 1.
         """
+        if self._ema_swapped:
+            raise RuntimeError("step() inside ema_weights(): the parameters hold their moving averages; "
+                               "leave the block before training on")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -782,15 +787,44 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
 
 
     def finalize_variable_values(self, var_list: Sequence[Tensor] | None = None) -> None:
-        """With EMA on, set every parameter (or those in ``var_list``) to its moving average."""
+        """With EMA on, set every parameter (or those in ``var_list``) to its moving average (one way: see
+        :meth:`ema_weights` to evaluate with the averages and continue training)."""
         if not self.use_ema:
             return
+        ps = self._with_averages(var_list, "finalize_variable_values")
+        with torch.no_grad():
+            torch._foreach_copy_([mt.local(p) for p in ps], [mt.local(self.state[p]["average"]) for p in ps])
+
+    def _with_averages(self, var_list: Sequence[Tensor] | None, where: str) -> list[Tensor]:
         ps = self._all_params() if var_list is None else list(var_list)
         for p in ps:
             if p not in self.state or "average" not in self.state[p]:
-                raise ValueError("finalize_variable_values(): variable has no moving average")
+                raise ValueError(f"{where}(): variable has no moving average")
+        return ps
+
+    @contextmanager
+    def ema_weights(self, var_list: Sequence[Tensor] | None = None) -> Iterator[None]:
+        """Inside the ``with`` block every parameter (or those in ``var_list``) holds its moving average; on
+        exit, also after an exception, the training weights come back bit for bit. For evaluation and
+        checkpoints of the averaged model in the middle of training; ``step()`` inside the block raises.
+
+        Costs one copy of the parameters. ``ValueError`` without ``use_ema=True``."""
+        if not self.use_ema:
+            raise ValueError("ema_weights(): the optimizer keeps no moving averages (use_ema=False)")
+        if self._ema_swapped:
+            raise RuntimeError("ema_weights(): already inside an ema_weights() block")
+        ps = [mt.local(p) for p in self._with_averages(var_list, "ema_weights")]
+        avgs = [mt.local(self.state[p]["average"]) for p in self._with_averages(var_list, "ema_weights")]
         with torch.no_grad():
-            torch._foreach_copy_([mt.local(p) for p in ps], [mt.local(self.state[p]["average"]) for p in ps])
+            saved = [p.detach().clone(memory_format=torch.preserve_format) for p in ps]
+            torch._foreach_copy_(ps, avgs)
+        self._ema_swapped = True
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(ps, saved)
+            self._ema_swapped = False
 
     # ------------------------------------------------------------------------------------------------ hooks
 
