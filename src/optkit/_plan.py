@@ -22,7 +22,7 @@ from . import _multi_tensor as mt
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import Optimizer
 
-__all__ = ["Plan", "Block", "check_slot_fits"]
+__all__ = ["Plan", "PlanView", "Block", "check_slot_fits"]
 
 
 def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
@@ -48,6 +48,17 @@ def check_slot_fits(name: str, slot: str, p: Tensor, t: object) -> None:
         )
     if lt.is_sparse or lt.layout != torch.strided:
         raise ValueError(f"optimizer state of parameter {name!r}: slot {slot!r} must be a dense tensor")
+
+
+class PlanView:
+    """What an optimizer's ``_prepare`` reads of a plan (names, slot lists, weight-decay mask), built without
+    storage pointers or blocks: for one parameter (``update_step``) and for ``torch.compile`` tracing."""
+
+    def __init__(self, names: list[str], slots: dict[str, list[Tensor]], use_wd: list[bool]) -> None:
+        self.names = names
+        self.slots = slots
+        self.use_wd = use_wd
+        self.any_wd = any(use_wd)
 
 
 class Block:

@@ -37,7 +37,6 @@ import inspect
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ from . import _fused
 from . import _multi_tensor as mt
 from ._compile import chain, compiled_chain, warn_compile_fallback
 from ._params import normalize_param_groups
-from ._plan import Plan, check_slot_fits
+from ._plan import Plan, PlanView, check_slot_fits
 from ._state_dict import validate_state_dict
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
@@ -582,7 +581,9 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         blocked = self._blockable and (
             self._always_block or bool(wd) or self.use_ema or mult is not None
         )
-        plan = self._plan_for(group, idx, params, grads, blocked)
+        tracing = torch.compiler.is_compiling()  # inside torch.compile(opt.step): no fused kernels, no plans
+        plan = self._light_plan(group, idx, params) if tracing else self._plan_for(
+            group, idx, params, grads, blocked)
         if mult is not None and self._prepare_reads_grads:
             # _prepare reads whole-tensor quantities (norms): it must see the multiplied gradients
             sel = [(g, m) for g, m in zip(grads, mult) if m is not None]
@@ -592,6 +593,10 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
 
         decay_mask = plan.use_wd if (wd and plan.any_wd) else None
 
+        if tracing:  # the pointwise chain, which inductor fuses (torch's fused kernels have no fake impl)
+            self._run_chain(chain, group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
+                            applied, mult, aux)
+            return
         if self.jit_compile and self._compile_state != "failed":
             if self._run_compiled(group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
                                   applied, mult, aux):
@@ -723,26 +728,42 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             self._compile_state = "failed"
             warn_compile_fallback(RuntimeError("torch.compile is not available"))
             return False
+        try:
+            self._run_chain(fn, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
+                            mult, aux)
+        except Exception as err:  # compilation unavailable or failed: eager from now on
+            self._compile_state = "failed"
+            warn_compile_fallback(err)
+            return False
+        self._compile_state = "ok"
+        return True
+
+    def _run_chain(self, fn, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
+                   mult, aux) -> None:
+        """decay → rule → EMA of one group through :func:`optkit._compile.chain` (``fn``: it, or its
+        ``torch.compile``-d form), with every changing hyperparameter as a tensor input."""
+        rule = type(self)._pointwise
         loc = mt.local
         slot_lists = tuple([loc(t) for t in slots[s]] for s in self._active_slots(group))
         avgs = [loc(self.state[p]["average"]) for p in params] if self.use_ema else None
         dev = loc(params[0]).device
         ema_w = self._ema_weight(None).to(dev) if self.use_ema else None
         wd_t = None if decay_mask is None else torch.tensor(float(wd), dtype=torch.float32, device=dev)
-        try:
-            fn(rule, self._pointwise_hyper(group), [loc(p) for p in params], [loc(g) for g in grads],
-               slot_lists, avgs, lr.to(dev), None if k is None else k.to(dev), wd_t,
-               None if decay_mask is None else tuple(decay_mask), ema_w,
-               None if found_inf is None else found_inf.to(dev),
-               None if mult is None else tuple(mult), aux)
-        except Exception as err:  # compilation unavailable or failed: eager from now on
-            self._compile_state = "failed"
-            warn_compile_fallback(err)
-            return False
-        self._compile_state = "ok"
+        fn(rule, self._pointwise_hyper(group), [loc(p) for p in params], [loc(g) for g in grads],
+           slot_lists, avgs, lr.to(dev), None if k is None else k.to(dev), wd_t,
+           None if decay_mask is None else tuple(decay_mask), ema_w,
+           None if found_inf is None else found_inf.to(dev),
+           None if mult is None else tuple(mult), aux)
         if self.use_ema:
             self._ema_rest(group, idx, applied)
-        return True
+
+    def _light_plan(self, group: dict, idx: list[int], params: list[Tensor]) -> PlanView:
+        """What :meth:`_prepare` and the chain need of a plan, without storage pointers or blocks (for
+        ``torch.compile`` tracing, where there is no storage)."""
+        names = [group["param_names"][i] for i in idx]
+        use_wd = [self._use_weight_decay(p, n) for p, n in zip(params, names)]
+        slots = {s: [self.state[p][s] for p in params] for s in self._active_slots(group)}
+        return PlanView(names, slots, use_wd)
 
     # ------------------------------------------------------------------------------------------------ EMA
 
@@ -854,7 +875,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         """The rule on one parameter with gradient ``g`` (Keras ``update_step``)."""
         name = group["param_names"][index]
         slots = {s: [self.state[p][s]] for s in self._active_slots(group)}
-        plan = SimpleNamespace(names=[name], slots=slots, use_wd=[self._use_weight_decay(p, name)])
+        plan = PlanView([name], slots, [self._use_weight_decay(p, name)])
         aux = self._prepare(group, plan, [p], [g], lr, None)
         self._update(group, [mt.local(p)], [mt.local(g)],
                      {s: [mt.local(t) for t in v] for s, v in slots.items()}, lr, None, None, aux)
