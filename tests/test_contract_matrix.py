@@ -70,9 +70,13 @@ def grads_at(step: int, dtype, seed=1) -> list[torch.Tensor]:
     return [torch.tensor(v, dtype=torch.float64).to(dtype) for v in values(1000 * seed + step).values()]
 
 
-def set_grads(params, grads, layout="contiguous", scale=1.0):
+def set_grads(params, grads, layout="contiguous", scale=1.0, opt=None):
+    """``.grad`` = ``scale·g`` in ``layout``; a loss-scale wrapper ``opt`` is told the gradients carry its
+    scale (as ``scale_loss(loss).backward()`` would)."""
     for (name, p), g in zip(params, grads):
         p.grad = laid_out((g.double() * scale).to(g.dtype), name, layout, "grad")
+    if opt is not None and hasattr(opt, "grads_scaled"):
+        opt.grads_scaled = True
 
 
 def snapshot(params, opt) -> list[torch.Tensor]:
@@ -112,7 +116,7 @@ def train(row: Row, dtype=torch.float32, layout="contiguous", steps=STEPS, lr=LR
     params = make_params(dtype, layout) if params is None else params
     opt = row.build(params, lr) if opt is None else opt
     for k in range(start, start + steps):
-        set_grads(params, grads_at(k, dtype), layout, feed_scale(row, opt))
+        set_grads(params, grads_at(k, dtype), layout, feed_scale(row, opt), opt)
         opt.step()
     return params, opt
 
@@ -245,8 +249,11 @@ def test_sparse_gradients(row_id):
     w0 = torch.randn(SPARSE_SHAPE, dtype=torch.float64) * 0.5
     w = w0.clone().requires_grad_()
     opt = row.build([("emb.weight", w)], LR)
+    scaled = hasattr(opt, "grads_scaled")
     if isinstance(row.sparse, type):
         w.grad = _sparse_grad(0, torch.float64) * row.feed_scale
+        if scaled:
+            opt.grads_scaled = True
         before = snapshot([("w", w)], opt)
         with pytest.raises(row.sparse):
             opt.step()
@@ -254,6 +261,8 @@ def test_sparse_gradients(row_id):
         return
     for k in range(STEPS):
         w.grad = _sparse_grad(k, torch.float64) * row.feed_scale
+        if scaled:
+            opt.grads_scaled = True
         opt.step()
     dense = [_sparse_grad(k, torch.float64).to_dense() for k in range(STEPS)]
     if row.sparse == "dense":
@@ -278,7 +287,7 @@ def _skip_step(params, opt, dtype, row):
     garbage = grads_at(99, dtype)
     garbage[0].view(-1)[0] = float("inf")
     garbage[1].view(-1)[0] = float("nan")
-    set_grads(params, garbage, scale=feed_scale(row, opt))
+    set_grads(params, garbage, scale=feed_scale(row, opt), opt=opt)
     opt.found_inf = torch.ones(())
     try:
         opt.step()
@@ -567,7 +576,7 @@ def test_apply_gradients_leaves_its_arguments_untouched(row_id):
     ref_params = make_params(dtype)
     ref_opt = row.build(ref_params, LR)
     for _ in range(2):
-        set_grads(ref_params, grads_at(0, dtype), scale=row.feed_scale)
+        set_grads(ref_params, grads_at(0, dtype), scale=row.feed_scale, opt=ref_opt)
         ref_opt.step()
     for (_, p), (_, q) in zip(params, ref_params):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)

@@ -13,6 +13,18 @@ from optkit import LossScaleOptimizer, MixedPrecisionLossScaleOptimizer
 from optkit.loss_scale import DynamicLossScale, FixedLossScale, LogMaxScaler
 from optkit.sgd import SGD
 
+
+def scaled_step(opt):
+    """``opt.step()`` on gradients set by hand that already carry the loss scale (as after
+    ``scale_loss(loss).backward()``): loss-scale wrappers refuse unmarked gradients."""
+    level = opt
+    while isinstance(level, torch.optim.Optimizer):
+        if hasattr(level, "grads_scaled"):
+            level.grads_scaled = True
+        level = getattr(level, "optimizer", None)
+    return opt.step()
+
+
 INF, NAN = float("inf"), float("nan")
 
 
@@ -52,7 +64,7 @@ def test_ls3_scaled_gradients_through_step(inner):
              ([NAN, 0], [0, 0], 4, 2), ([4, 4], [-0.5, -0.5], 4, 3), ([4, 4], [-1, -1], 8, 4)]
     for g, w_after, scale, its in table:
         w.grad = torch.tensor(g, dtype=torch.float32)
-        opt.step()
+        scaled_step(opt)
         torch.testing.assert_close(w.detach(), torch.tensor(w_after, dtype=torch.float32))
         assert float(opt.loss_scale) == scale
         if inner == "optkit":
@@ -92,7 +104,7 @@ def test_float64_reference_momentum(rng):
                 sg = sg.copy()
                 sg.flat[0] = np.inf
             p.grad = torch.tensor(sg)
-        opt.step()
+        scaled_step(opt)
         if fin:
             for i, g in enumerate(gs):
                 ref_v[i] = 0.9 * ref_v[i] - 0.1 * g
@@ -127,12 +139,12 @@ def test_fixed_scale_applies_non_finite_like_tf():
     w = _w()
     opt = LossScaleOptimizer(SGD([w], 0.5), 4)
     w.grad = torch.tensor([INF, 4.0])
-    opt.step()
+    scaled_step(opt)
     assert math.isnan(w[0].item()) or math.isinf(w[0].item())
     w2 = _w()
     opt2 = LossScaleOptimizer(SGD([w2], 0.5), FixedLossScale(4.0, skip_non_finite=True))
     w2.grad = torch.tensor([INF, 4.0])
-    opt2.step()
+    scaled_step(opt2)
     assert torch.equal(w2.detach(), torch.tensor([1.0, 2.0])) and not bool(opt2.step_applied)
 
 
@@ -141,17 +153,17 @@ def test_skip_bit_identical_optkit_with_ema_and_schedule():
     base = SGD([w], lambda step: 0.1 / (1.0 + step), momentum=0.9, use_ema=True)
     opt = LossScaleOptimizer(base, DynamicLossScale(16.0, increment_period=3))
     w.grad = torch.tensor([16.0, 32.0, -16.0])
-    opt.step()
+    scaled_step(opt)
     snap = {k: v.clone() for k, v in opt.state[w].items()}
     w_snap, it_snap = w.detach().clone(), int(opt.iterations)
     w.grad = torch.tensor([NAN, 1.0, 1.0])
-    opt.step()
+    scaled_step(opt)
     assert torch.equal(w.detach(), w_snap) and int(opt.iterations) == it_snap
     for k, v in opt.state[w].items():
         assert torch.equal(v, snap[k]), k
     # the next applied update uses schedule(1): v = 0.9 v - lr g; w += v
     w.grad = torch.tensor([8.0, 8.0, 8.0])  # scale is now 8
-    opt.step()
+    scaled_step(opt)
     v1 = -0.1 * np.array([1.0, 2.0, -1.0])
     v2 = 0.9 * v1 - 0.05 * np.ones(3)
     np.testing.assert_allclose(w.detach().numpy(), np.array([1.0, -2.0, 3.0]) + v1 + v2, rtol=1e-6)
@@ -164,7 +176,7 @@ def test_skipped_first_step_torch_fused_sgd_momentum(rng):
     inner = torch.optim.SGD([w], lr=0.1, momentum=0.9, fused=True)
     opt = LossScaleOptimizer(inner, DynamicLossScale(8.0, increment_period=100))
     w.grad = torch.tensor([INF, 1.0, 1.0, 1.0])
-    opt.step()
+    scaled_step(opt)
     assert not bool(opt.step_applied)
     assert not inner.state.get(w) and torch.equal(w.detach(), torch.tensor(w0, dtype=torch.float32))
     ref = torch.tensor(w0, dtype=torch.float32, requires_grad=True)
@@ -172,14 +184,14 @@ def test_skipped_first_step_torch_fused_sgd_momentum(rng):
     for _ in range(3):
         g = torch.tensor(rng.normal(size=4), dtype=torch.float32)
         w.grad = g * 4.0  # scale after the overflow
-        opt.step()
+        scaled_step(opt)
         ref.grad = g.clone()
         ref_opt.step()
         torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
     # later skips use the folded found_inf (state exists) and still change nothing
     snap_w, snap_m = w.detach().clone(), inner.state[w]["momentum_buffer"].clone()
     w.grad = torch.tensor([NAN, 1.0, 1.0, 1.0])
-    opt.step()
+    scaled_step(opt)
     assert torch.equal(w.detach(), snap_w) and torch.equal(inner.state[w]["momentum_buffer"], snap_m)
 
 
@@ -195,16 +207,16 @@ def test_skip_generic_and_fused_adam(make, rng):
     opt = LossScaleOptimizer(inner, DynamicLossScale(4.0))
     for p in ws:
         p.grad = torch.full_like(p, INF)
-    opt.step()
+    scaled_step(opt)
     assert all(not inner.state.get(p) for p in ws)
     for p in ws:
         p.grad = torch.ones_like(p) * 2.0
-    opt.step()
+    scaled_step(opt)
     snap = [{k: v.clone() for k, v in inner.state[p].items()} for p in ws]
     snap_w = [p.detach().clone() for p in ws]
     for p in ws:
         p.grad = torch.full_like(p, NAN)
-    opt.step()
+    scaled_step(opt)
     for p, s, sw in zip(ws, snap, snap_w):
         assert torch.equal(p.detach(), sw)
         for k, v in inner.state[p].items():
@@ -221,7 +233,7 @@ def test_logmax_scaler_gets_unscaled_amax():
     opt = LossScaleOptimizer(SGD([w], 0.1), scaler)
     s0 = float(opt.loss_scale)
     w.grad = torch.tensor([0.5, -4.0]) * s0
-    opt.step()
+    scaled_step(opt)
     ref = LogMaxScaler()
     ref.update(torch.zeros(()), torch.tensor(4.0))
     assert float(opt.loss_scale) == pytest.approx(float(ref()), rel=1e-6)
@@ -241,7 +253,7 @@ def test_state_dict_round_trip_includes_scaler(rng):
             if i + offset in bad:
                 g[0] = INF
             w.grad = g
-            opt.step()
+            scaled_step(opt)
 
     w1, o1 = make()
     run(w1, o1, grads, 0)
@@ -283,6 +295,6 @@ def test_validation_and_surface():
     assert len(opt.variables()) == 1 + 4  # inner iterations + the scaler's state tensors
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e)
     w.grad = torch.ones(2) * float(opt.loss_scale)
-    opt.step()
+    scaled_step(opt)
     sched.step()
     assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)

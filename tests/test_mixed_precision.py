@@ -11,6 +11,18 @@ from optkit import LARC, LossScaleOptimizer, MixedPrecisionOptimizerWrapper, con
 from optkit.loss_scale import DynamicLossScale
 from optkit.sgd import SGD
 
+
+def scaled_step(opt):
+    """``opt.step()`` on gradients set by hand that already carry the loss scale (as after
+    ``scale_loss(loss).backward()``): loss-scale wrappers refuse unmarked gradients."""
+    level = opt
+    while isinstance(level, torch.optim.Optimizer):
+        if hasattr(level, "grads_scaled"):
+            level.grads_scaled = True
+        level = getattr(level, "optimizer", None)
+    return opt.step()
+
+
 MP = MixedPrecisionOptimizerWrapper
 HALF = [torch.float16, torch.bfloat16]
 
@@ -35,7 +47,7 @@ def test_masters_state_and_update_against_float64(rng, dtype):
         for p, g in zip(ps, gs):
             p.grad = (torch.tensor(g, dtype=torch.float32) * 64.0).to(dtype)
         b.grad = torch.tensor(gs[2], dtype=torch.float32) * 64.0
-        opt.step()
+        scaled_step(opt)
         for i, g in enumerate(gs):
             half_g = (torch.tensor(g, dtype=torch.float32) * 64).to(dtype)
             g_seen = g if i == 2 else half_g.double().numpy() / 64
@@ -59,7 +71,7 @@ def test_saturating_copy_back(dtype):
     opt = MP(torch.optim.SGD([p], lr=1.0))
     delta = big / 2 if dtype == torch.float16 else 1e36  # bf16's max is close to fp32's
     p.grad = torch.tensor([-delta, delta, 0.0], dtype=dtype)
-    opt.step()
+    scaled_step(opt)
     assert torch.equal(p.detach(), torch.tensor([big, -big, 1.0], dtype=dtype))
     m = opt.master_params[0]
     assert big < m[0].item() < float(torch.finfo(torch.float32).max) and torch.isfinite(p).all()
@@ -72,13 +84,13 @@ def test_skip_leaves_masters_model_and_state_bit_identical(rng, dtype):
     opt = MP(SGD(ps, 0.1, momentum=0.9, use_ema=True), "dynamic")
     for p in ps:
         p.grad = torch.ones_like(p)
-    opt.step()
+    scaled_step(opt)
     snap = [(p.detach().clone(), m.detach().clone(), {k: v.clone() for k, v in opt.state[m].items()})
             for p, m in zip(ps, opt.master_params)]
     it = int(opt.iterations)
     scale = float(opt.loss_scale)
     ps[0].grad = torch.full_like(ps[0], float("inf"))
-    opt.step()
+    scaled_step(opt)
     assert not bool(opt.step_applied) and int(opt.iterations) == it
     assert float(opt.loss_scale) == scale / 2
     for (p0, m0, st0), p, m in zip(snap, ps, opt.master_params):
@@ -158,7 +170,7 @@ def test_larc_inside_sees_fp32_masters(rng):
     p = torch.tensor([[3.0, 4.0]], dtype=torch.float16, requires_grad=True)
     opt = MP(LARC(torch.optim.SGD([p], lr=0.1), 0.002), 8.0)
     p.grad = torch.tensor([[0.3, 0.4]], dtype=torch.float16) * 8
-    opt.step()
+    scaled_step(opt)
     m = opt.master_params[0]
     g = torch.tensor([[0.3, 0.4]], dtype=torch.float16).double().numpy()
     r = min(max(0.002 * 5.0 / (0.1 * (np.linalg.norm(g) + 1e-7)), 1e-7), 1.0)
@@ -234,7 +246,7 @@ def test_add_param_group_creates_masters(rng):
     b0 = b.detach().float().numpy()
     a.grad = torch.ones_like(a) * float(opt.loss_scale)
     b.grad = (torch.ones(3) * float(opt.loss_scale)).to(torch.bfloat16)
-    opt.step()
+    scaled_step(opt)
     np.testing.assert_allclose(opt.master_of(b).detach().numpy(), b0 - 0.5, rtol=1e-6)
     with pytest.raises(ValueError, match="master_of"):
         opt.master_of(torch.zeros(1))

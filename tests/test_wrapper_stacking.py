@@ -12,6 +12,18 @@ from optkit import LARC, LossScaleOptimizer, MixedPrecisionOptimizerWrapper, Var
 from optkit.loss_scale import DynamicLossScale
 from optkit.sgd import SGD
 
+
+def scaled_step(opt):
+    """``opt.step()`` on gradients set by hand that already carry the loss scale (as after
+    ``scale_loss(loss).backward()``): loss-scale wrappers refuse unmarked gradients."""
+    level = opt
+    while isinstance(level, torch.optim.Optimizer):
+        if hasattr(level, "grads_scaled"):
+            level.grads_scaled = True
+        level = getattr(level, "optimizer", None)
+    return opt.step()
+
+
 INF = float("inf")
 S0 = 1024.0
 
@@ -52,7 +64,7 @@ def test_stack_matches_float64_reference(rng, kind):
         gs = [rng.normal(size=s) for s in shapes]
         for p, g in zip(ps, gs):
             p.grad = torch.tensor(g * S0)
-        opt.step()
+        scaled_step(opt)
         gps = [np_ratio_clip(r.detach().numpy(), g, 0.1, 0.01) * g for r, g in zip(ref, gs)]
         if kind == "optkit_sgd":  # Keras form: v = μv − lr g; w += v
             with torch.no_grad():
@@ -78,11 +90,11 @@ def test_skip_through_stack_is_bit_identical(rng, kind):
     if kind != "optkit_sgd":  # first step skipped: torch must not create (uninitialised) state
         ps[1].grad = torch.full((5,), INF)
         ps[0].grad = torch.ones(4, 3)
-        opt.step()
+        scaled_step(opt)
         assert not bool(opt.step_applied) and not any(base.state.get(p) for p in ps)
     for p in ps:
         p.grad = torch.ones_like(p) * float(opt.optimizer.loss_scale)
-    opt.step()
+    scaled_step(opt)
     assert bool(opt.step_applied)
     snap_p = [p.detach().clone() for p in ps]
     snap_s = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in base.state[p].items()}
@@ -91,7 +103,7 @@ def test_skip_through_stack_is_bit_identical(rng, kind):
     scale = float(opt.optimizer.loss_scale)
     ps[0].grad = torch.ones(4, 3)
     ps[1].grad = torch.tensor([float("nan")] * 5)
-    opt.step()
+    scaled_step(opt)
     assert not bool(opt.step_applied) and float(opt.optimizer.loss_scale) == scale / 2
     for p, sp_, ss in zip(ps, snap_p, snap_s):
         assert torch.equal(p.detach(), sp_)
@@ -112,7 +124,7 @@ def test_protocol_reaches_optkit_inner_and_is_removed():
     base.register_step_pre_hook(hook)
     opt = LossScaleOptimizer(LARC(base, 0.002), DynamicLossScale(8.0))
     p.grad = torch.tensor([0.3, 0.4]) * 8
-    opt.step()
+    scaled_step(opt)
     assert float(seen["grad_scale"]) == 8.0 and float(seen["found_inf"]) == 0.0
     (key, mult), = seen["grad_multipliers"].items()
     assert key == id(p) and float(mult) == pytest.approx(0.19999996, rel=1e-6)
@@ -127,7 +139,7 @@ def test_larc_outside_loss_scaling_over_fused_torch():
     p = torch.tensor([3.0, 4.0], requires_grad=True)
     opt = LARC(LossScaleOptimizer(torch.optim.SGD([p], lr=0.1, fused=True), 1.0), 0.002)
     p.grad = torch.tensor([0.3, 0.4])
-    opt.step()
+    scaled_step(opt)
     np.testing.assert_allclose(p.detach().numpy(), [3 - 0.1 * 0.06, 4 - 0.1 * 0.08], rtol=1e-6)
 
 
@@ -162,7 +174,7 @@ def test_lr_scheduler_on_stack_reaches_larc():
         w = p.detach().numpy().copy()
         g = np.array([[0.3, 0.4]])
         p.grad = torch.tensor(g * S0, dtype=torch.float32)
-        opt.step()
+        scaled_step(opt)
         sched.step()
         expect = np_clip_rows(w - lr * np_ratio_clip(w, g, lr, 0.01) * g, 1.5)  # momentum buffer was zero
         if lr == 0.2:
@@ -182,7 +194,7 @@ def test_nested_state_dict_round_trip(rng):
         for step_g in gs:
             for p, g in zip(ps, step_g):
                 p.grad = torch.tensor(g, dtype=torch.float32) * opt.optimizer.loss_scale
-            opt.step()
+            scaled_step(opt)
 
     pa, oa = make()
     run(pa, oa, grads)
@@ -210,7 +222,7 @@ def test_masters_remapped_into_inner_wrappers():
     m = opt.master_params[0]
     assert vc.vars_to_clip_dims == {m: [1]}
     p.grad = torch.full((2, 2), 0.01, dtype=torch.float16) * float(opt.loss_scale)
-    opt.step()
+    scaled_step(opt)
     norms = np.linalg.norm(m.detach().numpy(), axis=1)
     assert norms[0] == pytest.approx(1.0, rel=1e-6) and norms[1] < 1.0
     torch.testing.assert_close(p.detach(), m.detach().half())
@@ -226,7 +238,7 @@ def test_finalize_variable_values_passes_through_wrappers_and_refreshes_half_par
     opt = LossScaleOptimizer(LARC(SGD([w32], 0.1, use_ema=True, ema_momentum=0.5), larc_eta=0.01), 4.0)
     for _ in range(3):
         w32.grad = torch.randn(6) * 4.0  # scaled by the fixed loss scale
-        opt.step()
+        scaled_step(opt)
     avg = opt.optimizer.optimizer.state[w32]["average"].clone()
     opt.finalize_variable_values()
     assert torch.equal(w32.detach(), avg)

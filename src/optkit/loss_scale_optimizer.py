@@ -41,7 +41,7 @@ from torch import Tensor
 
 from . import _multi_tensor as mt
 from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs, protocol_level
-from .loss_scale import LossScale, get_loss_scale
+from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 
 __all__ = ["LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer"]
 
@@ -107,6 +107,41 @@ def loss_scaled_step(
     return wrapper._delegate(grad_scale, skip, multipliers)
 
 
+_UNSCALED_HELP = (
+    "Call opt.scale_loss(loss).backward() before step(), or step(closure) with a closure that returns the "
+    "loss without calling backward; if you scaled the loss by opt.loss_scale yourself, set "
+    "opt.grads_scaled = True. Training frameworks (Lightning, the Hugging Face Trainer) call backward "
+    "themselves: use their mixed precision (precision='16-mixed', fp16=True), which drives any optkit "
+    "optimizer through torch.amp.GradScaler, instead of a loss-scale wrapper."
+)
+
+
+def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any:
+    """``step(closure)`` of a loss-scale wrapper, which divides the gradients by ``S``: they must come from
+    ``loss·S``. A closure's loss is back-propagated as ``loss·S``; without a closure, ``scale_loss`` must have
+    been called since the last step (``grads_scaled``). Gradients from an unscaled backward, the pattern of
+    training frameworks, would be divided by ``S`` and training would stall silently: ``RuntimeError``."""
+    loss = None
+    matters = not (isinstance(wrapper.loss_scaler, FixedLossScale) and wrapper.loss_scaler.loss_scale_value == 1)
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+            if isinstance(loss, Tensor) and loss.requires_grad:
+                wrapper.scale_loss(loss).backward()
+            elif matters and not wrapper.grads_scaled:
+                raise RuntimeError(
+                    f"{type(wrapper).__name__}.step(closure): the closure returned a loss that does not "
+                    "require grad, so it back-propagated by itself, unscaled; dividing those gradients by "
+                    f"the loss scale would stall training. {_UNSCALED_HELP}")
+    elif matters and not wrapper.grads_scaled and wrapper._params_with_grads()[0]:
+        raise RuntimeError(
+            f"{type(wrapper).__name__}.step(): the gradients did not come from scale_loss(loss) (loss·S); "
+            f"dividing them by the loss scale would stall training. {_UNSCALED_HELP}")
+    wrapper._wrapped_step(*wrapper._take_protocol())
+    wrapper.grads_scaled = False
+    return loss
+
+
 def _max(a: Tensor | None, b: Tensor) -> Tensor:
     if a is None:
         return b
@@ -132,6 +167,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         scaler = get_loss_scale(loss_scale)
         super().__init__(opt)
         self.loss_scaler: LossScale = scaler.to(self._device())
+        #: True after :meth:`scale_loss` until the next ``step()`` (set it when you scaled the loss yourself)
+        self.grads_scaled = False
 
     @property
     def loss_scale(self) -> Tensor:
@@ -139,7 +176,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         return self.loss_scaler()
 
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """``loss · S``: call ``backward()`` on this."""
+        """``loss · S``: call ``backward()`` on this (it marks ``grads_scaled`` for the next ``step()``)."""
+        self.grads_scaled = True
         return self.loss_scaler.scale_loss(loss)
 
     get_scaled_loss = scale_loss
@@ -152,15 +190,9 @@ class LossScaleOptimizer(OptimizerWrapper):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One loss-scaled step. With a closure: the closure returns the unscaled loss and does not call
-        ``backward``; the wrapper back-propagates ``loss·S``. Returns the closure's loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-                if isinstance(loss, Tensor) and loss.requires_grad:
-                    self.scale_loss(loss).backward()
-        self._wrapped_step(*self._take_protocol())
-        return loss
+        ``backward``; the wrapper back-propagates ``loss·S``. Returns the closure's loss. Gradients that did
+        not come from ``loss·S`` raise ``RuntimeError`` (:func:`scaled_backward_step`)."""
+        return scaled_backward_step(self, closure)
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers, *, scaled: bool = True) -> None:
         _, grads = self._params_with_grads()

@@ -46,7 +46,7 @@ from . import _multi_tensor as mt
 from ._validation import check_real
 from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
-from .loss_scale_optimizer import loss_scaled_step
+from .loss_scale_optimizer import loss_scaled_step, scaled_backward_step
 
 __all__ = ["MixedPrecisionOptimizerWrapper", "convert_model_to_half"]
 
@@ -80,6 +80,8 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
                        minimum=0.0)
         super().__init__(opt)
         self.loss_scaler: LossScale = scaler.to(self._device())
+        #: True after :meth:`scale_loss` until the next ``step()`` (set it when you scaled the loss yourself)
+        self.grads_scaled = False
         self.l2_regularization = None if l2_regularization is None else float(l2_regularization)
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (model half parameter, fp32 master)
         self._grad_bufs: list[Tensor] = []
@@ -212,7 +214,8 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
     # --------------------------------------------------------------------------------------- step
 
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """``loss · S``: call ``backward()`` on this."""
+        """``loss · S``: call ``backward()`` on this (it marks ``grads_scaled`` for the next ``step()``)."""
+        self.grads_scaled = True
         return self.loss_scaler.scale_loss(loss)
 
     @property
@@ -222,15 +225,10 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One step (module doc). A closure returns the unscaled loss and does not call ``backward``."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-                if isinstance(loss, Tensor) and loss.requires_grad:
-                    self.scale_loss(loss).backward()
-        self._wrapped_step(*self._take_protocol())
-        return loss
+        """One step (module doc). A closure returns the unscaled loss and does not call ``backward``.
+        Gradients that did not come from ``loss·S`` raise ``RuntimeError`` unless the scale is a fixed 1
+        (``loss_scale_optimizer.scaled_backward_step``)."""
+        return scaled_backward_step(self, closure)
 
     @torch.no_grad()
     def accumulate_grads(self, grads: Sequence[Tensor | None] | None = None) -> None:

@@ -365,10 +365,12 @@ def test_variable_clipping_skipped_step_clips_nothing():
         optkit.VariableClippingOptimizer(optkit.SGD([v], learning_rate=1.0), {v: [1]}, 2.0),
         optkit.DynamicLossScale(initial_loss_scale=4.0))
     v.grad = torch.tensor([[float("inf"), 0.0]])
+    opt.grads_scaled = True  # hand-set gradients that carry the scale, as after scale_loss(loss).backward()
     opt.step()
     assert not bool(opt.step_applied)
     close(v, [[3.0, 4.0]])
     v.grad = torch.zeros(1, 2)
+    opt.grads_scaled = True
     opt.step()
     close(v, [[1.2, 1.6]])
 
