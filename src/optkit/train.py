@@ -500,6 +500,8 @@ class TrainOp:
             else:
                 torch.autograd.backward(target, inputs=self.params)
         if self._mp is not None:
+            if self._dtensor:  # Partial (tensor-parallel) half gradients are reduced before the fp32 fold
+                mt.reduce_partial_grads_(self.params)
             self._mp.accumulate_grads()  # the window's half gradients are summed in fp32
         self._micro += 1
         if not update:
@@ -528,6 +530,8 @@ class TrainOp:
         return idx, qs, grads
 
     def _update(self, loss: Tensor, scale: Tensor) -> StepResult:
+        if self._dtensor:  # Partial (tensor-parallel) gradients: reduced before any norm or update
+            mt.reduce_partial_grads_(self.masters)
         idx, qs, grads = self._with_grads()
         if not grads:
             self._micro = 0

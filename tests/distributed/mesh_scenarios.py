@@ -397,7 +397,14 @@ def all_reduce_gradients(rank: int, world: int, workdir: str) -> dict:
             "calls": n, "counted": cc.count}
 
 
+def tp_sequence_parallel(rank: int, world: int, workdir: str) -> dict:
+    from .tp_scenarios import run_sp
+
+    return run_sp(rank, world)
+
+
 SCENARIOS = {
+    "tp_sequence_parallel": tp_sequence_parallel,
     "multi_mesh_norms": multi_mesh_norms,
     "multi_mesh_step": multi_mesh_step,
     "nonfinite_skip": nonfinite_skip,
