@@ -235,6 +235,7 @@ def optimize_loss(
     summary_every: int = 100,
     process_group: Any = None,
     bucket_numel: int = 1 << 22,
+    pipeline_group: Any = None,
 ) -> TrainOp:
     """Build the train op for ``loss`` (OpenSeq2Seq ``optimize_loss``; see the module docstring for the
     per-update order and the differences from the original).
@@ -261,6 +262,10 @@ def optimize_loss(
         on_horovod: average gradients over ``torch.distributed`` (``process_group`` or the default group),
             once per update in buckets of ``bucket_numel`` elements; a ``DistributedDataParallel`` ``model``
             reduces by itself.
+        pipeline_group: the process group joining the pipeline stages (each stage trains its own
+            ``var_list``): the global norm, the overflow decision and LogMax's ``max|g|`` are reduced across
+            it too, so every stage clips by the same factor and skips the same updates. Default: the
+            module-wide setting of :func:`optkit.distributed.set_pipeline_group` (None: no stages).
         iter_size: micro-batches per update; ``skip_update_ph``: a bool or zero-argument callable; when given,
             a true value makes the call accumulate only and a false value updates with the micro-batches
             accumulated so far (``train_op(..., skip_update=...)`` overrides it per call).
@@ -307,8 +312,13 @@ def optimize_loss(
 
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("`on_horovod=True` needs an initialised torch.distributed process group")
+    if pipeline_group is not None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("`pipeline_group` needs an initialised torch.distributed process group")
     return TrainOp(loss, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
-                   int(iter_size), skip_update_ph, model, process_group, bucket_numel)
+                   int(iter_size), skip_update_ph, model, process_group, bucket_numel, pipeline_group)
 
 
 def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
@@ -352,7 +362,7 @@ class TrainOp:
     """
 
     def __init__(self, loss_fn, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
-                 iter_size, skip_update_ph, model, process_group, bucket_numel) -> None:
+                 iter_size, skip_update_ph, model, process_group, bucket_numel, pipeline_group=None) -> None:
         self._loss_fn = loss_fn
         self._lr_fn = lr_fn
         self.dtype = dtype
@@ -430,10 +440,13 @@ class TrainOp:
         if self._reduce:
             import torch.distributed as dist
 
-            self._reduce = dist.get_world_size(process_group) > 1
+            self._reduce = dist.get_world_size(self._group) > 1
             if self._reduce and not self._dtensor:  # the 1/W of the average is folded into grad_scale
-                self._world = dist.get_world_size(process_group)
+                self._world = dist.get_world_size(self._group)
         self._bucket_numel = bucket_numel
+        self._pp = mt._UNSET if pipeline_group is None else pipeline_group
+        # every rank must take the same summary decisions when they need collectives (writer on rank 0 only)
+        logger.collective = self._dtensor or (mt._pp(self._pp) is not None)
         self._micro = 0
         if self._diverted:
             _set_diverted(half_params, True)
@@ -553,10 +566,19 @@ class TrainOp:
             self._add_diverted_grads(denom)
             idx, qs, grads = self._with_grads()
 
-        # (5) global norm of the mean unscaled gradient: the one read-only pass (clip, overflow, summary)
-        norm = None
-        if self.clip_gradients is not None or self._checks or (due and log.wants("global_gradient_norm")):
-            raw = mt.global_norm(grads)
+        # (5) global norm of the mean unscaled gradient (clip, summary) and, with a dynamic scaler, the
+        # overflow flag: any NaN/inf element (a max-abs pass next to the norm pass), never the norm's overflow
+        norm = found_raw = inf_norms = None
+        pp = self._pp
+        if self._checks and self.scaler.needs_amax:  # LogMax: whole-tensor max|g| per tensor, flag from it
+            inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
+            raw = mt.global_norm(grads, pipeline_group=pp)
+            norm = raw if denom is None else raw / denom
+        elif self._checks:
+            raw, found_raw = mt.global_norm_and_found_inf(grads, pipeline_group=pp)
+            norm = raw if denom is None else raw / denom
+        elif self.clip_gradients is not None or (due and log.wants("global_gradient_norm")):
+            raw = mt.global_norm(grads, pipeline_group=pp)
             norm = raw if denom is None else raw / denom
 
         # (6) the raw gradients are divided by grad_scale = denom / coef (mean, unscale, clip in one factor)
@@ -576,10 +598,10 @@ class TrainOp:
         found = None
         applied = self._true
         if self._checks:
-            overflow = (~torch.isfinite(norm)).to(torch.float32)
             amax = None
+            overflow = found_raw
             if self.scaler.needs_amax:
-                amax = self._amax(qs, grads, grad_scale, factor)
+                overflow, amax = self._amax(qs, inf_norms, grad_scale, factor)
             applied = self.scaler.update(overflow, amax)
             found = (~applied).to(torch.float32)
 
@@ -600,11 +622,13 @@ class TrainOp:
         self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
 
-    def _amax(self, qs: list[Tensor], grads: list[Tensor], grad_scale: Tensor | None,
-              factor: Tensor | None) -> Tensor:
-        """``max|g|`` of the gradients the update applies (after mean, unscale, clip and LARC) for LogMax.
-        With LARC this needs the trust ratios before the step: a look-ahead (one extra norm pass)."""
-        inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
+    def _amax(self, qs: list[Tensor], inf_norms: Tensor, grad_scale: Tensor | None,
+              factor: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(overflow flag, ``max|g|``) for LogMax from the per-tensor whole-tensor max-abs of the raw
+        gradients: the flag is any non-finite element; ``max|g|`` is of the gradients the update applies
+        (after mean, unscale, clip and LARC). With LARC this needs the trust ratios before the step: a
+        look-ahead (one extra norm pass). Both are reduced across the pipeline stages in one collective."""
+        raw_max = inf_norms.amax()
         if self._larc is not None:
             params, ratios = self._larc.trust_ratios(grad_scale)
             pos = {id(q): j for j, q in enumerate(qs)}
@@ -612,7 +636,14 @@ class TrainOp:
             if params:
                 r[torch.tensor([pos[id(p)] for p in params], device=r.device)] = ratios.to(r.dtype)
             inf_norms = inf_norms * r
-        return inf_norms.amax() if factor is None else inf_norms.amax() * factor
+        amax = inf_norms.amax() if factor is None else inf_norms.amax() * factor
+        both = torch.stack([raw_max, amax.to(raw_max.dtype).reshape(())])
+        group = mt._pp(self._pp)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        return (~torch.isfinite(both[0])).to(torch.float32), both[1]
 
     def _step_optimizer(self, grads: list[Tensor], grad_scale: Tensor | None, found: Tensor | None) -> None:
         """Step the optimizer stack with the step protocol (``grad_scale``, ``found_inf``); the wrappers
@@ -689,7 +720,7 @@ class TrainOp:
     def _write_larc(self, step: int, lr: Tensor) -> None:
         """LARC summaries from the ratios the LARC wrapper just used (computed before the update)."""
         larc = self._larc
-        if larc.last_ratios is None:
+        if larc.last_ratios is None or self.summaries.writer is None:
             return
         names = [self._name_of[id(p)] for p in larc.last_params]
         self.summaries.write_larc(names, larc.last_clip_on, larc.last_ratios, lr, step)

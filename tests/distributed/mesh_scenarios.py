@@ -468,8 +468,21 @@ def tp_sequence_parallel(rank: int, world: int, workdir: str) -> dict:
     return run_sp(rank, world)
 
 
+def _train_op_scenario(name: str):
+    def run(rank: int, world: int, workdir: str) -> Any:
+        from . import train_op_scenarios
+
+        return getattr(train_op_scenarios, name)(rank, world, workdir)
+
+    return run
+
+
 SCENARIOS = {
     "tp_sequence_parallel": tp_sequence_parallel,
+    "summaries_rank0": _train_op_scenario("summaries_rank0"),
+    "overflow_decision": _train_op_scenario("overflow_decision"),
+    "pipeline_stages": _train_op_scenario("pipeline_stages"),
+    "fsdp_midwindow_state": _train_op_scenario("fsdp_midwindow_state"),
     "dcp_full_offload": dcp_full_offload,
     "multi_mesh_norms": multi_mesh_norms,
     "multi_mesh_step": multi_mesh_step,
