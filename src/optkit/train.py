@@ -261,7 +261,8 @@ def optimize_loss(
             ``loss_scaling_params``: its parameters (strictly checked).
         on_horovod: average gradients over ``torch.distributed`` (``process_group`` or the default group),
             once per update in buckets of ``bucket_numel`` elements; a ``DistributedDataParallel`` ``model``
-            reduces by itself.
+            reduces by itself (``"mixed"`` with accumulation: the fp32 window sums are reduced once per
+            update over the DDP group instead, see the module doc).
         pipeline_group: the process group joining the pipeline stages (each stage trains its own
             ``var_list``): the global norm, the overflow decision and LogMax's ``max|g|`` are reduced across
             it too, so every stage clips by the same factor and skips the same updates. Default: the
@@ -434,9 +435,15 @@ class TrainOp:
         if self._dtensor and isinstance(model, nn.Module):
             ids = {id(p) for p in self.params}
             self._frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
-        self._group = process_group
+        # DDP + "mixed" + accumulation: accumulate_grads moves every micro-batch's half gradients into the
+        # fp32 window sums, so DDP's reduction (of the last micro-batch's .grad) would miss the earlier ones.
+        # DDP then stays in no_sync() throughout and the fp32 sums are reduced once per update over its group.
+        self._ddp_own = (ddp is not None and self._mp is not None
+                         and (iter_size > 1 or skip_update_ph is not None))
+        self._group = ddp.process_group if self._ddp_own else process_group
         self._world = 1
-        self._reduce = on_horovod and ddp is None and not all(mt.is_dtensor(p) for p in self.params)
+        self._reduce = (on_horovod and ddp is None and not all(mt.is_dtensor(p) for p in self.params)) \
+            or self._ddp_own
         if self._reduce:
             import torch.distributed as dist
 
@@ -493,7 +500,8 @@ class TrainOp:
     def __call__(self, *inputs: Any, skip_update: bool | None = None, **kw_inputs: Any) -> StepResult:
         """Run one micro-step on ``inputs``: forward, backward, and (at the end of a window) the update."""
         update = self._is_update(skip_update)
-        ctx = self._ddp.no_sync() if (self._ddp is not None and not update) else contextlib.nullcontext()
+        sync_off = self._ddp is not None and (self._ddp_own or not update)
+        ctx = self._ddp.no_sync() if sync_off else contextlib.nullcontext()
         if self._fsdp_sync is not None:
             self._fsdp_sync(update)
         with ctx:
@@ -727,23 +735,92 @@ class TrainOp:
 
     # ---- checkpointing ------------------------------------------------------------------------------------
 
+    def _window_group(self) -> tuple[bool, Any]:
+        """(whether the ranks accumulate different, still unreduced gradients in an open window, their
+        process group): ``on_horovod`` and DDP runs (``no_sync``) reduce only at the update."""
+        if self._reduce:
+            return True, self._group
+        if self._ddp is not None:
+            return True, self._ddp.process_group
+        return False, None
+
     def state_dict(self) -> dict[str, Any]:
         """Optimizer stack (the wrappers' parts hold the fp32 masters), scaler, open-window accumulators,
-        step counters and summary counter."""
-        return {
+        step counters and summary counter.
+
+        Inside an accumulation window of a data-parallel run (``on_horovod`` or DDP) every rank holds its
+        own unreduced sums, so this is a collective then: **every rank must call it**. The group's first
+        rank (rank 0 of the world by default) gets every rank's accumulators stacked (``[world, *shape]``
+        per parameter, ``"accumulators_world_size"`` set) and is the one to save; the others get their own
+        part. Loading it on the same number of ranks restores each rank's sums, so the run continues exactly.
+        At a window boundary (``micro_steps == 0``) there is nothing to gather and no collective. FSDP2
+        models accumulate inside FSDP2 until the update micro-step: their state can be taken at a window
+        boundary only (``ValueError`` otherwise).
+        """
+        if self._micro and self._fsdp_sync is not None:
+            raise ValueError(
+                "TrainOp.state_dict(): an FSDP2 model holds the open accumulation window's gradients inside "
+                f"FSDP2 ({self._micro} micro-batch(es) so far); take the state at a window boundary "
+                "(micro_steps == 0)"
+            )
+        acc = [None if q.grad is None else q.grad.detach().clone() for q in self.masters]
+        out = {
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "global_step": self._step.clone(),
             "host_step": self._host_step,
             "host_exact": self._host_exact,
             "micro": self._micro,
-            "accumulators": [None if q.grad is None else q.grad.detach().clone() for q in self.masters],
+            "accumulators": acc,
             "summary_attempts": self.summaries.attempts,
         }
+        per_rank, group = self._window_group()
+        if self._micro and per_rank:
+            gathered = self._gather_accumulators(acc, group)
+            if gathered is not None:
+                out["accumulators"], out["accumulators_present"] = gathered
+                out["accumulators_world_size"] = int(gathered[1].shape[1])
+        return out
+
+    def _gather_accumulators(self, acc: list[Tensor | None], group: Any) -> tuple[list, Tensor] | None:
+        """Every rank's accumulators on the group's first rank: ([None or [W, *shape]], present [n, W]);
+        None on the other ranks. One gather for the presence mask and one per dtype for the values."""
+        import torch.distributed as dist
+
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        dst = dist.get_global_rank(group, 0) if group is not None else 0
+        device = mt.local(self.masters[0]).device
+        dense = [None if a is None else (a.to_dense() if a.is_sparse else a) for a in acc]
+        present = torch.tensor([a is not None for a in dense], dtype=torch.float32, device=device)
+        flags = [torch.empty_like(present) for _ in range(world)] if me == 0 else None
+        dist.gather(present, flags, dst=dst, group=group)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, q in enumerate(self.masters):
+            by_dtype.setdefault(q.dtype, []).append(i)
+        rows: dict[int, list[Tensor]] = {}
+        for dtype, ids in by_dtype.items():
+            flat = torch.cat([(mt.local(dense[i]) if dense[i] is not None else  # type: ignore[arg-type]
+                               torch.zeros(mt.local(self.masters[i]).shape, dtype=dtype, device=device)
+                               ).reshape(-1).to(device=device, dtype=dtype) for i in ids])
+            bufs = [torch.empty_like(flat) for _ in range(world)] if me == 0 else None
+            dist.gather(flat, bufs, dst=dst, group=group)
+            if me == 0:
+                sizes = [mt.local(self.masters[i]).numel() for i in ids]
+                per = [torch.split(b, sizes) for b in bufs]  # type: ignore[union-attr]
+                for k, i in enumerate(ids):
+                    shape = mt.local(self.masters[i]).shape
+                    rows[i] = [per[r][k].view(shape) for r in range(world)]
+        if me != 0:
+            return None
+        mask = torch.stack(flags, 1).bool().cpu()  # type: ignore[arg-type]
+        out = [torch.stack(rows[i]) if bool(mask[i].any()) else None for i in range(len(self.masters))]
+        return out, mask
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (validated before anything changes). Load the model's own state
-        (its half parameters) as well; the master copies come from here."""
+        (its half parameters) as well; the master copies come from here. A state holding every rank's
+        accumulators (taken inside a window of a data-parallel run) must be loaded on the same number of
+        ranks; each rank takes its own."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state_dict]
@@ -752,6 +829,9 @@ class TrainOp:
         acc = state_dict["accumulators"]
         if len(acc) != len(self.masters):
             raise ValueError("load_state_dict: the state was saved for a different set of parameters")
+        saved_world = state_dict.get("accumulators_world_size")
+        if saved_world is not None:
+            acc = self._own_accumulators(acc, int(saved_world), state_dict.get("accumulators_present"))
         for a, q in zip(acc, self.masters):
             if a is not None and tuple(a.shape) != tuple(q.shape):
                 raise ValueError(f"load_state_dict: accumulator shape {tuple(a.shape)} != {tuple(q.shape)}")
@@ -774,6 +854,29 @@ class TrainOp:
             q.grad = None if a is None else a.clone().to(q.dtype)
         self._lr_now = self._lr_fn(self._host_step if self._host_exact else self._step)
         self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
+
+    def _own_accumulators(self, acc: Sequence[Any], world: int, present: Any) -> list[Tensor | None]:
+        """This rank's row of accumulators saved for ``world`` ranks (validated)."""
+        per_rank, group = self._window_group()
+        where = "load_state_dict"
+        if not per_rank:
+            raise ValueError(f"{where}: the state holds the accumulators of {world} data-parallel ranks; "
+                             "load it into a data-parallel train op (on_horovod or DDP) on as many ranks")
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) != world:
+            raise ValueError(f"{where}: the state was taken inside an accumulation window on {world} ranks; "
+                             f"resume on {world} ranks (this run has {dist.get_world_size(group)})")
+        if not isinstance(present, Tensor) or tuple(present.shape) != (len(self.masters), world):
+            raise ValueError(f"{where}: 'accumulators_present' must be a [{len(self.masters)}, {world}] "
+                             "tensor")
+        me = dist.get_rank(group)
+        out: list[Tensor | None] = []
+        for i, (a, q) in enumerate(zip(acc, self.masters)):
+            if a is not None and (not isinstance(a, Tensor) or tuple(a.shape) != (world, *q.shape)):
+                raise ValueError(f"{where}: per-rank accumulator {i} must have shape {(world, *q.shape)}")
+            out.append(a[me] if a is not None and bool(present[i, me]) else None)
+        return out
 
 
 def _chain(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

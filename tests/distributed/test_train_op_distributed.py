@@ -1,6 +1,6 @@
-"""The train op and the global reductions on 2 gloo ranks (issue #12 items 4, 6 and pipeline stages):
-summaries with the writer on rank 0 only, the overflow decision and reductions across pipeline stages.
-Each against one process."""
+"""The train op and the global reductions on 2 gloo ranks (issue #12 items 4, 5, 6 and pipeline stages):
+summaries with the writer on rank 0 only, the overflow decision, reductions across pipeline stages and the
+FSDP2 mid-window state guard. Each against one process."""
 
 from __future__ import annotations
 
@@ -136,3 +136,14 @@ def test_global_clipnorm_inside_pipeline_group_context(dist_results):
     for rank in (0, 1):
         got = ok(dist_results[rank]["pipeline_stages"])["global_clipnorm"]
         assert_close(got[rank], ref[rank], rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# state: FSDP2 mid-window guard (item 5)
+
+
+def test_fsdp2_state_inside_a_window_is_refused(dist_results):
+    for rank in (0, 1):
+        r = ok(dist_results[rank]["fsdp_midwindow_state"])
+        assert r["raised"] is not None and "window boundary" in r["raised"]
+        assert r["boundary_micro"] == 0 and all(r["boundary_accumulators"])
