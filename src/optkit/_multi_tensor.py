@@ -9,7 +9,7 @@ the memory-bandwidth floor. So this module
 * handles ``None`` entries and sparse COO gradients in one place (sparse tensors contribute their raw
   ``values()``, duplicates included, exactly as TF's ``IndexedSlices`` do);
 * reduces whole-tensor quantities of ``DTensor`` inputs across their device mesh, with one collective per
-  (mesh, mesh-dim) group rather than one per parameter, so a norm is the norm of the *whole* tensor even
+  mesh-dim process group rather than one per parameter, so a norm is the norm of the *whole* tensor even
   when every rank holds a shard, and parameters living on several meshes combine into one global value.
 
 Nothing here calls ``.item()`` or branches on a tensor value: results stay on the device.

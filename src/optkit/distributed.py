@@ -4,7 +4,8 @@ optkit optimizers run unchanged on ``DTensor`` parameters (FSDP2 ``fully_shard``
 ``DeviceMesh`` layout): state is created with ``zeros_like(p)`` so it keeps the parameter's mesh and
 placements, kernels run on the local shards, and every whole-tensor reduction (global norm, per-tensor norms,
 max-abs, the non-finite flag) is combined across the mesh by ``_multi_tensor`` with one collective per
-(mesh, mesh-dims) group. This module adds what a distributed run needs around that:
+mesh-dim process group (placements read by meaning: ``Shard`` and ``_StridedShard`` split, ``Partial``
+gradients are reduced first). This module adds what a distributed run needs around that:
 
 * :func:`get_optimizer_state_dict` / :func:`set_optimizer_state_dict`: ``torch.distributed.checkpoint``
   (DCP) state dicts for optkit optimizers **and wrappers**. DCP only understands a flat

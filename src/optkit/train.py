@@ -20,7 +20,8 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
    ``global_gradient_norm``;
 6. clip (``clip_gradients = c``): ``s = min(1, c/N)`` (no epsilon, as the original);
 7. summaries of the learning rate, the norms and the variables (due steps only);
-8. non-finite check (a non-finite ``N``: any NaN/inf in any gradient of the window) and the scaler update;
+8. non-finite check (any NaN/inf element in any gradient of the window, from a max-abs pass next to the norm
+   pass, never from ``N`` itself, so the decision is the same on any number of ranks) and the scaler update;
 9. the optimizer stack's step with ``lr(k)``, ``k`` = applied updates so far (a skipped update changes
    nothing): ``LARC`` (``larc_params``, :mod:`optkit.larc`) computes per parameter
    ``r = min(max(η‖w‖/(lr(‖g‖+ε)), min_update), 1)`` (clip mode) or ``max(η‖w‖/(‖g‖+ε), min_update)``
@@ -40,9 +41,11 @@ Folding (performance): steps 2, 5, 6 and 8 never rewrite the gradients. The mean
 factor form one 0-d factor ``s/(S·n·W)`` handed to the optimizer stack as ``grad_scale`` (the innermost fused
 kernel divides by it), LARC ratios go in as ``grad_multipliers``, the skip decision as ``found_inf``: every
 optkit optimizer and wrapper and torch's fused optimizers (``_step_supports_amp_scaling``) take these in their
-update pass. So an update costs one read-only norm pass over the gradients plus the optimizer's own pass (LARC
-adds its own norm pass over weights and gradients); nothing reads a tensor on the host unless summaries are
-due (or a non-fused torch optimizer must be skipped, as GradScaler does).
+update pass. So an update costs one read-only norm pass over the gradients (two with a dynamic scaler: the
+norm and the per-element overflow check, one collective per mesh-dim group for both) plus the optimizer's own
+pass (LARC adds its own norm pass over weights and gradients); nothing reads a tensor on the host unless
+summaries are due (or a non-fused torch optimizer must be skipped, as GradScaler does). Distributed layouts,
+collectives and memory: ``docs/distributed.md``.
 
 Deliberate differences from the original (also in ``docs/compatibility.md``):
 
