@@ -15,8 +15,14 @@ step; gradients are restored, untimed, before it). Collectives are counted for o
 the clipped gradients of the two variants. Traffic: 12 bytes/param (the norm reads the gradient, the scale
 reads and writes it), summed over both ranks, against the machine's floor.
 
-A last table checks parameters on two meshes at once (a 1-D mesh and a 1x2 mesh), where torch's
+A further table checks parameters on two meshes at once (a 1-D mesh and a 1x2 mesh), where torch's
 ``clip_grad_norm_`` is known to fail (pytorch/pytorch#180346) and optkit combines both meshes.
+
+The last table (4 gloo ranks, a dp=2 x tp=2 mesh) counts the collectives one step issues for 50 and 500
+gradients laid out as FSDP2 x tensor parallel lays them out (``_StridedShard`` + ``Shard`` column-parallel
+weights, ``Shard`` x ``Shard`` row-parallel weights, ``Shard`` x ``Replicate`` norms, and plain layers on the
+1-D ``dp`` sub-mesh), with the global norm checked against the exact one. Counts only: four ranks on this
+machine's cores give no meaningful timing.
 """
 
 from __future__ import annotations
@@ -159,6 +165,81 @@ def _multi_mesh(rank: int) -> dict[str, str]:
     return out
 
 
+def _two_d(rank: int) -> dict[str, Any]:
+    """Collectives per step on a 2x2 mesh for 50 and 500 FSDP2 x TP-laid-out gradients (4 ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    import optkit
+    from optkit.lars import LARS
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    layouts = [(mesh, [_StridedShard(0, split_factor=2), Shard(0)]), (mesh, [Shard(0), Shard(1)]),
+               (mesh, [Shard(0), Replicate()]), (mesh["dp"], [Shard(0)])]
+    out: dict[str, Any] = {}
+    for n in (50, 500):
+        g = torch.Generator().manual_seed(n)
+        fulls = [torch.randn(8, 8, generator=g) * 0.1 for _ in range(n)]
+        exact = float(torch.linalg.vector_norm(torch.cat([t.reshape(-1).double() for t in fulls])))
+        exact_2d = float(torch.linalg.vector_norm(torch.cat([t.reshape(-1).double()
+                                                             for i, t in enumerate(fulls) if i % 4 != 3])))
+
+        def params(fulls=fulls):
+            ps = [torch.nn.Parameter(distribute_tensor(f.clone(), *layouts[i % 4], src_data_rank=None))
+                  for i, f in enumerate(fulls)]
+            for i, (p, f) in enumerate(zip(ps, fulls)):
+                p.grad = distribute_tensor(f.clone(), *layouts[i % 4], src_data_rank=None)
+            return ps
+
+        def on_2d(ps):
+            return [p for i, p in enumerate(ps) if i % 4 != 3]
+
+        cases = {
+            "torch clip_grad_norm_": lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True),
+            "torch clip_grad_norm_ (2-D-mesh tensors only)": lambda ps: torch.nn.utils.clip_grad_norm_(
+                on_2d(ps), MAX_NORM, foreach=True),
+            "optkit clip_grads_by_global_norm_ (2-D-mesh tensors only)":
+                lambda ps: optkit.clip_grads_by_global_norm_(on_2d(ps), MAX_NORM),
+            "optkit clip_grads_by_global_norm_": lambda ps: optkit.clip_grads_by_global_norm_(ps, MAX_NORM),
+            "optkit SGD(global_clipnorm).step": lambda ps: optkit.SGD(
+                [(f"p{i}", p) for i, p in enumerate(ps)], 0.1, momentum=0.9, global_clipnorm=MAX_NORM).step(),
+            "optkit LARS.step": lambda ps: LARS([(f"p{i}", p) for i, p in enumerate(ps)], 0.1).step(),
+        }
+        for name, fn in cases.items():
+            try:
+                ps = params()
+                holder: list[Any] = []
+                count = _count_collectives(lambda ps=ps, fn=fn, holder=holder: holder.append(fn(ps)))
+                res = holder[0]
+                if isinstance(res, torch.Tensor):
+                    res = res.full_tensor() if hasattr(res, "full_tensor") else res
+                    want = exact_2d if "2-D-mesh" in name else exact
+                    out[f"{name}/{n}"] = f"{count} (norm {float(res):.6f}, exact {want:.6f})"
+                else:
+                    out[f"{name}/{n}"] = str(count)
+            except Exception as e:  # noqa: BLE001 - the outcome is the result
+                out[f"{name}/{n}"] = f"raises {type(e).__name__}"
+    return out
+
+
+def _rank_main_4(rank: int, port: int, results: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=120))
+        try:
+            out = _two_d(rank)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
 def _rank_main(rank: int, port: int, set_names: list[str], results: Any) -> None:
     import torch.distributed as dist
 
@@ -187,18 +268,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(set_names: list[str], timeout: float = 1200.0) -> list[dict]:
+def _launch(set_names: list[str] | None, timeout: float = 1200.0, world: int = WORLD) -> list[dict]:
+    """``world`` spawned gloo ranks running ``_rank_main`` (``set_names``) or ``_rank_main_4`` (None)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, set_names, results), daemon=True)
-             for r in range(WORLD)]
+             if set_names is not None else
+             ctx.Process(target=_rank_main_4, args=(r, port, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(got) < WORLD:
+        while len(got) < world:
             try:
                 rank, ok, payload = results.get(timeout=max(1.0, min(5.0, deadline - time.monotonic())))
             except queue.Empty:
@@ -213,7 +296,7 @@ def _launch(set_names: list[str], timeout: float = 1200.0) -> list[dict]:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-    return [got[r] for r in range(WORLD)]
+    return [got[r] for r in range(world)]
 
 
 def main() -> str:
@@ -240,6 +323,13 @@ def main() -> str:
     md.append("### Two meshes in one global norm (1-D mesh + 1x2 mesh)\n")
     md.append("| variant | outcome |\n|---|---|")
     md += [f"| {v} | {mm[v]} |" for v in VARIANTS]
+    md.append("")
+    H.log("[bench_distributed] launching 4 gloo ranks (2x2 mesh) for collective counts ...")
+    two_d = _launch(None, world=4)[0]
+    md.append("### Collectives per step on a dp=2 x tp=2 mesh (4 gloo ranks, FSDP2 x TP layouts)\n")
+    md.append("| step | 50 tensors | 500 tensors |\n|---|---|---|")
+    names = sorted({k.rsplit("/", 1)[0] for k in two_d})
+    md += [f"| {name} | {two_d[f'{name}/50']} | {two_d[f'{name}/500']} |" for name in names]
     md.append("")
     return "\n".join(md)
 

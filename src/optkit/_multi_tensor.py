@@ -9,7 +9,7 @@ the memory-bandwidth floor. So this module
 * handles ``None`` entries and sparse COO gradients in one place (sparse tensors contribute their raw
   ``values()``, duplicates included, exactly as TF's ``IndexedSlices`` do);
 * reduces whole-tensor quantities of ``DTensor`` inputs across their device mesh, with one collective per
-  (mesh, mesh-dim) group rather than one per parameter, so a norm is the norm of the *whole* tensor even
+  mesh-dim process group rather than one per parameter, so a norm is the norm of the *whole* tensor even
   when every rank holds a shard, and parameters living on several meshes combine into one global value.
 
 Nothing here calls ``.item()`` or branches on a tensor value: results stay on the device.
@@ -42,6 +42,10 @@ __all__ = [
     "non_finite_check_and_unscale_",
     "any_non_finite",
     "reduce_flag_",
+    "reduce_partial_grads_",
+    "global_norm_and_found_inf",
+    "set_pipeline_group",
+    "get_pipeline_group",
     "blocks",
     "norms_along",
 ]
@@ -144,70 +148,364 @@ def group_by_device_dtype(
 
 # ------------------------------------------------------------------------------------------------------------
 # mesh reductions (DTensor)
+#
+# Placements are read by meaning, not by class: a placement that is neither Replicate nor Partial and names a
+# tensor dim splits the tensor across its mesh dim (``Shard``, FSDP2's ``_StridedShard`` under tensor
+# parallelism, which is not a ``Shard`` subclass); whole-tensor results combine local results over exactly
+# those mesh dims. ``Replicate`` dims hold the same data and are counted once. ``Partial`` values are pending
+# a reduction: they are reduced first (:func:`reduce_partial_grads_` in place for gradients, out of place
+# inside the norms), never combined as if they were shards.
+#
+# Collectives are issued per *process group*, not per tensor and not per (mesh, dims) combination: every
+# value that must be reduced over a mesh dim travels in one flat buffer for that dim's group, so a step costs
+# at most one collective per distinct mesh-dim group (and dtype). Meshes that share a group (equal meshes,
+# a sub-mesh and its root) share the collective. Every rank scans the same tensor list in the same order,
+# so the sequence of collectives is the same on every member of a group.
+
+#: the process group joining the pipeline stages (module-wide default; see :func:`set_pipeline_group`)
+_PIPELINE_GROUP: object = None
+_UNSET = object()
+
+
+def set_pipeline_group(group: object) -> object:
+    """Make every *global* reduction (``global_norm``, ``sum_of_squares``, ``max_abs``, ``any_non_finite``,
+    ``reduce_flag_``, ``non_finite_check_and_unscale_``, ``global_norm_and_found_inf``) also combine its
+    result across ``group``: the ranks that hold the same position in the other pipeline stages. ``None``
+    turns it off. Returns the previous setting. Per-tensor norms never cross stages (a parameter lives on one
+    stage). Every stage must then call these functions in the same order (SPMD), also with no tensors.
+    """
+    global _PIPELINE_GROUP
+    prior, _PIPELINE_GROUP = _PIPELINE_GROUP, group
+    return prior
+
+
+def get_pipeline_group() -> object:
+    """The pipeline-stage process group set by :func:`set_pipeline_group` (None when unset)."""
+    return _PIPELINE_GROUP
+
+
+def _pp(group: object) -> object:
+    return _PIPELINE_GROUP if group is _UNSET else group
+
+
+def _split_dim(p) -> int | None:
+    """The tensor dim that placement ``p`` splits over its mesh dim, or None (Replicate, Partial)."""
+    if p.is_replicate() or p.is_partial():
+        return None
+    d = getattr(p, "dim", None)
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise TypeError(f"unsupported DTensor placement {p!r}: not Replicate, Partial, or a split of one dim")
+    return d
+
+
+#: what each placement class means ("split", "replicate" or "partial"), learnt from its methods the first
+#: time the class is seen (a step looks at every parameter: a dict lookup by type instead of method calls)
+_KIND: dict[type, str] = {}
+
+
+def _kind(p) -> str:
+    k = _KIND.get(type(p))
+    if k is None:
+        k = "partial" if p.is_partial() else "replicate" if p.is_replicate() else "split"
+        if k == "split":
+            _split_dim(p)  # raises for a placement that names no dim
+        _KIND[type(p)] = k
+    return k
+
+
+def _placement_info(placements: tuple) -> tuple[tuple[int, ...], bool]:
+    """(mesh dims whose placement splits the tensor, whether any placement is Partial)."""
+    split = []
+    partial = False
+    for i, p in enumerate(placements):
+        k = _KIND.get(type(p)) or _kind(p)
+        if k == "split":
+            split.append(i)
+        elif k == "partial":
+            partial = True
+    return tuple(split), partial
+
+
+def _has_partial(t: Tensor) -> bool:
+    return is_dtensor(t) and _placement_info(t.placements)[1]
 
 
 def _mesh_reduce_dims(t: Tensor) -> tuple | None:
-    """(mesh, dims) over which a whole-tensor reduction of DTensor ``t`` must combine local results."""
+    """(mesh, dims) over which a whole-tensor reduction of DTensor ``t`` combines local results: the mesh
+    dims whose placement splits the tensor (size-1 mesh dims are skipped when reducing). None for plain
+    tensors and for DTensors that no placement splits."""
     if not is_dtensor(t):
         return None
-    dims = tuple(i for i, p in enumerate(t.placements) if p.is_shard() or p.is_partial())
+    dims = _placement_info(t.placements)[0]
     if not dims:
         return None
     return (t.device_mesh, dims)
 
 
-def _all_reduce_over(mesh, dims: tuple[int, ...], value: Tensor, op) -> Tensor:
+_PLANS: dict[tuple[int, tuple[int, ...]], tuple] = {}
+
+
+def _plan(key: tuple | None) -> tuple | None:
+    """``((mesh, d), ...)`` for a (mesh, dims) key; the same tuple object for the same key (cached, holding
+    the mesh, so its id stays valid), which lets :func:`_group_order` bucket equal plans by identity."""
+    if key is None:
+        return None
+    mesh, dims = key
+    ck = (id(mesh), dims)
+    hit = _PLANS.get(ck)
+    if hit is None or hit[0][0] is not mesh:
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        hit = _PLANS[ck] = tuple((mesh, d) for d in dims)
+    return hit
+
+
+def _group_order(plans: Sequence[Sequence[tuple] | None]) -> list[tuple[object, list[int]]]:
+    """[(process group, indices of the values that need it)] in order of first appearance.
+
+    ``plans[i]`` lists pairs (mesh, mesh dim) that value ``i`` must be reduced over. Groups are told apart by
+    their ranks, so equal meshes and a sub-mesh and its root share one entry; size-1 mesh dims are dropped.
+    Every rank builds the same order from the same (SPMD) tensor list.
+    """
     import torch.distributed as dist
 
-    for d in dims:
-        dist.all_reduce(value, op=op, group=mesh.get_group(d))
-    return value
+    # equal plans (the same cached tuple, or equal contents) first share one index list
+    same: dict[int, tuple[Sequence[tuple], list[int]]] = {}
+    for i, plan in enumerate(plans):
+        if not plan:
+            continue
+        entry = same.get(id(plan))
+        if entry is None:
+            entry = same[id(plan)] = (plan, [])
+        entry[1].append(i)
+    order: list[tuple[object, list[int]]] = []
+    by_ranks: dict[tuple[int, ...], tuple[object, set[int]]] = {}
+    resolved: dict[tuple[int, int], tuple[object, tuple[int, ...]] | None] = {}
+    for plan, idx in same.values():
+        for mesh, d in plan:
+            key = (id(mesh), d)
+            if key not in resolved:
+                if mesh.size(d) == 1:
+                    resolved[key] = None
+                else:
+                    pg = mesh.get_group(d)
+                    resolved[key] = (pg, tuple(dist.get_process_group_ranks(pg)))
+            hit = resolved[key]
+            if hit is None:
+                continue
+            entry = by_ranks.get(hit[1])
+            if entry is None:
+                entry = by_ranks[hit[1]] = (hit[0], set())
+                order.append(entry)  # type: ignore[arg-type]
+            entry[1].update(idx)
+    return [(pg, sorted(members)) for pg, members in order]
+
+
+def _reduce_rows(values: list[Tensor], plans: Sequence[Sequence[tuple] | None], op) -> list[Tensor]:
+    """``values[i]`` (any shapes) reduced with ``op`` over the groups of ``plans[i]``, out of place.
+
+    One ``all_reduce`` per distinct process group and dtype: every value that needs a group is packed into
+    one flat buffer for it.
+    """
+    import torch.distributed as dist
+
+    out = list(values)
+    for pg, idx in _group_order(plans):
+        by_kind: dict = defaultdict(list)
+        for i in idx:
+            by_kind[(out[i].dtype, out[i].device)].append(i)
+        for ids in by_kind.values():
+            flat = torch.cat([out[i].reshape(-1) for i in ids])
+            dist.all_reduce(flat, op=op, group=pg)
+            for i, part in zip(ids, torch.split(flat, [out[i].numel() for i in ids])):
+                out[i] = part.view(out[i].shape)
+    return out
+
+
+_INDEX_CACHE: dict[tuple, Tensor] = {}
+
+
+def _index_tensor(idx: list[int], device: torch.device) -> Tensor:
+    """``idx`` as an int64 tensor on ``device``, cached: the same layouts recur every step, so the host-to-
+    device copy (which would wait for the device) happens once per layout, not once per step."""
+    key = (device, tuple(idx))
+    hit = _INDEX_CACHE.get(key)
+    if hit is None:
+        if len(_INDEX_CACHE) >= 64:
+            _INDEX_CACHE.clear()
+        hit = _INDEX_CACHE[key] = torch.tensor(idx, dtype=torch.int64, device=device)
+    return hit
+
+
+def _reduce_vector_(vec: Tensor, plans: Sequence[Sequence[tuple] | None], op) -> Tensor:
+    """In place: entry ``i`` of the 1-D tensor ``vec`` reduced with ``op`` over the groups of ``plans[i]``.
+
+    One ``all_reduce`` per distinct process group, on ``vec`` itself when every entry needs the group, on a
+    slice when the entries are adjacent, else on a gathered copy (no per-entry kernels).
+    """
+    import torch.distributed as dist
+
+    n = vec.numel()
+    for pg, idx in _group_order(plans):
+        if len(idx) == n:
+            dist.all_reduce(vec, op=op, group=pg)
+        elif idx[-1] - idx[0] + 1 == len(idx):
+            part = vec[idx[0]: idx[-1] + 1]
+            dist.all_reduce(part, op=op, group=pg)
+        else:
+            where = _index_tensor(idx, vec.device)
+            buf = vec.index_select(0, where)
+            dist.all_reduce(buf, op=op, group=pg)
+            vec.index_copy_(0, where, buf)
+    return vec
 
 
 def _combine_partials(
     tensors: Sequence[Tensor], partials: Sequence[Tensor], op: str
 ) -> list[Tensor]:
-    """Turn per-tensor local partial results into whole-tensor results across meshes.
+    """Turn per-tensor local 0-d results into whole-tensor results across meshes.
 
-    ``op`` is ``"sum"`` (partials are sums of squares) or ``"max"``. Batched: one collective per
-    (mesh, dims) group.
+    ``op`` is ``"sum"`` (e.g. sums of squares; combined in fp64, then cast back) or ``"max"``. One
+    collective per distinct mesh-dim group, whatever the number of tensors.
     """
-    buckets: dict = defaultdict(list)
-    for i, t in enumerate(tensors):
-        key = _mesh_reduce_dims(t)
-        if key is not None:
-            buckets[key].append(i)
-    if not buckets:
+    plans = [_plan(_mesh_reduce_dims(t)) for t in tensors]
+    if not any(plans):
         return list(partials)
     import torch.distributed as dist
 
-    out = list(partials)
-    rop = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-    for (mesh, dims), idx in buckets.items():
-        stacked = torch.stack([partials[i] for i in idx])
-        _all_reduce_over(mesh, dims, stacked, rop)
-        for j, i in enumerate(idx):
-            out[i] = stacked[j]
-    return out
+    dtypes = [p.dtype for p in partials]
+    if op == "sum":
+        vec = _reduce_vector_(_stack(list(partials), torch.float64), plans, dist.ReduceOp.SUM)
+    else:
+        vec = _reduce_vector_(_stack(list(partials), None), plans, dist.ReduceOp.MAX)
+    return _unstack(vec, dtypes)
 
 
-def reduce_flag_(flag: Tensor, tensors: Sequence[Tensor]) -> Tensor:
+def _pipeline_reduce(value: Tensor, op, group: object) -> Tensor:
+    """``value`` all-reduced across the pipeline-stage group (``value`` itself for ``None``).
+
+    The wire format is fixed (fp64, the same shape for every caller of one function), so stages whose
+    tensors differ in dtype, or that hold no tensors at all, still match. Returned in ``value``'s dtype."""
+    if group is None:
+        return value
+    import torch.distributed as dist
+
+    wire = value.detach().to(torch.float64, copy=True)
+    dist.all_reduce(wire, op=op, group=group)
+    return wire.to(value.dtype)
+
+
+def _group_device(group: object) -> torch.device:
+    """Where a stage without tensors puts its share of a pipeline reduction (the backend's device)."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_flag_(flag: Tensor, tensors: Sequence[Tensor], *, pipeline_group: object = _UNSET) -> Tensor:
     """Make a 0-d 0/1 flag (e.g. ``found_inf``) agree on every rank holding a shard of ``tensors``.
 
-    Takes the maximum over every mesh that any DTensor in ``tensors`` lives on (all of its dims, so replicated
-    ranks agree too). Plain tensors need no reduction. In place; returns ``flag``.
+    Takes the maximum over every dim of every mesh that a DTensor in ``tensors`` lives on (replicated ranks
+    agree too): one ``all_reduce`` over the whole world when one of the meshes spans it, else one per
+    distinct mesh-dim group; then across the pipeline stages when a pipeline group is set. Plain tensors
+    need no reduction. In place; returns ``flag``.
     """
     meshes = {}
     for t in tensors:
         if is_dtensor(t):
-            meshes[id(t.device_mesh)] = t.device_mesh
-    if not meshes:
+            meshes.setdefault(id(t.device_mesh), t.device_mesh)
+    group = _pp(pipeline_group)
+    if not meshes and group is None:
         return flag
     import torch.distributed as dist
 
-    for mesh in meshes.values():
-        _all_reduce_over(mesh, tuple(range(mesh.ndim)), flag, dist.ReduceOp.MAX)
+    if meshes:
+        world = dist.get_world_size()
+        if any(m.size() == world for m in meshes.values()):
+            if world > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        else:
+            plan = [(m, d) for m in meshes.values() for d in range(m.ndim)]
+            flag.copy_(_reduce_rows([flag.clone()], [plan], dist.ReduceOp.MAX)[0])
+    if group is not None:
+        flag.copy_(_pipeline_reduce(flag, dist.ReduceOp.MAX, group))
     return flag
+
+
+def _partial_plan(t: Tensor) -> list[tuple[str, object, int]]:
+    """[(reduce op, mesh, mesh dim)] for the Partial placements of DTensor ``t``."""
+    mesh = t.device_mesh
+    return [(str(p.reduce_op), mesh, i) for i, p in enumerate(t.placements) if p.is_partial()]
+
+
+_PARTIAL_OPS = ("sum", "avg", "max", "min", "product")
+
+
+def _reduce_partials(
+    tensors: Sequence[Tensor], targets: Sequence[Tensor | None] | None = None
+) -> list[Tensor]:
+    """Out of place: every DTensor with ``Partial`` placements reduced over those mesh dims (batched: one
+    all-reduce per reduce op, distinct mesh-dim group and dtype), laid out like ``targets[i]`` when given
+    (a Replicate→Shard step is a local cut), else with Replicate on the reduced dims. Others pass through."""
+    import torch.distributed as dist
+
+    out = list(tensors)
+    todo = [i for i, t in enumerate(tensors) if _has_partial(t)]
+    if not todo:
+        return out
+    rops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+    plans = {i: _partial_plan(tensors[i]) for i in todo}
+    unknown = sorted({op for pl in plans.values() for op, _, _ in pl} - set(_PARTIAL_OPS))
+    if unknown:
+        raise TypeError(f"Partial placement with reduce op {unknown[0]!r} cannot be reduced")
+    vals = {i: local(tensors[i]) for i in todo}
+    for op in _PARTIAL_OPS:
+        ids = [i for i in todo if any(o == op for o, _, _ in plans[i])]
+        if not ids:
+            continue
+        red = _reduce_rows([vals[i] for i in ids], [[(m, d) for o, m, d in plans[i] if o == op] for i in ids],
+                           rops[op])
+        for i, r in zip(ids, red):
+            if op == "avg":
+                n = math.prod(m.size(d) for o, m, d in plans[i] if o == "avg")
+                r = r / n
+            vals[i] = r
+    from torch.distributed.tensor import Replicate
+
+    for i in todo:
+        t = tensors[i]
+        placements = [Replicate() if p.is_partial() else p for p in t.placements]
+        new = _dtensor_class().from_local(  # type: ignore[union-attr]
+            vals[i].contiguous(), t.device_mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+        target = None if targets is None else targets[i]
+        if target is not None and is_dtensor(target) and tuple(target.placements) != tuple(placements):
+            want = [tp if p.is_partial() else p for p, tp in zip(t.placements, target.placements)]
+            new = new.redistribute(t.device_mesh, want)
+        out[i] = new
+    return out
+
+
+def reduce_partial_grads_(params: Iterable[Tensor]) -> int:
+    """Reduce the ``Partial`` placements of the parameters' DTensor gradients, in place (``p.grad`` is
+    replaced by the reduced DTensor laid out like ``p`` on those mesh dims); returns how many were reduced.
+
+    Tensor parallelism leaves the gradient of a replicated parameter used on sharded activations (a
+    LayerNorm weight under sequence parallelism) ``Partial``: every rank holds a partial sum. Applying it
+    shard-locally lets the replicas diverge and gives wrong norms, so call this before any norm or update
+    (``torch.optim`` gets the same reduction through DTensor dispatch). Batched: one all-reduce per reduce op,
+    distinct mesh-dim group and dtype. Plain and non-``Partial`` gradients cost one type check each.
+    """
+    ps = [p for p in params if p.grad is not None and _has_partial(p.grad)]
+    if not ps:
+        return 0
+    new = _reduce_partials([p.grad for p in ps], ps)
+    for p, g in zip(ps, new):
+        p.grad = g
+    return len(ps)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -242,23 +540,69 @@ def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
     """Per-tensor norms of every element, accumulated in fp32 (fp64 for fp64 input).
 
     ``ord`` is 2 (L2) or ``inf`` (max-abs). Sparse tensors use their raw values. DTensors give the norm of
-    the whole tensor: local partials are combined across the mesh. Empty input gives an empty list.
+    the whole tensor: ``Partial`` values are reduced first, then local results are combined over the mesh
+    dims that split the tensor (squares in fp64). Empty input gives an empty list.
     """
     if len(tensors) == 0:
         return []
+    if _all_plain(tensors) or not any(is_dtensor(t) for t in tensors):
+        return _local_norms(tensors, ord)
+    import torch.distributed as dist
+
+    if ord == 2:
+        sq, _ = _global_squares(tensors)
+        res = sq.sqrt()
+    else:
+        ts = _reduce_partials(tensors)
+        local_res = _local_norms(ts, ord)
+        res = _reduce_vector_(_stack(local_res, None), [_plan(_mesh_reduce_dims(t)) for t in ts],
+                              dist.ReduceOp.MAX)
+        return _unstack(res, [r.dtype for r in local_res])
+    return _unstack(res, [acc_dtype(local(t).dtype) for t in tensors])
+
+
+def _local_norms(tensors: Sequence[Tensor], ord: float) -> list[Tensor]:
+    """Per-tensor norms of the local values (no mesh reduction), one kernel per (device, dtype) group."""
     vals = _values_list(tensors)
     out: list[Tensor | None] = [None] * len(vals)
     for (_, dtype), (idx, (group,)) in group_by_device_dtype(vals).items():
         res = _foreach_norm(group, ord, acc_dtype(dtype))
         for i, r in zip(idx, res):
             out[i] = r
-    if not _all_plain(tensors) and any(is_dtensor(t) for t in tensors):
-        if ord == 2:
-            sq = _combine_partials(tensors, [r * r for r in out], "sum")
-            out = [s.sqrt() for s in sq]
-        else:
-            out = _combine_partials(tensors, out, "max")
     return out  # type: ignore[return-value]
+
+
+def _stack(values: list[Tensor], dtype: torch.dtype | None) -> Tensor:
+    """0-d tensors stacked into one vector (cast to ``dtype`` when given), one kernel when they agree."""
+    device = values[0].device
+    if all(v.dtype == values[0].dtype and v.device == device for v in values):
+        out = torch.stack(values)
+        return out if dtype is None else out.to(dtype)
+    dtype = dtype or torch.float64
+    return torch.stack([v.to(device=device, dtype=dtype) for v in values])
+
+
+def _unstack(vec: Tensor, dtypes: list[torch.dtype]) -> list[Tensor]:
+    if all(d == dtypes[0] for d in dtypes):
+        return list(vec.to(dtypes[0]).unbind(0))
+    return [v.to(d) for v, d in zip(vec.unbind(0), dtypes)]
+
+
+def _global_squares(tensors: Sequence[Tensor]) -> tuple[Tensor, torch.dtype]:
+    """(fp64 vector of each tensor's whole-tensor Σx², result dtype). ``Partial`` DTensors are reduced first;
+    shards are summed over the mesh dims that split them (one collective per distinct mesh-dim group)."""
+    import torch.distributed as dist
+
+    ts = _reduce_partials(tensors) if not _all_plain(tensors) else list(tensors)
+    local_res = _local_norms(ts, 2.0)
+    dtype, _ = _common_result(local_res)
+    v = _stack(local_res, torch.float64)
+    v = v * v
+    if not _all_plain(ts):
+        plans = [_plan(_mesh_reduce_dims(t)) for t in ts]
+        if any(plans):
+            _reduce_vector_(v, plans, dist.ReduceOp.SUM)
+    return v, dtype
 
 
 def _common_result(parts: list[Tensor]) -> tuple[torch.dtype, torch.device]:
@@ -266,70 +610,127 @@ def _common_result(parts: list[Tensor]) -> tuple[torch.dtype, torch.device]:
     return dtype, parts[0].device
 
 
-def sum_of_squares(tensors: Sequence[Tensor | None]) -> Tensor:
+def _empty_total(group: object, op: str = "sum", n: int = 1) -> Tensor:
+    """The fp64 total (shape ``()`` or ``(n,)``) of a stage with no tensors: zeros, still taking part in the
+    pipeline reduction when one is set (same wire format as the stages with tensors)."""
+    import torch.distributed as dist
+
+    shape = () if n == 1 else (n,)
+    if group is None:
+        return torch.zeros(shape, dtype=torch.float64)
+    zero = torch.zeros(shape, dtype=torch.float64, device=_group_device(group))
+    return _pipeline_reduce(zero, dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group)
+
+
+def sum_of_squares(tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET) -> Tensor:
     """Σ over tensors and elements of x², as a 0-d fp32 (fp64 if any input is fp64) tensor.
 
     ``None`` entries are skipped; an empty or all-``None`` list gives 0.0 (TF's ``global_norm`` of ``[]``).
+    Per-tensor results are combined in fp64; across the pipeline stages too when a pipeline group is set.
     """
+    group = _pp(pipeline_group)
     ts = present(tensors)
     if not ts:
-        return torch.zeros((), dtype=torch.float32)
-    n = norms(ts, 2.0)
-    dtype, device = _common_result(n)
-    stacked = torch.stack([x.to(device=device, dtype=dtype) for x in n])
-    return (stacked * stacked).sum()
+        return _empty_total(group).to(torch.float32)
+    import torch.distributed as dist
+
+    sq, dtype = _global_squares(ts)
+    total = _pipeline_reduce(sq.sum(), dist.ReduceOp.SUM, group)
+    return total.to(dtype)
 
 
-def global_norm(tensors: Sequence[Tensor | None]) -> Tensor:
+def global_norm(tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET) -> Tensor:
     """sqrt(Σ_i ‖t_i‖²) over the non-``None`` entries, fp32 accumulation (fp64 for fp64 input).
 
     The norm over all tensors as one vector (TF ``tf.linalg.global_norm``); DTensor shards are combined
-    across their meshes, several meshes included. Without DTensors, each (device, dtype) group is reduced
-    as ``vector_norm(stack(_foreach_norm(group)))`` (``torch.nn.utils.get_total_norm``'s arithmetic, without
-    its per-tensor ``.to``), and the group results are combined the same way.
+    across their meshes, several meshes included (per-tensor squares summed in fp64, so the combination
+    itself cannot overflow), and across the pipeline stages when a pipeline group is set. Plain tensors only:
+    each (device, dtype) group is reduced as ``vector_norm(stack(_foreach_norm(group)))``
+    (``torch.nn.utils.get_total_norm``'s arithmetic, without its per-tensor ``.to``), and the group results
+    are combined the same way.
     """
+    group = _pp(pipeline_group)
     ts = present(tensors)
     if not ts:
-        return torch.zeros((), dtype=torch.float32)
-    if _all_plain(ts):
+        return _empty_total(group).sqrt().to(torch.float32)
+    if _all_plain(ts) and group is None:
         parts = []
-        for (_, dtype), (_, (group,)) in group_by_device_dtype(_values_list(ts)).items():
-            res = _foreach_norm(group, 2.0, acc_dtype(dtype))
+        for (_, dtype), (_, (grp,)) in group_by_device_dtype(_values_list(ts)).items():
+            res = _foreach_norm(grp, 2.0, acc_dtype(dtype))
             parts.append(res[0] if len(res) == 1 else torch.linalg.vector_norm(torch.stack(res)))
         dtype, device = _common_result(parts)
         if len(parts) == 1:
             return parts[0].to(dtype)
         return torch.linalg.vector_norm(torch.stack([x.to(device=device, dtype=dtype) for x in parts]))
-    n = norms(ts, 2.0)
-    dtype, device = _common_result(n)
-    if len(n) == 1:
-        return n[0].to(dtype)
-    return torch.linalg.vector_norm(torch.stack([x.to(device=device, dtype=dtype) for x in n]))
+    import torch.distributed as dist
+
+    sq, dtype = _global_squares(ts)
+    total = _pipeline_reduce(sq.sum(), dist.ReduceOp.SUM, group)
+    return total.sqrt().to(dtype)
 
 
-def max_abs(tensors: Sequence[Tensor | None]) -> Tensor:
-    """max over tensors and elements of |x| (NaN if any element is NaN), 0-d fp32; 0.0 for no tensors."""
+def max_abs(tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET) -> Tensor:
+    """max over tensors and elements of |x| (NaN if any element is NaN), 0-d fp32; 0.0 for no tensors.
+    Across the pipeline stages too when a pipeline group is set."""
+    group = _pp(pipeline_group)
     ts = present(tensors)
     if not ts:
-        return torch.zeros((), dtype=torch.float32)
+        return _empty_total(group, "max").to(torch.float32)
+    import torch.distributed as dist
+
     n = norms(ts, math.inf)
     dtype, device = _common_result(n)
-    return torch.stack([x.to(device=device, dtype=dtype) for x in n]).amax()
+    out = torch.stack([x.to(device=device, dtype=dtype) for x in n]).amax()
+    return _pipeline_reduce(out, dist.ReduceOp.MAX, group)
 
 
-def any_non_finite(tensors: Sequence[Tensor | None]) -> Tensor:
-    """0-d fp32 flag: 1.0 if any element of any tensor is NaN or ±inf, else 0.0 (read-only pass)."""
+def any_non_finite(tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET) -> Tensor:
+    """0-d fp32 flag: 1.0 if any element of any tensor is NaN or ±inf, else 0.0 (read-only pass).
+
+    Decided from the elements only (a per-tensor max-abs, which is finite exactly when every element is):
+    large finite values never count, whatever the number of ranks. The flag agrees on every rank of the
+    tensors' meshes (and pipeline stages, when a pipeline group is set).
+    """
+    group = _pp(pipeline_group)
     ts = present(tensors)
     if not ts:
-        return torch.zeros((), dtype=torch.float32)
-    vals = [values_of(t) for t in ts]
-    worst = []
-    for (_, dtype), (_, (group,)) in group_by_device_dtype(vals).items():
-        # the largest per-tensor norm is finite iff every element is finite (NaN propagates through amax);
-        # no squaring, so large finite gradients are not mistaken for overflow
-        worst.append(torch.stack(_foreach_norm(group, 2.0, acc_dtype(dtype))).amax().to(torch.float64))
-    flag = (~torch.isfinite(torch.stack(worst).amax())).to(torch.float32)
-    return reduce_flag_(flag, ts)
+        return reduce_flag_(torch.zeros((), dtype=torch.float32), ts, pipeline_group=group)
+    worst = _local_norms(ts, math.inf)
+    flag = (~torch.isfinite(_stack(worst, torch.float64).amax())).to(torch.float32)
+    return reduce_flag_(flag, ts, pipeline_group=group)
+
+
+def global_norm_and_found_inf(
+    tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET
+) -> tuple[Tensor, Tensor]:
+    """(:func:`global_norm`, :func:`any_non_finite`) with one collective per mesh-dim group for both.
+
+    The overflow flag is decided from the elements (a per-tensor max-abs pass next to the L2 pass), never
+    from the norm: a norm whose square overflows does not count as overflow, and the decision is the same on
+    any number of ranks. Each tensor contributes ``0·max|t|`` (0, or NaN when it holds a NaN/inf) to the
+    same fp64 sum as its squares, so the flag travels with the norm; replicated copies are identical, so
+    summing over the splitting mesh dims is enough for every rank to agree.
+    """
+    group = _pp(pipeline_group)
+    ts = present(tensors)
+    if not ts:
+        totals = _empty_total(group, "sum", 2)
+        return totals[0].sqrt().to(torch.float32), torch.isnan(totals[1]).to(torch.float32)
+    import torch.distributed as dist
+
+    ts = _reduce_partials(ts) if not _all_plain(ts) else ts
+    l2 = _local_norms(ts, 2.0)
+    dtype, _ = _common_result(l2)
+    sq = _stack(l2, torch.float64)
+    z = _stack(_local_norms(ts, math.inf), torch.float64) * 0.0
+    v = torch.cat([sq * sq, z])
+    if not _all_plain(ts):
+        plans = [_plan(_mesh_reduce_dims(t)) for t in ts]
+        if any(plans):
+            _reduce_vector_(v, plans + plans, dist.ReduceOp.SUM)
+    n = len(ts)
+    totals = _pipeline_reduce(torch.stack([v[:n].sum(), v[n:].sum()]), dist.ReduceOp.SUM, group)
+    return totals[0].sqrt().to(dtype), torch.isnan(totals[1]).to(torch.float32)
 
 
 def sum_of_squares_raw(ts: Sequence[Tensor]) -> Tensor:
@@ -444,17 +845,18 @@ def blocks(
 
 
 def non_finite_check_and_unscale_(
-    grads: Sequence[Tensor | None], found_inf: Tensor, inv_scale: Tensor
+    grads: Sequence[Tensor | None], found_inf: Tensor, inv_scale: Tensor, *, pipeline_group: object = _UNSET
 ) -> Tensor:
     """g ← g·inv_scale in place and found_inf ← 1 if any element is NaN/±inf (one fused pass per group).
 
     Uses ``torch._amp_foreach_non_finite_check_and_unscale_``, falling back to a norm-based check for dtypes
     the fused kernel does not take. ``found_inf`` is a 0-d fp32 tensor that is OR-ed into, so a caller can
-    accumulate over several calls. DTensor shards: the flag is made to agree across their meshes.
+    accumulate over several calls. DTensor shards: the flag is made to agree across their meshes (and the
+    pipeline stages, when a pipeline group is set).
     """
     ts = present(grads)
     if not ts:
-        return found_inf
+        return reduce_flag_(found_inf, ts, pipeline_group=pipeline_group)
     vals = _values_list(ts)
     for (device, dtype), (_, (group,)) in group_by_device_dtype(vals).items():
         fi = found_inf if found_inf.device == device else torch.zeros((), device=device)
@@ -462,12 +864,13 @@ def non_finite_check_and_unscale_(
         try:
             torch._amp_foreach_non_finite_check_and_unscale_(group, fi, inv)
         except RuntimeError:  # pragma: no cover - dtype not supported by the fused kernel
-            flag = (~torch.isfinite(sum_of_squares_raw(group))).to(torch.float32)
+            worst = _stack(_foreach_norm(group, math.inf, acc_dtype(dtype)), torch.float64).amax()
+            flag = (~torch.isfinite(worst)).to(torch.float32)
             fi.copy_(torch.maximum(fi, flag))
             torch._foreach_mul_(group, inv.to(dtype))
         if fi is not found_inf:
             found_inf.copy_(torch.maximum(found_inf, fi.to(found_inf.device)))
-    return reduce_flag_(found_inf, ts)
+    return reduce_flag_(found_inf, ts, pipeline_group=pipeline_group)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -565,43 +968,42 @@ def commit_(targets: Sequence[Tensor], new_values: Sequence[Tensor], skip: Tenso
 
 
 def _crossing_mesh_dims(t: Tensor, dims: tuple[int, ...]) -> tuple | None:
-    """(mesh, mesh dims whose Shard splits one of ``dims``) for DTensor ``t``, or None if no reduction."""
+    """(mesh, mesh dims whose placement splits one of ``dims``) for DTensor ``t``, or None if no reduction.
+
+    Any splitting placement counts (``Shard`` and ``_StridedShard``)."""
     if not is_dtensor(t):
         return None
-    cross = tuple(i for i, p in enumerate(t.placements) if p.is_shard() and p.dim % t.ndim in dims)
-    return (t.device_mesh, cross) if cross else None
+    cross = []
+    for i, p in enumerate(t.placements):
+        d = _split_dim(p)
+        if d is not None and d % max(t.ndim, 1) in dims:
+            cross.append(i)
+    return (t.device_mesh, tuple(cross)) if cross else None
 
 
 def norms_along(tensors: Sequence[Tensor], dims: Sequence[Sequence[int]]) -> list[Tensor]:
     """Per-tensor L2 norms over ``dims[i]`` with ``keepdim=True``: sqrt(Σ_{dims} x²), fp32 accumulation
     (fp64 for fp64 input); TF ``clip_by_norm(axes=...)``'s norm.
 
-    DTensors give the local-shard-shaped slice of the whole tensor's norms: when a reduced dim is split by a
-    ``Shard`` placement, local sums of squares are summed across that mesh dim (one collective per (mesh,
-    mesh-dims) group, all such tensors flattened into one buffer); a dim not reduced keeps its sharding.
+    DTensors give the local-shard-shaped slice of the whole tensor's norms: ``Partial`` values are reduced
+    first; when a reduced dim is split by a placement (``Shard``, ``_StridedShard``), local sums of squares
+    are summed across that mesh dim (one collective per distinct mesh-dim group and dtype, all such tensors
+    flattened into one buffer); a dim not reduced keeps its sharding.
     """
+    if any(_has_partial(t) for t in tensors):
+        tensors = _reduce_partials(tensors)
     sq: list[Tensor] = []
-    buckets: dict = defaultdict(list)
-    for i, (t, d) in enumerate(zip(tensors, dims)):
+    plans: list = []
+    for t, d in zip(tensors, dims):
         lt = local(t)
         red = tuple(sorted({k % max(t.ndim, 1) for k in d}))
         acc = acc_dtype(lt.dtype)
         sq.append(lt.to(acc).square().sum(dim=red, keepdim=True) if red else lt.to(acc).square())
-        key = _crossing_mesh_dims(t, red)
-        if key is not None:
-            buckets[key].append(i)
-    if buckets:
+        plans.append(_plan(_crossing_mesh_dims(t, red)))
+    if any(plans):
         import torch.distributed as dist
 
-        for (mesh, mdims), idx in buckets.items():
-            by_dtype: dict = defaultdict(list)
-            for i in idx:
-                by_dtype[sq[i].dtype].append(i)
-            for ids in by_dtype.values():
-                flat = torch.cat([sq[i].reshape(-1) for i in ids])
-                _all_reduce_over(mesh, mdims, flat, dist.ReduceOp.SUM)
-                for i, part in zip(ids, torch.split(flat, [sq[i].numel() for i in ids])):
-                    sq[i] = part.view(sq[i].shape)
+        sq = _reduce_rows(sq, plans, dist.ReduceOp.SUM)
     return [s.sqrt() for s in sq]
 
 

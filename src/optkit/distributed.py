@@ -4,7 +4,8 @@ optkit optimizers run unchanged on ``DTensor`` parameters (FSDP2 ``fully_shard``
 ``DeviceMesh`` layout): state is created with ``zeros_like(p)`` so it keeps the parameter's mesh and
 placements, kernels run on the local shards, and every whole-tensor reduction (global norm, per-tensor norms,
 max-abs, the non-finite flag) is combined across the mesh by ``_multi_tensor`` with one collective per
-(mesh, mesh-dims) group. This module adds what a distributed run needs around that:
+mesh-dim process group (placements read by meaning: ``Shard`` and ``_StridedShard`` split, ``Partial``
+gradients are reduced first). This module adds what a distributed run needs around that:
 
 * :func:`get_optimizer_state_dict` / :func:`set_optimizer_state_dict`: ``torch.distributed.checkpoint``
   (DCP) state dicts for optkit optimizers **and wrappers**. DCP only understands a flat
@@ -22,6 +23,17 @@ max-abs, the non-finite flag) is combined across the mesh by ``_multi_tensor`` w
   every rank because every skip decision is all-reduced, so this view is exact.
 * :func:`all_reduce_gradients_`: bucketed all-reduce (average) of plain, replicated gradients (data parallel
   without DDP, ``optimize_loss(on_horovod=True)``); DTensor gradients are skipped, FSDP2 already reduced them.
+* :func:`reduce_partial_grads_`: tensor-parallel ``Partial`` gradients reduced in place (batched) before any
+  norm or update.
+* :func:`set_pipeline_group` / :func:`pipeline_group`: with pipeline parallelism, every global reduction
+  (global norm, overflow flag, ``max|g|``) also runs across the stages, so all stages clip and skip alike.
+
+Full state dicts follow ``torch.distributed.checkpoint.state_dict.StateDictOptions``: with
+``full_state_dict=True`` every DTensor of the wrappers' state (fp32 masters, loss-scale state) is gathered
+one tensor at a time; with ``cpu_offload=True`` as well only rank 0 keeps the gathered copies (on the CPU) and
+the other ranks get torch's empty dict. ``broadcast_from_rank0=True`` on load sends rank 0's wrapper state
+tensor by tensor, each cut to the local shard as it arrives, so no rank holds more than one full tensor.
+See ``docs/distributed.md`` for the collectives and memory per step at scale.
 
 EMA under FSDP2 needs nothing here: the averages are DTensors sharded like the parameters, updated shard by
 shard, and ``finalize_variable_values()`` copies shard into shard without any collective (P8 of
@@ -30,7 +42,8 @@ shard, and ``finalize_variable_values()`` copies shard into shard without any co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +59,14 @@ __all__ = [
     "check_mesh",
     "replicated",
     "all_reduce_gradients_",
+    "reduce_partial_grads_",
+    "set_pipeline_group",
+    "get_pipeline_group",
+    "pipeline_group",
 ]
+
+reduce_partial_grads_ = mt.reduce_partial_grads_
+get_pipeline_group = mt.get_pipeline_group
 
 #: key of the wrappers' own state in a DCP optimizer state dict (outermost wrapper first)
 WRAPPERS_KEY = "optkit_wrappers"
@@ -119,32 +139,89 @@ def _tree_map(fn, obj: Any) -> Any:
     return fn(obj)
 
 
-def _gathered(obj: Any, cpu: bool) -> Any:
-    """Wrapper state with every DTensor gathered to a full tensor (a collective per DTensor)."""
+def _gathered(obj: Any, cpu: bool, keep: bool = True) -> Any:
+    """Wrapper state with every DTensor gathered to a full tensor (a collective per DTensor, one tensor at a
+    time). ``keep=False`` (a rank other than 0 under ``cpu_offload``): take part in the gathers but keep
+    nothing, as torch's ``ranks_only=(0,)``."""
 
     def full(v: Any) -> Any:
         if mt.is_dtensor(v):
             v = v.full_tensor()
+            if not keep:
+                return None
         return v.cpu() if cpu and isinstance(v, Tensor) else v
 
     return _tree_map(full, obj)
 
 
+def _cut(full: Tensor, template: Tensor) -> Tensor:
+    """The full tensor ``full`` as a DTensor laid out like ``template``: this rank's shard, copied out so the
+    full tensor can be freed (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    dt = distribute_tensor(full.to(mt.local(template).device), template.device_mesh, template.placements,
+                           src_data_rank=None)
+    return DTensor.from_local(mt.local(dt).clone(), template.device_mesh, template.placements,
+                              run_check=False, shape=dt.shape, stride=dt.stride())
+
+
 def _placed_like(saved: Any, template: Any) -> Any:
     """``saved`` (full tensors) laid out like ``template`` (the wrapper's live state): a full tensor whose
     template is a DTensor becomes a DTensor with that mesh and placements, cut locally (no communication)."""
-    from torch.distributed.tensor import distribute_tensor
-
     if isinstance(saved, dict) and isinstance(template, dict):
         return {k: _placed_like(v, template.get(k)) for k, v in saved.items()}
     if isinstance(saved, (list, tuple)) and isinstance(template, (list, tuple)) \
             and len(saved) == len(template):
         return type(saved)(_placed_like(v, t) for v, t in zip(saved, template))
     if isinstance(saved, Tensor) and not mt.is_dtensor(saved) and mt.is_dtensor(template):
-        local_dev = mt.local(template).device
-        return distribute_tensor(saved.to(local_dev), template.device_mesh, template.placements,
-                                 src_data_rank=None)
+        return _cut(saved, template)
     return saved
+
+
+class _TensorSlot:
+    """Stands for a tensor of rank 0's state while its structure is broadcast (shape and dtype only)."""
+
+    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+def _broadcast_placed(saved: Any, template: Any) -> Any:
+    """Rank 0's ``saved`` wrapper state on every rank, laid out like ``template``: the structure by one
+    ``broadcast_object_list`` (no tensor data), then one ``broadcast`` per tensor, each cut to its local shard
+    as it arrives (one full tensor at a time in memory)."""
+    import torch.distributed as dist
+
+    tensors: list[Tensor] = []
+
+    def strip(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            tensors.append(v)
+            return _TensorSlot(len(tensors) - 1, tuple(v.shape), v.dtype)
+        return v
+
+    box = [_tree_map(strip, saved) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    default_dev = (torch.device("cuda", torch.cuda.current_device())
+                   if dist.get_backend() == "nccl" else torch.device("cpu"))
+
+    def fill(skel: Any, tmpl: Any) -> Any:
+        if isinstance(skel, dict):
+            t = tmpl if isinstance(tmpl, dict) else {}
+            return {k: fill(v, t.get(k)) for k, v in skel.items()}
+        if isinstance(skel, (list, tuple)):
+            t = tmpl if isinstance(tmpl, (list, tuple)) and len(tmpl) == len(skel) else [None] * len(skel)
+            return type(skel)(fill(v, u) for v, u in zip(skel, t))
+        if not isinstance(skel, _TensorSlot):
+            return skel
+        dev = mt.local(tmpl).device if isinstance(tmpl, Tensor) else default_dev
+        if dist.get_rank() == 0:
+            buf = tensors[skel.index].to(dev).contiguous()
+        else:
+            buf = torch.empty(skel.shape, dtype=skel.dtype, device=dev)
+        dist.broadcast(buf, src=0)
+        return _cut(buf, tmpl) if mt.is_dtensor(tmpl) else buf
+
+    return fill(box[0], template)
 
 
 def get_optimizer_state_dict(
@@ -165,7 +242,13 @@ def get_optimizer_state_dict(
     if chain:
         extras = [{"type": type(w).__name__, **w._own_state()} for w in chain]
         if options is not None and options.full_state_dict:
-            extras = _gathered(extras, cpu=options.cpu_offload)
+            import torch.distributed as dist
+
+            # torch: full + cpu_offload keeps the gathered state on rank 0 only (others get {})
+            keep = not options.cpu_offload or not dist.is_initialized() or dist.get_rank() == 0
+            extras = _gathered(extras, cpu=options.cpu_offload, keep=keep)
+            if not keep:
+                return osd
         osd[WRAPPERS_KEY] = extras
     return osd
 
@@ -190,12 +273,9 @@ def set_optimizer_state_dict(
     chain, view = _dcp_view(model, optimizer)
     osd = dict(optim_state_dict)
     saved = osd.pop(WRAPPERS_KEY, [])
-    if chain and options is not None and options.broadcast_from_rank0:
-        import torch.distributed as dist
-
-        holder = [saved if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(holder, src=0)
-        saved = holder[0]
+    broadcast = bool(chain and options is not None and options.broadcast_from_rank0)
+    if broadcast:
+        saved = _broadcast_placed(saved, [{"type": type(w).__name__, **w._own_state()} for w in chain])
     saved_types = [s.get("type") if isinstance(s, dict) else None for s in saved]
     want_types = [type(w).__name__ for w in chain]
     if saved_types != want_types:
@@ -204,7 +284,7 @@ def set_optimizer_state_dict(
             "(outermost first)"
         )
     owns = [{k: v for k, v in s.items() if k != "type"} for s in saved]
-    if options is not None and options.full_state_dict:
+    if options is not None and options.full_state_dict and not broadcast:
         owns = [_placed_like(own, w._own_state()) for own, w in zip(owns, chain)]
     for w, own in zip(chain, owns):
         w._check_own_state(own)
@@ -270,3 +350,28 @@ def _buckets(ts: list[Tensor], bucket_numel: int) -> list[list[Tensor]]:
     if cur:
         out.append(cur)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pipeline parallelism
+
+
+def set_pipeline_group(group: Any) -> Any:
+    """Reduce every global quantity (global norm and ``global_clipnorm``, overflow flags, LogMax's
+    ``max|g|``) across ``group`` too: the process group joining the ranks that hold the same position in each
+    pipeline stage. ``None`` turns it off; returns the previous setting. Per-tensor norms (``clipnorm``,
+    LARS/LARC trust ratios, variable clipping) stay within a stage. Every stage must then run the same
+    sequence of optimizer steps (SPMD), stages without gradients included.
+    ``optimize_loss(pipeline_group=...)`` sets it for one train op only.
+    """
+    return mt.set_pipeline_group(group)
+
+
+@contextlib.contextmanager
+def pipeline_group(group: Any) -> Iterator[None]:
+    """``with pipeline_group(pp):`` :func:`set_pipeline_group` for the block, restored afterwards."""
+    prior = mt.set_pipeline_group(group)
+    try:
+        yield
+    finally:
+        mt.set_pipeline_group(prior)

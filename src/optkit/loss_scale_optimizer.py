@@ -122,7 +122,8 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
     been called since the last step (``grads_scaled``). Gradients from an unscaled backward, the pattern of
     training frameworks, would be divided by ``S`` and training would stall silently: ``RuntimeError``."""
     loss = None
-    matters = not (isinstance(wrapper.loss_scaler, FixedLossScale) and wrapper.loss_scaler.loss_scale_value == 1)
+    scaler = wrapper.loss_scaler
+    matters = not (isinstance(scaler, FixedLossScale) and scaler.loss_scale_value == 1)
     if closure is not None:
         with torch.enable_grad():
             loss = closure()

@@ -20,7 +20,8 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
    ``global_gradient_norm``;
 6. clip (``clip_gradients = c``): ``s = min(1, c/N)`` (no epsilon, as the original);
 7. summaries of the learning rate, the norms and the variables (due steps only);
-8. non-finite check (a non-finite ``N``: any NaN/inf in any gradient of the window) and the scaler update;
+8. non-finite check (any NaN/inf element in any gradient of the window, from a max-abs pass next to the norm
+   pass, never from ``N`` itself, so the decision is the same on any number of ranks) and the scaler update;
 9. the optimizer stack's step with ``lr(k)``, ``k`` = applied updates so far (a skipped update changes
    nothing): ``LARC`` (``larc_params``, :mod:`optkit.larc`) computes per parameter
    ``r = min(max(η‖w‖/(lr(‖g‖+ε)), min_update), 1)`` (clip mode) or ``max(η‖w‖/(‖g‖+ε), min_update)``
@@ -40,9 +41,11 @@ Folding (performance): steps 2, 5, 6 and 8 never rewrite the gradients. The mean
 factor form one 0-d factor ``s/(S·n·W)`` handed to the optimizer stack as ``grad_scale`` (the innermost fused
 kernel divides by it), LARC ratios go in as ``grad_multipliers``, the skip decision as ``found_inf``: every
 optkit optimizer and wrapper and torch's fused optimizers (``_step_supports_amp_scaling``) take these in their
-update pass. So an update costs one read-only norm pass over the gradients plus the optimizer's own pass (LARC
-adds its own norm pass over weights and gradients); nothing reads a tensor on the host unless summaries are
-due (or a non-fused torch optimizer must be skipped, as GradScaler does).
+update pass. So an update costs one read-only norm pass over the gradients (two with a dynamic scaler: the
+norm and the per-element overflow check, one collective per mesh-dim group for both) plus the optimizer's own
+pass (LARC adds its own norm pass over weights and gradients); nothing reads a tensor on the host unless
+summaries are due (or a non-fused torch optimizer must be skipped, as GradScaler does). Distributed layouts,
+collectives and memory: ``docs/distributed.md``.
 
 Deliberate differences from the original (also in ``docs/compatibility.md``):
 
@@ -235,6 +238,7 @@ def optimize_loss(
     summary_every: int = 100,
     process_group: Any = None,
     bucket_numel: int = 1 << 22,
+    pipeline_group: Any = None,
 ) -> TrainOp:
     """Build the train op for ``loss`` (OpenSeq2Seq ``optimize_loss``; see the module docstring for the
     per-update order and the differences from the original).
@@ -260,7 +264,12 @@ def optimize_loss(
             ``loss_scaling_params``: its parameters (strictly checked).
         on_horovod: average gradients over ``torch.distributed`` (``process_group`` or the default group),
             once per update in buckets of ``bucket_numel`` elements; a ``DistributedDataParallel`` ``model``
-            reduces by itself.
+            reduces by itself (``"mixed"`` with accumulation: the fp32 window sums are reduced once per
+            update over the DDP group instead, see the module doc).
+        pipeline_group: the process group joining the pipeline stages (each stage trains its own
+            ``var_list``): the global norm, the overflow decision and LogMax's ``max|g|`` are reduced across
+            it too, so every stage clips by the same factor and skips the same updates. Default: the
+            module-wide setting of :func:`optkit.distributed.set_pipeline_group` (None: no stages).
         iter_size: micro-batches per update; ``skip_update_ph``: a bool or zero-argument callable; when given,
             a true value makes the call accumulate only and a false value updates with the micro-batches
             accumulated so far (``train_op(..., skip_update=...)`` overrides it per call).
@@ -307,8 +316,13 @@ def optimize_loss(
 
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("`on_horovod=True` needs an initialised torch.distributed process group")
+    if pipeline_group is not None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("`pipeline_group` needs an initialised torch.distributed process group")
     return TrainOp(loss, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
-                   int(iter_size), skip_update_ph, model, process_group, bucket_numel)
+                   int(iter_size), skip_update_ph, model, process_group, bucket_numel, pipeline_group)
 
 
 def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
@@ -352,7 +366,7 @@ class TrainOp:
     """
 
     def __init__(self, loss_fn, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
-                 iter_size, skip_update_ph, model, process_group, bucket_numel) -> None:
+                 iter_size, skip_update_ph, model, process_group, bucket_numel, pipeline_group=None) -> None:
         self._loss_fn = loss_fn
         self._lr_fn = lr_fn
         self.dtype = dtype
@@ -424,16 +438,25 @@ class TrainOp:
         if self._dtensor and isinstance(model, nn.Module):
             ids = {id(p) for p in self.params}
             self._frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
-        self._group = process_group
+        # DDP + "mixed" + accumulation: accumulate_grads moves every micro-batch's half gradients into the
+        # fp32 window sums, so DDP's reduction (of the last micro-batch's .grad) would miss the earlier ones.
+        # DDP then stays in no_sync() throughout and the fp32 sums are reduced once per update over its group.
+        self._ddp_own = (ddp is not None and self._mp is not None
+                         and (iter_size > 1 or skip_update_ph is not None))
+        self._group = ddp.process_group if self._ddp_own else process_group
         self._world = 1
-        self._reduce = on_horovod and ddp is None and not all(mt.is_dtensor(p) for p in self.params)
+        self._reduce = (on_horovod and ddp is None and not all(mt.is_dtensor(p) for p in self.params)) \
+            or self._ddp_own
         if self._reduce:
             import torch.distributed as dist
 
-            self._reduce = dist.get_world_size(process_group) > 1
+            self._reduce = dist.get_world_size(self._group) > 1
             if self._reduce and not self._dtensor:  # the 1/W of the average is folded into grad_scale
-                self._world = dist.get_world_size(process_group)
+                self._world = dist.get_world_size(self._group)
         self._bucket_numel = bucket_numel
+        self._pp = mt._UNSET if pipeline_group is None else pipeline_group
+        # every rank must take the same summary decisions when they need collectives (writer on rank 0 only)
+        logger.collective = self._dtensor or (mt._pp(self._pp) is not None)
         self._micro = 0
         if self._diverted:
             _set_diverted(half_params, True)
@@ -480,7 +503,8 @@ class TrainOp:
     def __call__(self, *inputs: Any, skip_update: bool | None = None, **kw_inputs: Any) -> StepResult:
         """Run one micro-step on ``inputs``: forward, backward, and (at the end of a window) the update."""
         update = self._is_update(skip_update)
-        ctx = self._ddp.no_sync() if (self._ddp is not None and not update) else contextlib.nullcontext()
+        sync_off = self._ddp is not None and (self._ddp_own or not update)
+        ctx = self._ddp.no_sync() if sync_off else contextlib.nullcontext()
         if self._fsdp_sync is not None:
             self._fsdp_sync(update)
         with ctx:
@@ -500,6 +524,8 @@ class TrainOp:
             else:
                 torch.autograd.backward(target, inputs=self.params)
         if self._mp is not None:
+            if self._dtensor:  # Partial (tensor-parallel) half gradients are reduced before the fp32 fold
+                mt.reduce_partial_grads_(self.params)
             self._mp.accumulate_grads()  # the window's half gradients are summed in fp32
         self._micro += 1
         if not update:
@@ -528,6 +554,8 @@ class TrainOp:
         return idx, qs, grads
 
     def _update(self, loss: Tensor, scale: Tensor) -> StepResult:
+        if self._dtensor:  # Partial (tensor-parallel) gradients: reduced before any norm or update
+            mt.reduce_partial_grads_(self.masters)
         idx, qs, grads = self._with_grads()
         if not grads:
             self._micro = 0
@@ -549,10 +577,19 @@ class TrainOp:
             self._add_diverted_grads(denom)
             idx, qs, grads = self._with_grads()
 
-        # (5) global norm of the mean unscaled gradient: the one read-only pass (clip, overflow, summary)
-        norm = None
-        if self.clip_gradients is not None or self._checks or (due and log.wants("global_gradient_norm")):
-            raw = mt.global_norm(grads)
+        # (5) global norm of the mean unscaled gradient (clip, summary) and, with a dynamic scaler, the
+        # overflow flag: any NaN/inf element (a max-abs pass next to the norm pass), never the norm's overflow
+        norm = found_raw = inf_norms = None
+        pp = self._pp
+        if self._checks and self.scaler.needs_amax:  # LogMax: whole-tensor max|g| per tensor, flag from it
+            inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
+            raw = mt.global_norm(grads, pipeline_group=pp)
+            norm = raw if denom is None else raw / denom
+        elif self._checks:
+            raw, found_raw = mt.global_norm_and_found_inf(grads, pipeline_group=pp)
+            norm = raw if denom is None else raw / denom
+        elif self.clip_gradients is not None or (due and log.wants("global_gradient_norm")):
+            raw = mt.global_norm(grads, pipeline_group=pp)
             norm = raw if denom is None else raw / denom
 
         # (6) the raw gradients are divided by grad_scale = denom / coef (mean, unscale, clip in one factor)
@@ -572,10 +609,10 @@ class TrainOp:
         found = None
         applied = self._true
         if self._checks:
-            overflow = (~torch.isfinite(norm)).to(torch.float32)
             amax = None
+            overflow = found_raw
             if self.scaler.needs_amax:
-                amax = self._amax(qs, grads, grad_scale, factor)
+                overflow, amax = self._amax(qs, inf_norms, grad_scale, factor)
             applied = self.scaler.update(overflow, amax)
             found = (~applied).to(torch.float32)
 
@@ -596,11 +633,13 @@ class TrainOp:
         self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
 
-    def _amax(self, qs: list[Tensor], grads: list[Tensor], grad_scale: Tensor | None,
-              factor: Tensor | None) -> Tensor:
-        """``max|g|`` of the gradients the update applies (after mean, unscale, clip and LARC) for LogMax.
-        With LARC this needs the trust ratios before the step: a look-ahead (one extra norm pass)."""
-        inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
+    def _amax(self, qs: list[Tensor], inf_norms: Tensor, grad_scale: Tensor | None,
+              factor: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(overflow flag, ``max|g|``) for LogMax from the per-tensor whole-tensor max-abs of the raw
+        gradients: the flag is any non-finite element; ``max|g|`` is of the gradients the update applies
+        (after mean, unscale, clip and LARC). With LARC this needs the trust ratios before the step: a
+        look-ahead (one extra norm pass). Both are reduced across the pipeline stages in one collective."""
+        raw_max = inf_norms.amax()
         if self._larc is not None:
             params, ratios = self._larc.trust_ratios(grad_scale)
             pos = {id(q): j for j, q in enumerate(qs)}
@@ -608,7 +647,14 @@ class TrainOp:
             if params:
                 r[torch.tensor([pos[id(p)] for p in params], device=r.device)] = ratios.to(r.dtype)
             inf_norms = inf_norms * r
-        return inf_norms.amax() if factor is None else inf_norms.amax() * factor
+        amax = inf_norms.amax() if factor is None else inf_norms.amax() * factor
+        both = torch.stack([raw_max, amax.to(raw_max.dtype).reshape(())])
+        group = mt._pp(self._pp)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        return (~torch.isfinite(both[0])).to(torch.float32), both[1]
 
     def _step_optimizer(self, grads: list[Tensor], grad_scale: Tensor | None, found: Tensor | None) -> None:
         """Step the optimizer stack with the step protocol (``grad_scale``, ``found_inf``); the wrappers
@@ -685,30 +731,99 @@ class TrainOp:
     def _write_larc(self, step: int, lr: Tensor) -> None:
         """LARC summaries from the ratios the LARC wrapper just used (computed before the update)."""
         larc = self._larc
-        if larc.last_ratios is None:
+        if larc.last_ratios is None or self.summaries.writer is None:
             return
         names = [self._name_of[id(p)] for p in larc.last_params]
         self.summaries.write_larc(names, larc.last_clip_on, larc.last_ratios, lr, step)
 
     # ---- checkpointing ------------------------------------------------------------------------------------
 
+    def _window_group(self) -> tuple[bool, Any]:
+        """(whether the ranks accumulate different, still unreduced gradients in an open window, their
+        process group): ``on_horovod`` and DDP runs (``no_sync``) reduce only at the update."""
+        if self._reduce:
+            return True, self._group
+        if self._ddp is not None:
+            return True, self._ddp.process_group
+        return False, None
+
     def state_dict(self) -> dict[str, Any]:
         """Optimizer stack (the wrappers' parts hold the fp32 masters), scaler, open-window accumulators,
-        step counters and summary counter."""
-        return {
+        step counters and summary counter.
+
+        Inside an accumulation window of a data-parallel run (``on_horovod`` or DDP) every rank holds its
+        own unreduced sums, so this is a collective then: **every rank must call it**. The group's first
+        rank (rank 0 of the world by default) gets every rank's accumulators stacked (``[world, *shape]``
+        per parameter, ``"accumulators_world_size"`` set) and is the one to save; the others get their own
+        part. Loading it on the same number of ranks restores each rank's sums, so the run continues exactly.
+        At a window boundary (``micro_steps == 0``) there is nothing to gather and no collective. FSDP2
+        models accumulate inside FSDP2 until the update micro-step: their state can be taken at a window
+        boundary only (``ValueError`` otherwise).
+        """
+        if self._micro and self._fsdp_sync is not None:
+            raise ValueError(
+                "TrainOp.state_dict(): an FSDP2 model holds the open accumulation window's gradients inside "
+                f"FSDP2 ({self._micro} micro-batch(es) so far); take the state at a window boundary "
+                "(micro_steps == 0)"
+            )
+        acc = [None if q.grad is None else q.grad.detach().clone() for q in self.masters]
+        out = {
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "global_step": self._step.clone(),
             "host_step": self._host_step,
             "host_exact": self._host_exact,
             "micro": self._micro,
-            "accumulators": [None if q.grad is None else q.grad.detach().clone() for q in self.masters],
+            "accumulators": acc,
             "summary_attempts": self.summaries.attempts,
         }
+        per_rank, group = self._window_group()
+        if self._micro and per_rank:
+            gathered = self._gather_accumulators(acc, group)
+            if gathered is not None:
+                out["accumulators"], out["accumulators_present"] = gathered
+                out["accumulators_world_size"] = int(gathered[1].shape[1])
+        return out
+
+    def _gather_accumulators(self, acc: list[Tensor | None], group: Any) -> tuple[list, Tensor] | None:
+        """Every rank's accumulators on the group's first rank: ([None or [W, *shape]], present [n, W]);
+        None on the other ranks. One gather for the presence mask and one per dtype for the values."""
+        import torch.distributed as dist
+
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        dst = dist.get_global_rank(group, 0) if group is not None else 0
+        device = mt.local(self.masters[0]).device
+        dense = [None if a is None else (a.to_dense() if a.is_sparse else a) for a in acc]
+        present = torch.tensor([a is not None for a in dense], dtype=torch.float32, device=device)
+        flags = [torch.empty_like(present) for _ in range(world)] if me == 0 else None
+        dist.gather(present, flags, dst=dst, group=group)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, q in enumerate(self.masters):
+            by_dtype.setdefault(q.dtype, []).append(i)
+        rows: dict[int, list[Tensor]] = {}
+        for dtype, ids in by_dtype.items():
+            flat = torch.cat([(mt.local(dense[i]) if dense[i] is not None else  # type: ignore[arg-type]
+                               torch.zeros(mt.local(self.masters[i]).shape, dtype=dtype, device=device)
+                               ).reshape(-1).to(device=device, dtype=dtype) for i in ids])
+            bufs = [torch.empty_like(flat) for _ in range(world)] if me == 0 else None
+            dist.gather(flat, bufs, dst=dst, group=group)
+            if me == 0:
+                sizes = [mt.local(self.masters[i]).numel() for i in ids]
+                per = [torch.split(b, sizes) for b in bufs]  # type: ignore[union-attr]
+                for k, i in enumerate(ids):
+                    shape = mt.local(self.masters[i]).shape
+                    rows[i] = [per[r][k].view(shape) for r in range(world)]
+        if me != 0:
+            return None
+        mask = torch.stack(flags, 1).bool().cpu()  # type: ignore[arg-type]
+        out = [torch.stack(rows[i]) if bool(mask[i].any()) else None for i in range(len(self.masters))]
+        return out, mask
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (validated before anything changes). Load the model's own state
-        (its half parameters) as well; the master copies come from here."""
+        (its half parameters) as well; the master copies come from here. A state holding every rank's
+        accumulators (taken inside a window of a data-parallel run) must be loaded on the same number of
+        ranks; each rank takes its own."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state_dict]
@@ -717,6 +832,9 @@ class TrainOp:
         acc = state_dict["accumulators"]
         if len(acc) != len(self.masters):
             raise ValueError("load_state_dict: the state was saved for a different set of parameters")
+        saved_world = state_dict.get("accumulators_world_size")
+        if saved_world is not None:
+            acc = self._own_accumulators(acc, int(saved_world), state_dict.get("accumulators_present"))
         for a, q in zip(acc, self.masters):
             if a is not None and tuple(a.shape) != tuple(q.shape):
                 raise ValueError(f"load_state_dict: accumulator shape {tuple(a.shape)} != {tuple(q.shape)}")
@@ -739,6 +857,29 @@ class TrainOp:
             q.grad = None if a is None else a.clone().to(q.dtype)
         self._lr_now = self._lr_fn(self._host_step if self._host_exact else self._step)
         self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
+
+    def _own_accumulators(self, acc: Sequence[Any], world: int, present: Any) -> list[Tensor | None]:
+        """This rank's row of accumulators saved for ``world`` ranks (validated)."""
+        per_rank, group = self._window_group()
+        where = "load_state_dict"
+        if not per_rank:
+            raise ValueError(f"{where}: the state holds the accumulators of {world} data-parallel ranks; "
+                             "load it into a data-parallel train op (on_horovod or DDP) on as many ranks")
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) != world:
+            raise ValueError(f"{where}: the state was taken inside an accumulation window on {world} ranks; "
+                             f"resume on {world} ranks (this run has {dist.get_world_size(group)})")
+        if not isinstance(present, Tensor) or tuple(present.shape) != (len(self.masters), world):
+            raise ValueError(f"{where}: 'accumulators_present' must be a [{len(self.masters)}, {world}] "
+                             "tensor")
+        me = dist.get_rank(group)
+        out: list[Tensor | None] = []
+        for i, (a, q) in enumerate(zip(acc, self.masters)):
+            if a is not None and (not isinstance(a, Tensor) or tuple(a.shape) != (world, *q.shape)):
+                raise ValueError(f"{where}: per-rank accumulator {i} must have shape {(world, *q.shape)}")
+            out.append(a[me] if a is not None and bool(present[i, me]) else None)
+        return out
 
 
 def _chain(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

@@ -266,6 +266,71 @@ def dcp_roundtrip(rank: int, world: int, workdir: str) -> dict:
     return out
 
 
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_in(v)]
+    return []
+
+
+def dcp_full_offload(rank: int, world: int, workdir: str) -> dict:
+    """Full state dicts with cpu_offload keep the gathered fp32 masters on rank 0 only (torch's semantics);
+    loading with broadcast_from_rank0 sends them tensor by tensor (no tensor inside an object broadcast) and
+    resumes bit-identically."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from optkit.distributed import WRAPPERS_KEY, get_optimizer_state_dict, set_optimizer_state_dict
+
+    case = "mixed_precision"
+    mesh = mesh_1d()
+    model = shard(make_case_model(case), mesh)
+    opt = OPTIMIZERS[case][0](model)
+    train(model, opt, 2, rank)
+    save = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(model, options=save)
+    osd = get_optimizer_state_dict(model, opt, options=save)
+    wrappers = osd.get(WRAPPERS_KEY)
+    masters = [] if wrappers is None else wrappers[0]["masters"]
+    info = {"keys": sorted(osd), "tensors_held": len(_tensors_in(osd)),
+            "masters": [(tuple(m.shape), m.device.type, mt.is_dtensor(m)) for m in masters]}
+    msd, osd = copy.deepcopy(msd), copy.deepcopy(osd)  # as if saved: CPU 0-d entries alias live counters
+    cont = train(model, opt, 2, rank, start=2)
+
+    model2 = shard(make_case_model(case, seed=123), mesh)
+    opt2 = OPTIMIZERS[case][0](model2)
+    load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    arrays: list[int] = []  # tensors with ndim > 0 in each object broadcast, as sent (rank 0) or received
+    real = dist.broadcast_object_list
+
+    def recording(objs, *a, **k):
+        if rank == 0:
+            arrays.append(sum(1 for t in _tensors_in(list(objs)) if t.ndim > 0))
+        out = real(objs, *a, **k)
+        if rank != 0:
+            arrays.append(sum(1 for t in _tensors_in(list(objs)) if t.ndim > 0))
+        return out
+
+    dist.broadcast_object_list = recording
+    try:
+        set_model_state_dict(model2, msd if rank == 0 else {}, options=load)
+        set_optimizer_state_dict(model2, opt2, osd if rank == 0 else {}, options=load)
+    finally:
+        dist.broadcast_object_list = real
+    # torch itself sends 0-d tensors (step counters) inside its object broadcasts; no array may travel so
+    info["object_broadcast_tensors"] = sum(arrays)
+    info["object_broadcasts"] = len(arrays)
+    res = train(model2, opt2, 2, rank, start=2)
+    return {"info": info, "cont": cont, "resumed": res}
+
+
 def dcp_mismatch(rank: int, world: int, workdir: str) -> dict:
     """A wrapper checkpoint loaded into a bare optimizer raises ValueError and changes nothing."""
     from optkit.distributed import get_optimizer_state_dict, set_optimizer_state_dict
@@ -397,7 +462,28 @@ def all_reduce_gradients(rank: int, world: int, workdir: str) -> dict:
             "calls": n, "counted": cc.count}
 
 
+def tp_sequence_parallel(rank: int, world: int, workdir: str) -> dict:
+    from .tp_scenarios import run_sp
+
+    return run_sp(rank, world)
+
+
+def _train_op_scenario(name: str):
+    def run(rank: int, world: int, workdir: str) -> Any:
+        from . import train_op_scenarios
+
+        return getattr(train_op_scenarios, name)(rank, world, workdir)
+
+    return run
+
+
 SCENARIOS = {
+    "tp_sequence_parallel": tp_sequence_parallel,
+    "summaries_rank0": _train_op_scenario("summaries_rank0"),
+    "overflow_decision": _train_op_scenario("overflow_decision"),
+    "pipeline_stages": _train_op_scenario("pipeline_stages"),
+    "fsdp_midwindow_state": _train_op_scenario("fsdp_midwindow_state"),
+    "dcp_full_offload": dcp_full_offload,
     "multi_mesh_norms": multi_mesh_norms,
     "multi_mesh_step": multi_mesh_step,
     "nonfinite_skip": nonfinite_skip,
