@@ -499,6 +499,8 @@ def reduce_partial_grads_(params: Iterable[Tensor]) -> int:
     (``torch.optim`` gets the same reduction through DTensor dispatch). Batched: one all-reduce per reduce op,
     distinct mesh-dim group and dtype. Plain and non-``Partial`` gradients cost one type check each.
     """
+    if _dtensor_class() is None:  # no DTensor can exist: nothing to do, no per-parameter work
+        return 0
     ps = [p for p in params if p.grad is not None and _has_partial(p.grad)]
     if not ps:
         return 0

@@ -138,6 +138,7 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
         raise RuntimeError(
             f"{type(wrapper).__name__}.step(): the gradients did not come from scale_loss(loss) (loss·S); "
             f"dividing them by the loss scale would stall training. {_UNSCALED_HELP}")
+    mt.reduce_partial_grads_(wrapper._all_params())  # before the non-finite check reads them
     wrapper._wrapped_step(*wrapper._take_protocol())
     wrapper.grads_scaled = False
     return loss

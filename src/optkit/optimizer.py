@@ -463,6 +463,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         pass instead of a separate sweep)."""
         dev = self._state_device
         self._ensure_slots()
+        mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])  # TP + SP gradients
         gathered = [self._gather(g) for g in self.param_groups]
         all_grads = [g for _, _, gs in gathered for g in gs]
         if found_inf is not None:

@@ -385,6 +385,8 @@ def collectives_per_step(rank: int, world: int, workdir: str) -> dict:
                 cases[name] = OPTIMIZERS[name][0](model)
         for name, opt in cases.items():
             grads()
+            if hasattr(opt, "grads_scaled"):  # an unscaled loss stands for scale_loss(loss) here
+                opt.grads_scaled = True
             with count_collectives() as cc:
                 opt.step()
             out.setdefault(name, {})[depth] = cc.count

@@ -356,6 +356,8 @@ def collective_counts(rank: int, mesh) -> dict:
         set_grads(ps)
         for name, make in cases.items():
             opt = make(ps)
+            if hasattr(opt, "grads_scaled"):  # hand-set gradients stand for scale_loss(loss).backward()
+                opt.grads_scaled = True
             with count_calls() as cc:
                 opt.step()
             out.setdefault(name, {})[n] = cc.count
@@ -464,8 +466,7 @@ def run_sp(rank: int, world: int) -> dict:
             for s in range(STEPS):
                 opt.zero_grad(set_to_none=True)
                 loss_of(m, s, 0, rank, n_tp=world).backward()
-                # what the optimizer base / wrappers will call first (wired by the core refactor)
-                mt.reduce_partial_grads_(m.parameters())
+                # global_norm reduces Partial inputs out of place; the optimizer reduces them first thing
                 norms.append(float(optkit.global_norm([p.grad for p in m.parameters()])))
                 opt.step()
             return {"params": {n: full(p) for n, p in m.named_parameters()}, "norms": norms,
