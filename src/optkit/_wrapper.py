@@ -169,6 +169,22 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return getattr(inner, name)
 
     @property
+    def amp_protocol(self) -> bool:
+        """Whether ``torch.amp.GradScaler`` hands ``grad_scale``/``found_inf`` to ``step()`` (True, the
+        default: unscaling and the skip fold into the update, no extra pass and no host sync) or unscales
+        ``.grad`` itself before ``step()`` (False). Set it to False where a framework clips gradients between
+        unscaling and the step and refuses optimizers that unscale internally: Lightning's
+        ``gradient_clip_val`` under ``precision="16-mixed"``/``"bf16-mixed"``. (Clipping inside the optimizer,
+        ``global_clipnorm=``, needs neither.)"""
+        return bool(self._step_supports_amp_scaling)
+
+    @amp_protocol.setter
+    def amp_protocol(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"`amp_protocol` must be a bool, got {value!r}")
+        self._step_supports_amp_scaling = value  # read by torch.amp.GradScaler and Lightning
+
+    @property
     def iterations(self) -> Tensor:
         """The inner optimizer's count of applied updates (optkit optimizers; skipped steps do not count)."""
         return self._inner_attr("iterations")
