@@ -3,7 +3,8 @@
 The method follows ``shared/spec/perf_baseline.md``:
 
 * **Parameter sets** (fp32): ``resnet50`` = the 161 real ResNet-50 parameter shapes (25,557,032 params),
-  ``many_small`` = 2,000 tensors of 4,096, ``one_big`` = one tensor of 25,000,000. Params are ``randn·0.1``
+  ``many_small`` = 2,000 tensors of 4,096, ``one_big`` = one tensor of 25,000,000, ``tiny_10k`` = 10,000
+  tensors of 256 (host work per tensor dominates: the case for flat buffers). Params are ``randn·0.1``
   and grads ``randn·0.01`` from a seeded generator (never zero).
 * **Floor** = the in-place triad ``a.add_(c, alpha=s)`` on 256 MiB arrays (reads a and c, writes a: the access
   pattern of an optimizer update), in GB/s (1e9 bytes/s). "% of floor" = a variant's effective GB/s over it.
@@ -62,7 +63,7 @@ QUICK: bool = os.environ.get("OPTKIT_BENCH_QUICK", "") not in ("", "0")
 THREADS = 2
 torch.set_num_threads(THREADS)
 
-SET_NAMES = ("resnet50", "many_small", "one_big")
+SET_NAMES = ("resnet50", "many_small", "one_big", "tiny_10k")
 RESNET50_PARAMS = 25_557_032
 
 # timing knobs (perf_baseline.md "Method"); QUICK shrinks them for a smoke run
@@ -117,6 +118,8 @@ def param_set(name: str) -> list[tuple[int, ...]]:
         return [(4096,)] * (200 if QUICK else 2000)
     if name == "one_big":
         return [(2_500_000 if QUICK else 25_000_000,)]
+    if name == "tiny_10k":
+        return [(256,)] * (1000 if QUICK else 10_000)
     raise ValueError(f"param_set: unknown set {name!r}; known: {SET_NAMES}")
 
 

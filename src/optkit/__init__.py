@@ -26,6 +26,7 @@ from .clipping import (
     clip_grads_by_value_,
     global_norm,
 )
+from .flat import FlatParameters, flat_parameters
 from .ftrl import Ftrl
 from .larc import LARC
 from .lars import LARS
@@ -86,6 +87,8 @@ __all__ = [
     # wrappers
     "VariableClippingOptimizer", "LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer",
     "MixedPrecisionOptimizerWrapper", "convert_model_to_half", "LARC",
+    # flat buffers
+    "flat_parameters", "FlatParameters",
     # training
     "optimize_loss", "TrainOp", "StepResult", "OPTIMIZER_SUMMARIES", "get_regularization_loss",
     "add_regularizer", "clear_regularizers", "l1_regularizer", "l2_regularizer",

@@ -262,7 +262,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        mt.reduce_partial_grads_(self._all_params())  # before any wrapper reads a gradient
+        if getattr(_innermost(self), "_any_dtensor", True):  # before any wrapper reads a gradient
+            mt.reduce_partial_grads_(self._all_params())
         grad_scale, found_inf, multipliers = self._take_protocol()
         self._wrapped_step(grad_scale, found_inf, multipliers)
         return loss

@@ -76,8 +76,8 @@ class Adagrad(Optimizer):
         d = self.defaults
         return {k: d[k] for k in ("initial_accumulator_value", "epsilon", "lr_decay")}
 
-    def _make_slot(self, p: Tensor, slot: str, group: dict) -> Tensor:
-        return torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+    def _slot_fill(self, slot: str, group: dict) -> float:
+        return float(group["initial_accumulator_value"])
 
     def _pointwise_hyper(self, group: dict) -> tuple:
         return (float(group["lr_decay"]), float(group["weight_decay"]), float(group["epsilon"]))
@@ -87,6 +87,8 @@ class Adagrad(Optimizer):
     def _prepare(self, group, plan, params, grads, lr, k) -> list:
         """``(t, decayed)`` per tensor: the update number (0-d float32, no host sync) and the decay mask."""
         t = (self._iterations + 1).to(torch.float32)
+        if plan.uniform_wd is not None:  # one shared entry: the base may then step a flat buffer at once
+            return [(t, plan.uniform_wd)] * len(params)
         return [(t, d) for d in plan.use_wd]
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:

@@ -99,6 +99,8 @@ class Adam(Optimizer):
     def _prepare(self, group, plan, params, grads, lr, k) -> list:
         """``(t, decayed)`` per tensor: the update number (0-d float32, no host sync) and the decay mask."""
         t = (self._iterations + 1).to(torch.float32)
+        if plan.uniform_wd is not None:  # one shared entry: the base may then step a flat buffer at once
+            return [(t, plan.uniform_wd)] * len(params)
         return [(t, d) for d in plan.use_wd]
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
