@@ -371,7 +371,7 @@ def max_threads() -> int:
 
 
 def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
+    return FIELDS[name].metadata.get("flag", f"--{name.replace('_', '-')}")
 
 
 def _label(name: str) -> str:
