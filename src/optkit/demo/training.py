@@ -226,7 +226,8 @@ def _load_resume(resume: Checkpoint, model: nn.Module, train_op: Any) -> tuple[H
         model.load_state_dict(resume.model)
         train_op.load_state_dict(resume.train_op)
     except Exception as err:  # noqa: BLE001 - a foreign state that slipped past the checks
-        raise ConfigError(f"--resume: {resume.path} does not fit this run: {err}") from None
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"--resume: {resume.path} does not fit this run: {first}") from None
     return History.from_dict(resume.history), resume.step, resume.train_seconds
 
 
