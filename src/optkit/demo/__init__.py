@@ -1,12 +1,13 @@
 """The training demo behind ``optkit train``: a small CNN on scikit-learn's bundled digits, trained with
 :func:`optkit.optimize_loss`.
 
-One module per concern, in layers (each imports only the ones before it):
+One module per concern, in layers (each imports only modules listed before it):
 
-* configuration: ``config`` (option values, TOML, type and range checks; no torch) -> ``components`` (options
-  -> schedule, optimizer arguments, train op; the library's checks) -> ``validation`` (both, before any work);
-* inputs: ``extras`` (optional packages), ``data`` (digits split, deterministic batches), ``model`` (the CNN),
-  ``parallel`` (torchrun / gloo);
+* ``config``: option values, TOML, type and range checks (no torch, no library);
+* inputs: ``extras`` (optional packages), ``data`` (digits split, deterministic batches), ``model`` (the
+  CNN), ``parallel`` (torchrun / gloo);
+* ``components`` (options -> schedule, optimizer arguments, train op; the library's checks), then
+  ``validation`` (every check before any work);
 * files: ``files`` (atomic writes), ``run_folder`` (run-folder rules, pruning), ``report`` (metrics.json,
   report.png), ``checkpoint`` (save; load with ``weights_only=True``), ``resume`` (what a continuation may
   change, where it writes, whether the saved state fits);
