@@ -240,10 +240,6 @@ def test_train_variants(tmp_path, argv):
         (["--lr-policy-param", "oops"], "--lr-policy-param: expected KEY=VALUE"),
         (["--optimizer-param", "momentum=-1"], "--optimizer-param: LARS rejects"),
         (["--optimizer-param", "lr=0.1"], "--optimizer-param: lr comes from the learning-rate policy"),
-        (
-            ["--optimizer", "Momentum", "--ema-momentum", "0.9"],
-            "--ema-momentum: optimizer Momentum keeps no weight",
-        ),
         (["--larc-param", "larc_eta=0.01"], "cannot be used together"),
         (
             ["--clip-gradients", "none", "--larc-param", "larc_mode=bogus", "--larc-param", "larc_eta=0.01"],
@@ -501,7 +497,7 @@ def test_switching_optimizer_or_policy_starts_their_parameters_afresh(capsys):
     assert run("train", "--optimizer", "Adam", "--lr-policy", "cosine_decay", "--print-config") == 0
     data = tomllib.loads(capsys.readouterr().out)
     assert data["optimizer_params"] == {}
-    assert data["ema_momentum"] == "none"  # Adam keeps no weight average: the default EMA is off
+    assert data["ema_momentum"] == config.TrainConfig().ema_momentum  # every optimizer keeps an EMA now
     assert data["lr_policy_params"] == {
         "learning_rate": config.TrainConfig().lr_policy_params["learning_rate"]
     }

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from . import _multi_tensor as mt
 from ._fused import split_by_mask

@@ -244,28 +244,20 @@ def _toml_nulls(data: dict[str, Any]) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Any]:
     """The effective configuration, validated and with canonical names, and the loaded checkpoint when
     resuming (a :class:`~optkit.demo.checkpoint.Checkpoint`, whose continuation rules are checked)."""
-    from optkit.demo.components import keeps_ema
     from optkit.demo.validation import validate
 
     resume = None
     cfg = TrainConfig()
-    ema_chosen = False  # EMA is on by default; an optimizer without it turns the default off
     if args.resume:
         from optkit.demo.checkpoint import load_checkpoint
         from optkit.demo.resume import saved_config
 
         resume = load_checkpoint(args.resume)
         cfg = saved_config(resume)
-        ema_chosen = True
     if args.config:
-        data = _toml_nulls(load_toml(args.config))
-        ema_chosen = ema_chosen or "ema_momentum" in data
-        cfg = merge(cfg, data)
+        cfg = merge(cfg, _toml_nulls(load_toml(args.config)))
     updates, dict_ops = _flag_values(args)
-    ema_chosen = ema_chosen or "ema_momentum" in updates
     cfg = merge(cfg, updates, dict_ops)
-    if not ema_chosen and cfg.ema_momentum is not None and not keeps_ema(cfg.optimizer):
-        cfg = merge(cfg, {"ema_momentum": None})  # torch-based optimizers keep no weight average
     if resume is not None:
         from optkit.demo.resume import check_continuation
 

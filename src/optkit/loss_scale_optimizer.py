@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from ._wrapper import OptimizerWrapper, _innermost, _autograd_pairs, _check_pairs, protocol_level
+from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs, _innermost, protocol_level
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 
 __all__ = ["LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer"]

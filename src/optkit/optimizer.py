@@ -47,12 +47,12 @@ from torch import Tensor
 from . import _fused
 from . import _multi_tensor as mt
 from ._compile import chain, compiled_chain, warn_compile_fallback
-from .flat import flat_buffer_of
 from ._params import normalize_param_groups
 from ._plan import Plan, PlanView, check_slot_fits
 from ._state_dict import validate_state_dict
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
+from .flat import flat_buffer_of
 
 __all__ = ["Optimizer", "check_number", "autograd_pairs"]
 
@@ -470,9 +470,10 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         rest = []
         for group in self.param_groups:
             plan = self._plans.get(id(group))
-            if plan is not None and plan.flat is not None and len(plan.flat.grad_objs) == len(group["params"]) \
-                    and plan.flat.same_grads([p.grad for p in group["params"]]):
-                plan.flat.grad.zero_()
+            flat = None if plan is None else plan.flat
+            if flat is not None and len(flat.grad_objs) == len(group["params"]) \
+                    and flat.same_grads([p.grad for p in group["params"]]):
+                flat.grad.zero_()
             else:
                 rest.append(group)
         zero = []

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from . import _multi_tensor as mt
 from .optimizer import Optimizer, check_number

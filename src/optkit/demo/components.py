@@ -27,7 +27,6 @@ __all__ = [
     "check_schedule",
     "trained_parameters",
     "HALF_DTYPES",
-    "keeps_ema",
     "accepted_arguments",
     "planned_steps",
     "model_dtype",
@@ -181,18 +180,6 @@ def accepted_arguments(cls: type) -> set[str] | None:
     return None
 
 
-def keeps_ema(optimizer: str) -> bool:
-    """Whether the registry optimizer ``optimizer`` can keep EMA weights (optkit's own optimizers can)."""
-    from optkit.optimizer import Optimizer as OptkitOptimizer
-    from optkit.registry import get_optimizer
-
-    try:
-        cls = get_optimizer(optimizer)
-    except (TypeError, ValueError):
-        return False
-    return isinstance(cls, type) and issubclass(cls, OptkitOptimizer)
-
-
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -288,12 +275,6 @@ def _probe_optimizer(cfg: TrainConfig, errors: list[str]) -> None:
                 f"--optimizer-param: {key} comes from the learning-rate policy; set it with "
                 f"--lr-policy-param learning_rate=..."
             )
-    if cfg.ema_momentum is not None and not keeps_ema(cfg.optimizer):
-        errors.append(
-            f"--ema-momentum: optimizer {cfg.optimizer} keeps no weight average (only optkit's "
-            f"own optimizers have use_ema, e.g. LARS or SGD); pass --ema-momentum none"
-        )
-        params = {k: v for k, v in params.items() if k not in ("use_ema", "ema_momentum")}
     accepted = accepted_arguments(cls)
     unknown = sorted(set(params) - accepted - {"learning_rate", "lr"}) if accepted is not None else []
     if unknown:

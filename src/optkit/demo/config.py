@@ -102,8 +102,8 @@ class TrainConfig:
     ema_momentum: float | None = _opt(
         0.98,
         "keep an exponential moving average of the weights with this momentum and evaluate with it "
-        "(sets the optimizer's use_ema/ema_momentum; 'none' turns EMA off; off by default for optimizers "
-        "without EMA, such as Momentum or Adam)",
+        "(sets the optimizer's use_ema/ema_momentum; 'none' turns EMA off; every registry optimizer keeps "
+        "one)",
         "optimize_loss",
         nullable=True,
     )

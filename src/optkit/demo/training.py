@@ -315,9 +315,14 @@ class _Loop:
             self.writer.add_scalar("test/loss", test_loss, step)
 
     def _checkpoint(self, step: int, seconds: float) -> None:
+        """Every rank takes the train op's state (a collective under torchrun: an open accumulation window
+        holds every rank's sums); the main process writes the file."""
+        train_op_state = self.train_op.state_dict()
+        if not self.procs.main:
+            return
         payload = {
             "model": self.model.state_dict(),
-            "train_op": self.train_op.state_dict(),
+            "train_op": train_op_state,
             "history": self.history.to_dict(),
             "config": dataclasses.asdict(self.cfg),
             "train_seconds": seconds,
@@ -353,7 +358,7 @@ class _Loop:
                         )
                 if due_eval:
                     self._evaluate(done)
-                if due_ckpt and procs.main:
+                if due_ckpt:
                     self._checkpoint(done, spent + time.perf_counter() - t0)
         finally:
             if bar is not None:
