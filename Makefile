@@ -15,7 +15,7 @@ $(BIN)/python:
 # optkit is installed in editable mode: source changes need no reinstall, only the metadata does.
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[dev,cli]"
+	$(BIN)/pip install -q -e ".[dev,cli,test]" "$(TORCH_PIN)"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,7 +29,10 @@ lint: venv
 demo: venv
 	$(BIN)/optkit train
 
+# timm is a benchmark anchor only: --no-deps, because its dependencies pull torchvision and a CUDA torch
 bench: venv
+	$(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('timm') is None)" \
+		|| $(BIN)/pip install -q --no-deps timm
 	$(BIN)/python -m bench.run_all
 
 docs: venv  # docs/api.md from the docstrings of optkit.__all__
