@@ -24,7 +24,7 @@ from . import _multi_tensor as mt
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import Optimizer
 
-__all__ = ["Plan", "PlanView", "Block", "check_slot_fits"]
+__all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "check_slot_fits"]
 
 
 def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
@@ -62,6 +62,8 @@ class PlanView:
         self.use_wd = use_wd
         self.any_wd = any(use_wd)
         self.uniform_wd = use_wd[0] if all(w == use_wd[0] for w in use_wd) else None
+        self.flat = None
+        self.flat_active = False
 
 
 class Block:
@@ -131,17 +133,76 @@ def _run_view(ts: list[Tensor], layout: list[Tensor] | None = None) -> Tensor | 
     return view.set_(first.untyped_storage(), start, (pos - start,), (1,))
 
 
+class RunAux:
+    """Per-tensor values for the row blocks of a :class:`FlatPart` (what ``_prepare`` returns there): one
+    entry per row chunk, e.g. LARS's ``(s·k, s·wd)`` as ``(rows, 1)`` column tensors."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+
 class FlatPart:
     """The group as one flat run per list (parameters, gradients, slots, averages all back to back in their
     own storages, as :func:`optkit.flat.flat_parameters` lays them out): its blocks are chunks of single
     tensors, so a step costs O(#chunks) kernel calls, not O(#parameters). ``grad_objs`` are this plan's
-    gradient tensors: the same objects next step means the same flat gradient."""
+    gradient tensors: the same objects next step means the same flat gradient.
 
-    def __init__(self, blocks: list[Block], grad: Tensor, grad_objs: list[Tensor], uniform_wd: bool) -> None:
+    For per-tensor quantities (LARS trust ratios) the same memory is also cut into *runs* of consecutive
+    parameters of equal size, each a ``(count, size)`` matrix whose rows are the parameters: a per-parameter
+    norm is a row norm, a per-parameter factor a ``(count, 1)`` column that broadcasts. ``runs`` holds
+    ``(first segment, count, size)``; ``row_blocks`` are cache-sized row chunks of those matrices (one chunk
+    per block), ``row_grads`` the matching gradient chunks, ``chunk_segments[j]`` the segment range of chunk
+    ``j``, and ``row_views(lst)`` the run matrices of another list over the same segments."""
+
+    def __init__(self, blocks: list[Block], runs_views: list[Tensor], grad_objs: list[Tensor],
+                 uniform_wd: bool, numels: list[int], slot_keys: list[str], has_avg: bool,
+                 block_numel: int) -> None:
         self.blocks = blocks
-        self.grad = grad
+        self.grad = runs_views[1]
         self.grad_objs = grad_objs
         self.all_wd = uniform_wd
+        self.runs: list[tuple[int, int, int]] = []
+        for i, n in enumerate(numels):
+            if self.runs and self.runs[-1][2] == n:
+                first, count, _ = self.runs[-1]
+                self.runs[-1] = (first, count + 1, n)
+            else:
+                self.runs.append((i, 1, n))
+        self._flats = runs_views
+        self.row_blocks: list[Block] = []
+        self.row_grads: list[Tensor] = []
+        self.chunk_segments: list[tuple[int, int]] = []
+        mats = [self.row_views(f) for f in runs_views]
+        key = (runs_views[0].device, runs_views[0].dtype)
+        for r, (first, count, n) in enumerate(self.runs):
+            rows = max(1, block_numel // max(n, 1))
+            for lo in range(0, count, rows):
+                hi = min(count, lo + rows)
+                chunk = [m[r][lo:hi] for m in mats]
+                b = Block()
+                b.owners = [len(self.row_blocks)]
+                b.params = [chunk[0]]
+                b.slots = {s: [chunk[2 + j]] for j, s in enumerate(slot_keys)}
+                b.averages = [chunk[-1]] if has_avg else None
+                b.split, b.key, b.identity, b.all_wd = None, key, False, uniform_wd
+                b.static_contiguous = True
+                self.row_blocks.append(b)
+                self.row_grads.append(chunk[1])
+                self.chunk_segments.append((first + lo, first + hi))
+
+    def row_views(self, flat: Tensor) -> list[Tensor]:
+        """The ``(count, size)`` run matrices of a flat run laid out like the parameters."""
+        out, offset = [], 0
+        for _, count, n in self.runs:
+            out.append(flat[offset:offset + count * n].view(count, n))
+            offset += count * n
+        return out
+
+    def params_rows(self) -> list[Tensor]:
+        """The parameters' run matrices."""
+        return self.row_views(self._flats[0])
 
     def same_grads(self, grads: list[Tensor]) -> bool:
         """Whether ``grads`` are this plan's gradient objects (a C-speed identity scan)."""
@@ -184,7 +245,11 @@ class Plan:
             if all(r is not None for r in runs):
                 fblocks, _ = _build_blocks([[r] for r in runs], slot_keys, [bool(self.uniform_wd)],
                                            self.averages is not None, cut, opt.block_numel)
-                self.flat = FlatPart(fblocks, runs[1], list(grads), bool(self.uniform_wd))
+                self.flat = FlatPart(fblocks, runs, list(grads), bool(self.uniform_wd),
+                                     [p.numel() for p in lists[0]], slot_keys, self.averages is not None,
+                                     opt.block_numel)
+        #: set by the optimizer before ``_prepare`` each step: whether this step may use the flat part
+        self.flat_active = False
 
     def params_fit(self, params: list[Tensor]) -> bool:
         """Whether the parameters still live where the plan's chunk views point (``p.data = ...`` or a move

@@ -48,7 +48,7 @@ from . import _fused
 from . import _multi_tensor as mt
 from ._compile import chain, compiled_chain, warn_compile_fallback
 from ._params import normalize_param_groups
-from ._plan import Plan, PlanView, check_slot_fits
+from ._plan import Plan, PlanView, RunAux, check_slot_fits
 from ._state_dict import validate_state_dict
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
@@ -533,11 +533,10 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         if self._any_dtensor:  # tensor + sequence parallel: Partial gradients are reduced before anything
             mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])
         gathered = [self._gather(g) for g in self.param_groups]
-        all_grads = [g for _, _, gs in gathered for g in gs]
         if found_inf is not None:
             found_inf = found_inf.detach().to(device=dev, dtype=torch.float32).reshape(())
             self._host_exact = False
-        if not all_grads:
+        if not any(gs for _, _, gs in gathered):
             self.step_applied = torch.zeros((), dtype=torch.bool, device=dev)
             return
 
@@ -554,7 +553,6 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             inv = torch.reciprocal(grad_scale.detach().to(device=dev, dtype=torch.float32).reshape(()))
         k = inv  # factor applied to raw gradients (unscale and global clip), folded into the kernels
 
-        dense_grads = [g for (_, _, gs) in gathered for g in gs]
         whole_grads = [t for (_, _, gs), fp in zip(gathered, flat_plans)
                        for t in ([fp.flat.grad] if fp is not None else gs)]  # the same memory, fewer tensors
         if self.clipvalue is not None:
@@ -563,6 +561,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
                 k = None
             mt.clamp_(whole_grads, -self.clipvalue, self.clipvalue)
         elif self.clipnorm is not None:
+            dense_grads = [g for (_, _, gs) in gathered for g in gs]
             ns = mt.norms(dense_grads)
             if len({(x.device, x.dtype) for x in ns}) > 1:
                 n_all = torch.stack([x.to(device=dev, dtype=torch.float64) for x in ns])
@@ -691,6 +690,9 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             sel = [(g, m) for g, m in zip(grads, mult) if m is not None]
             mt.scale_([g for g, _ in sel], [m for _, m in sel])
             mult = None
+        flat = getattr(plan, "flat", None)
+        plan.flat_active = flat is not None and mult is None and not tracing and not (
+            self.jit_compile and self._compile_state != "failed")
         aux = self._prepare(group, plan, params, grads, lr, k)
 
         decay_mask = plan.use_wd if (wd and plan.any_wd) else None
@@ -710,9 +712,9 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
         ema_w = self._ema_weight(applied) if self.use_ema else None
 
-        flat = getattr(plan, "flat", None)
-        if flat is not None and mult is None and (aux is None or all(map(operator.is_, aux,
-                                                                      itertools.repeat(aux[0])))) \
+        if isinstance(aux, RunAux):  # per-tensor values over the flat part's row chunks (e.g. LARS)
+            blocks, glocal, aux = flat.row_blocks, flat.row_grads, aux.items
+        elif plan.flat_active and (aux is None or all(map(operator.is_, aux, itertools.repeat(aux[0])))) \
                 and (decay_mask is None or plan.uniform_wd is not None):
             blocks, glocal, aux = flat.blocks, [flat.grad], None if aux is None else aux[:1]
         else:
