@@ -245,6 +245,11 @@ class OptimizerWrapper(torch.optim.Optimizer):
         d = self.__dict__
         return d.get("grad_scale"), d.get("found_inf"), d.get("grad_multipliers")
 
+    def whole_grads(self) -> list[Tensor] | None:
+        """The inner optimizer's :meth:`optkit.Optimizer.whole_grads` (flat gradients), or None."""
+        whole = getattr(self.optimizer, "whole_grads", None)
+        return None if whole is None else whole()
+
     def _params_with_grads(self) -> tuple[list[Tensor], list[Tensor]]:
         params, grads = [], []
         for g in self.param_groups:

@@ -198,7 +198,10 @@ class LossScaleOptimizer(OptimizerWrapper):
         return scaled_backward_step(self, closure)
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers, *, scaled: bool = True) -> None:
-        _, grads = self._params_with_grads()
+        whole = getattr(self.optimizer, "whole_grads", None)
+        grads = whole() if whole is not None else None  # flat buffers: one check over each flat gradient
+        if grads is None:
+            _, grads = self._params_with_grads()
         scale = self.loss_scaler() if scaled else None
         loss_scaled_step(self, self.loss_scaler, grads, scale, grad_scale, found_inf, multipliers)
 

@@ -463,6 +463,20 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------ step
 
+    def whole_grads(self) -> list[Tensor] | None:
+        """The gradients as few tensors, for reductions over all of them (wrappers' non-finite checks):
+        each group's flat gradient when every group's cached plan is flat (:func:`optkit.flat_parameters`) and
+        this step's gradients are its views; None otherwise (then use the per-parameter gradients)."""
+        out = []
+        for group in self.param_groups:
+            plan = self._plans.get(id(group))
+            flat = None if plan is None else plan.flat
+            if flat is None or len(flat.grad_objs) != len(group["params"]) \
+                    or not flat.same_grads([p.grad for p in group["params"]]):
+                return None
+            out.append(flat.grad)
+        return out
+
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch semantics, except for parameters in flat buffers (:func:`optkit.flat_parameters`): their
