@@ -145,9 +145,9 @@ def bench_end_to_end() -> str:
         om = _encoder()
         if flat:
             flat_parameters(om)
+        sgd = {"momentum": MOMENTUM, "nesterov": True, "weight_decay": WD, "use_ema": True, "ema_momentum": EMA}
         op = optimize_loss(
-            loss_of(om), "SGD",
-            {"momentum": MOMENTUM, "nesterov": True, "weight_decay": WD, "use_ema": True, "ema_momentum": EMA},
+            loss_of(om), "SGD", sgd,
             lambda k: poly_decay(k, LR, 10**6), model=om, clip_gradients=1.0, loss_scaling="dynamic",
             loss_scaling_params={"initial_loss_scale": SCALE, "increment_period": 2000}, summaries=[])
         variants.append(H.Variant("optkit optimize_loss" + (" (flat buffers)" if flat else ""), op))
