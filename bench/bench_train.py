@@ -145,7 +145,8 @@ def bench_end_to_end() -> str:
         om = _encoder()
         if flat:
             flat_parameters(om)
-        sgd = {"momentum": MOMENTUM, "nesterov": True, "weight_decay": WD, "use_ema": True, "ema_momentum": EMA}
+        sgd = {"momentum": MOMENTUM, "nesterov": True, "weight_decay": WD, "use_ema": True,
+               "ema_momentum": EMA}
         op = optimize_loss(
             loss_of(om), "SGD", sgd,
             lambda k: poly_decay(k, LR, 10**6), model=om, clip_gradients=1.0, loss_scaling="dynamic",
