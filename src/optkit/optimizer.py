@@ -386,7 +386,9 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         dtype = torch.float64 if self._has_fp64(group) else torch.float32
         if isinstance(lr, Tensor):
             return lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
-        return torch.tensor(float(lr), dtype=dtype, device=self._state_device)
+        out = torch.tensor(float(lr), dtype=dtype, device=self._state_device)
+        out.host_value = float(lr)  # the number itself, for kernels that take a Python float (no device read)
+        return out
 
     def _has_fp64(self, group: dict) -> bool:
         """Whether ``group`` holds float64 parameters (they get float64 hyperparameters); cached per group

