@@ -9,7 +9,7 @@ each), ``registry`` (optimizers by name), the wrappers
 (``optimize_loss``). All per-parameter arithmetic lives in the private ``_multi_tensor`` layer.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The public face, by layer: foundations (multi-tensor math, clipping, schedules, loss scaling), optimizers,
 # wrappers over any optimizer, and the one-call training step.
