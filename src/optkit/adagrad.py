@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import _multi_tensor as mt
-from ._fused import split_by_mask
+from ._fused import split_by_mask, unscale_arg
 from .optimizer import Optimizer, check_number
 
 __all__ = ["Adagrad"]
@@ -100,12 +100,7 @@ class Adagrad(Optimizer):
             if mode == "fallback":
                 self._pointwise_fallback(group, part[0], part[1], part[2:], lr, k, fi, [aux[i] for i in ix])
                 continue
-            scale = None
-            if k is not None:
-                if dtype == torch.float64:  # the kernel's grad_scale is float32: unscale in float64
-                    torch._foreach_mul_(part[1], k.to(device=device, dtype=dtype))
-                else:
-                    scale = torch.reciprocal(k.to(device=device, dtype=torch.float32))
+            scale = unscale_arg(k, part[1], device, dtype)
             lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
             t_ = t.to(device)
             for decayed, (p, g, s) in split_by_mask(mask, ix, part):

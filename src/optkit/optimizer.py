@@ -46,6 +46,7 @@ from torch import Tensor
 
 from . import _fused
 from . import _multi_tensor as mt
+from ._amp import AmpProtocol
 from ._compile import chain, compiled_chain, warn_compile_fallback
 from ._params import normalize_param_groups
 from ._plan import Plan, PlanView, RunAux, check_slot_fits
@@ -70,7 +71,7 @@ def _callable_arity(fn: Callable) -> int:
     return len(required)
 
 
-class Optimizer(TFSurface, torch.optim.Optimizer):
+class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     """Base class of optkit optimizers (Keras 3 semantics on a ``torch.optim.Optimizer``).
 
     Args:
@@ -93,7 +94,6 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
     :meth:`_prepare`, :meth:`_slot_fill`, :meth:`_sparse_update`).
     """
 
-    _step_supports_amp_scaling = True  # step() consumes grad_scale / found_inf (torch.amp.GradScaler)
     slot_names: tuple[str, ...] = ()
     #: whether the group key ``weight_decay`` means Keras decoupled decay (LARS uses it for its own rule)
     _decoupled_weight_decay = True
@@ -408,22 +408,6 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         """Number of applied updates (0-d int64 tensor; skipped steps do not count)."""
         return self._iterations
 
-    @property
-    def amp_protocol(self) -> bool:
-        """Whether ``torch.amp.GradScaler`` hands ``grad_scale``/``found_inf`` to ``step()`` (True, the
-        default: unscaling and the skip fold into the update, no extra pass and no host sync) or unscales
-        ``.grad`` itself before ``step()`` (False). Set it to False where a framework clips gradients between
-        unscaling and the step and refuses optimizers that unscale internally: Lightning's
-        ``gradient_clip_val`` under ``precision="16-mixed"``/``"bf16-mixed"``. (Clipping inside the optimizer,
-        ``global_clipnorm=``, needs neither.)"""
-        return bool(self._step_supports_amp_scaling)
-
-    @amp_protocol.setter
-    def amp_protocol(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"`amp_protocol` must be a bool, got {value!r}")
-        self._step_supports_amp_scaling = value  # read by torch.amp.GradScaler and Lightning
-
     # ------------------------------------------------------------------------------------------------ decay
 
     def exclude_from_weight_decay(
@@ -610,7 +594,6 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
                             plan=fp)
 
         self._after_update(found_inf, applied)
-
 
     def _handle_sparse(self, gathered, found_inf) -> set[int]:
         """Prepare sparse COO gradients before clipping.
@@ -932,7 +915,6 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             mt.lerp_(lp, la, weight)
 
     # ------------------------------------------------------------------------------------------------ hooks
-
 
     def finalize_variable_values(self, var_list: Sequence[Tensor] | None = None) -> None:
         """With EMA on, set every parameter (or those in ``var_list``) to its moving average (one way: see

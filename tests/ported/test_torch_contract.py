@@ -35,16 +35,6 @@ import optkit
 F32, F64 = torch.float32, torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread (restored afterwards): results do not depend on it, and the fused CPU kernels
-    are much slower when two threads compete for two shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @dataclass
 class Case:
     name: str
