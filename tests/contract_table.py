@@ -229,6 +229,18 @@ ROWS: list[Row] = [
     Row("MixedPrecision(Momentum)", lambda ps, lr: optkit.MixedPrecisionOptimizerWrapper(
         optkit.Momentum(_plain(ps), lr, 0.9), loss_scale=None),
         "momentum", {"momentum": 0.9}, dtypes=(torch.float16, torch.bfloat16), half_masters=True),
+    # ---- wrappers over torch.optim optimizers (the wrappers take any torch.optim.Optimizer)
+    Row("LARC(torch.SGD)", lambda ps, lr: optkit.LARC(
+        torch.optim.SGD(_plain(ps), lr=lr, momentum=0.9, foreach=False), 0.02),
+        "momentum", {"momentum": 0.9}, grad_transform=larc_transform(0.02)),
+    Row("LossScale(torch.Adam,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
+        torch.optim.Adam(_plain(ps), lr=lr, foreach=False), optkit.DynamicLossScale(256.0)),
+        # torch's Adam refuses sparse gradients; in float16 it computes in float16 and overflows (torch's own
+        # arithmetic, with or without the wrapper)
+        "adam", feed_scale=256.0, sparse=RuntimeError, dtypes=(torch.float32, torch.float64, torch.bfloat16)),
+    Row("MixedPrecision(torch.SGD)", lambda ps, lr: optkit.MixedPrecisionOptimizerWrapper(
+        torch.optim.SGD(_plain(ps), lr=lr, momentum=0.9, foreach=False), loss_scale=None),
+        "momentum", {"momentum": 0.9}, dtypes=(torch.float16, torch.bfloat16), half_masters=True),
     Row("MixedPrecision(LARC(SGD),dynamic)", lambda ps, lr: optkit.MixedPrecisionOptimizerWrapper(
         optkit.LARC(optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), 0.02),
         loss_scale=optkit.DynamicLossScale(256.0)),

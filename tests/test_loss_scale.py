@@ -827,3 +827,22 @@ def test_logmax_recovers_from_underflowing_float16_gradients():
         opt.step()
     assert float(opt.loss_scale) > 1.0
     assert float(w[0]) < 0.0  # lr·g = 1e-3 per update once the gradient survives in float16
+
+
+@pytest.mark.parametrize("name", [*SCALERS, "fixed-tf"])
+def test_would_apply_predicts_update_and_changes_nothing(name):
+    """``would_apply`` (what wrappers decide a step with before they advance the scale) equals what
+    ``update`` then returns, and reads the state without changing it."""
+    s = FixedLossScale(16.0) if name == "fixed-tf" else SCALERS[name]()
+    flags, amaxes = _events(5, 40)
+    for overflow, amax in zip(flags, amaxes):
+        found, am = f(overflow), torch.tensor(float(amax))
+        before = _state(s)
+        predicted = s.would_apply(found, am)
+        for k, v in _state(s).items():
+            assert torch.equal(v, before[k]), k
+        assert bool(predicted) == bool(s.update(found, am))
+        if name == "fixed-tf":
+            assert bool(predicted)  # TF: a fixed scale applies every step
+        else:
+            assert bool(predicted) == (not overflow)

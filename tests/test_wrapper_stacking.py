@@ -4,6 +4,8 @@ stack, masters seen by inner wrappers, nested checkpoints."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -242,3 +244,43 @@ def test_finalize_variable_values_passes_through_wrappers_and_refreshes_half_par
     mp.finalize_variable_values()
     assert torch.equal(master.detach(), avg)
     assert torch.equal(w16.detach(), avg.half())
+
+
+@pytest.mark.parametrize("slot,value,match", [
+    ("exp_avg", torch.zeros(3), "shape"),
+    ("exp_avg_sq", torch.zeros(4, 3, dtype=torch.int64), "dtype"),
+    ("step", torch.tensor(-1.0), "non-negative"),
+    ("exp_avg", [0.0] * 12, "not a tensor"),
+])
+def test_torch_inner_state_is_validated_before_loading(rng, slot, value, match):
+    """A wrapper over a ``torch.optim`` optimizer checks the inner state before torch loads it (torch checks
+    only the group and parameter counts; its kernels would read past a short slot)."""
+    w = torch.nn.Parameter(torch.tensor(rng.standard_normal((4, 3)), dtype=torch.float32))
+    opt = LossScaleOptimizer(torch.optim.Adam([w], lr=0.1), DynamicLossScale(8.0))
+    w.grad = torch.tensor(rng.standard_normal((4, 3)), dtype=torch.float32) * 8.0
+    scaled_step(opt)
+    sd = copy.deepcopy(opt.state_dict())  # torch's state_dict holds the live per-parameter dicts
+    sd["optimizer"]["state"][0][slot] = value
+    before = (w.detach().clone(), {k: v.clone() for k, v in opt.optimizer.state[w].items()},
+              opt.loss_scale.clone())
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    assert torch.equal(w.detach(), before[0]) and torch.equal(opt.loss_scale, before[2])
+    for k, v in before[1].items():
+        assert torch.equal(opt.optimizer.state[w][k], v)
+    unknown = copy.deepcopy(opt.state_dict())
+    unknown["optimizer"]["state"][7] = {}
+    with pytest.raises(ValueError, match="unknown parameter id 7"):
+        opt.load_state_dict(unknown)
+
+
+def test_a_raising_inner_step_leaves_the_scale_alone(rng):
+    """torch's Adam refuses sparse gradients: the wrapper has not advanced its scale when the error comes."""
+    emb = torch.nn.Embedding(6, 3, sparse=True)
+    opt = LossScaleOptimizer(torch.optim.Adam(emb.parameters(), lr=0.1), DynamicLossScale(8.0, 1))
+    emb(torch.tensor([1, 4])).sum().mul(8.0).backward()
+    sd = opt.loss_scaler.state_dict()
+    with pytest.raises(RuntimeError, match="sparse"):
+        scaled_step(opt)
+    for k, v in opt.loss_scaler.state_dict().items():
+        assert k == "config" or torch.equal(v, sd[k]), k

@@ -12,6 +12,9 @@ every part is checked first, and the error names the parameter and the slot:
   of the parameter's global shape, a DTensor exactly when the parameter is one;
 * steps: non-negative integers (a Python number or a scalar tensor), one value for every parameter (an optkit
   optimizer keeps one count of applied updates).
+
+A ``torch.optim`` optimizer inside an optkit wrapper gets the same structure and step checks and the shape
+check of its parameter-shaped slots (:func:`validate_torch_state_dict`).
 """
 
 from __future__ import annotations
@@ -24,43 +27,18 @@ from torch import Tensor
 from . import _multi_tensor as mt
 from ._validation import is_number
 
-__all__ = ["validate_state_dict"]
+__all__ = ["TORCH_PARAM_SHAPED", "validate_state_dict", "validate_torch_state_dict"]
 
 
 def validate_state_dict(opt: Any, sd: dict) -> int:
     """Check the state dict ``sd`` against the optimizer ``opt`` before anything is loaded (see
     :meth:`optkit.Optimizer.load_state_dict`); return its step count."""
     where = f"{type(opt).__name__}.load_state_dict"
-    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) \
-            or not isinstance(sd.get("param_groups"), list):
-        raise ValueError(f"{where}: expected a dict with 'state' (dict) and 'param_groups' (list)")
-    saved_groups = sd["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"{where}: the state dict has {len(saved_groups)} param groups, this optimizer "
-                         f"{len(opt.param_groups)}")
-    id_to_param: dict[int, tuple[Tensor, str]] = {}
-    for gi, (sg, g) in enumerate(zip(saved_groups, opt.param_groups)):
-        # ids are positions (torch) or parameter names (torch.distributed.checkpoint)
-        if not isinstance(sg, dict) or not isinstance(sg.get("params"), list) or not all(
-                isinstance(i, (int, str)) and not isinstance(i, bool) for i in sg["params"]):
-            raise ValueError(f"{where}: param group {gi} must be a dict whose 'params' lists ints or "
-                             "names")
-        if len(sg["params"]) != len(g["params"]):
-            raise ValueError(f"{where}: param group {gi} holds {len(sg['params'])} parameters in the "
-                             f"state dict and {len(g['params'])} in this optimizer")
-        _check_group_values(where, gi, sg, g)
-        for i, p, n in zip(sg["params"], g["params"], g["param_names"]):
-            if i in id_to_param:
-                raise ValueError(f"{where}: parameter id {i} appears twice in 'param_groups'")
-            id_to_param[i] = (p, n)
+    id_to_param = _check_structure(where, opt, sd)
     allowed = set(opt.slot_names) | {"step"} | ({"average"} if opt.use_ema else set())
     steps = set()
     for key, entry in sd["state"].items():
-        if key not in id_to_param:
-            raise ValueError(f"{where}: state for unknown parameter id {key!r}")
         p, name = id_to_param[key]
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where}: state of parameter {name!r} must be a dict")
         extra = sorted(str(k) for k in entry if k not in allowed)
         if extra:
             hint = " (saved with use_ema=True?)" if "average" in extra else \
@@ -77,6 +55,66 @@ def validate_state_dict(opt: Any, sd: dict) -> int:
                          "optimizer keeps one count of applied updates")
     return steps.pop() if steps else 0
 
+
+def _check_structure(where: str, opt: Any, sd: Any) -> dict[Any, tuple[Tensor, str]]:
+    """The structure shared by optkit and torch state dicts; returns {parameter id: (parameter, name)}."""
+    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) \
+            or not isinstance(sd.get("param_groups"), list):
+        raise ValueError(f"{where}: expected a dict with 'state' (dict) and 'param_groups' (list)")
+    saved_groups = sd["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"{where}: the state dict has {len(saved_groups)} param groups, this optimizer "
+                         f"{len(opt.param_groups)}")
+    id_to_param: dict[Any, tuple[Tensor, str]] = {}
+    for gi, (sg, g) in enumerate(zip(saved_groups, opt.param_groups)):
+        # ids are positions (torch) or parameter names (torch.distributed.checkpoint)
+        if not isinstance(sg, dict) or not isinstance(sg.get("params"), list) or not all(
+                isinstance(i, (int, str)) and not isinstance(i, bool) for i in sg["params"]):
+            raise ValueError(f"{where}: param group {gi} must be a dict whose 'params' lists ints or "
+                             "names")
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(f"{where}: param group {gi} holds {len(sg['params'])} parameters in the "
+                             f"state dict and {len(g['params'])} in this optimizer")
+        _check_group_values(where, gi, sg, g)
+        names = g.get("param_names") or [f"group {gi} #{j}" for j in range(len(g["params"]))]
+        for i, p, n in zip(sg["params"], g["params"], names):
+            if i in id_to_param:
+                raise ValueError(f"{where}: parameter id {i} appears twice in 'param_groups'")
+            id_to_param[i] = (p, n)
+    for key, entry in sd["state"].items():
+        if key not in id_to_param:
+            raise ValueError(f"{where}: state for unknown parameter id {key!r}")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: state of parameter {id_to_param[key][1]!r} must be a dict")
+    return id_to_param
+
+
+#: per-parameter state of torch.optim optimizers that has the parameter's shape (SGD, Adam, AdamW, Adamax,
+#: NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD, SparseAdam); other entries are scalars or, as
+#: Adafactor's factored moments, shaped by their own rule, and are left to torch
+TORCH_PARAM_SHAPED = frozenset({
+    "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "sum", "square_avg", "grad_avg",
+    "acc_delta", "prev", "step_size", "ax",
+})
+
+
+def validate_torch_state_dict(opt: torch.optim.Optimizer, sd: Any) -> None:
+    """Check a state dict for a ``torch.optim`` optimizer inside an optkit wrapper before it is loaded:
+    torch checks only the group and parameter counts, and its kernels read as many elements as the parameter
+    has whatever a slot holds. Checked here: the structure (as :func:`validate_state_dict`), each ``step`` a
+    non-negative integer, and every :data:`TORCH_PARAM_SHAPED` slot a dense tensor of the parameter's shape
+    (complex exactly when the parameter is)."""
+    where = f"{type(opt).__name__}.load_state_dict"
+    id_to_param = _check_structure(where, opt, sd)
+    for key, entry in sd["state"].items():
+        p, name = id_to_param[key]
+        for slot, value in entry.items():
+            if slot == "step":
+                _check_step(where, name, value)
+            elif slot in TORCH_PARAM_SHAPED:
+                _check_loaded_slot(where, name, slot, p, value)
+
+
 def _check_step(where: str, name: str, value: Any) -> int:
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
@@ -90,6 +128,7 @@ def _check_step(where: str, name: str, value: Any) -> int:
     if not (v >= 0 and v == int(v) and v < 2**62):
         raise ValueError(f"{where}: 'step' of parameter {name!r} must be a non-negative integer, got {v}")
     return int(v)
+
 
 def _check_group_values(where: str, gi: int, saved: dict, live: dict) -> None:
     """A saved hyperparameter must have the type of the live one (a hostile or foreign file must not put
@@ -125,9 +164,10 @@ def _check_loaded_slot(where: str, name: str, slot: str, p: Tensor, value: Any) 
                          "not a tensor")
     if value.is_sparse or value.layout != torch.strided:
         raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} must be a dense tensor")
-    if not value.is_floating_point():
+    if value.is_complex() != p.is_complex() or not (value.is_floating_point() or value.is_complex()):
+        kind = "complex" if p.is_complex() else "floating-point"
         raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} has dtype {value.dtype}; expected a "
-                         "floating-point tensor")
+                         f"{kind} tensor")
     if mt.is_dtensor(value) != mt.is_dtensor(p):
         kind = "a DTensor" if mt.is_dtensor(p) else "a plain tensor"
         raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} must be {kind}, like the parameter")

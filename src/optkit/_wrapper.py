@@ -41,9 +41,11 @@ from torch import Tensor
 
 from . import _multi_tensor as mt
 from ._amp import AmpProtocol
+from ._state_dict import validate_torch_state_dict
 from ._tf_surface import autograd_pairs as _autograd_pairs
 from ._tf_surface import check_pairs as _check_pairs
 from ._tf_surface import gradients_installed
+from .optimizer import Optimizer
 
 __all__ = ["OptimizerWrapper", "protocol_level", "step_inner"]
 
@@ -443,7 +445,10 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}.load_state_dict: state is for {got!r}")
         own = {k: v for k, v in own.items() if k != "type"}
         self._check_own_state(own)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        inner = self.optimizer
+        if not isinstance(inner, (OptimizerWrapper, Optimizer)):
+            validate_torch_state_dict(inner, state_dict["optimizer"])  # optkit optimizers check their own
+        inner.load_state_dict(state_dict["optimizer"])
         self._load_own_state(own)
 
     def _own_state(self) -> dict[str, Any]:

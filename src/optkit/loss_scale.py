@@ -194,6 +194,14 @@ class LossScale(ABC):
             self._maybe_warn_floor()
         return should_apply
 
+    def would_apply(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
+        """What :meth:`update` will return for these arguments (0-d bool tensor), without changing any state:
+        ``not overflow`` (a fixed scale without ``skip_non_finite``: True). Wrappers decide the step with it
+        and update the scale after the step ran, so a step that raises leaves the scale as it was."""
+        found = self._as_state_tensor("found_inf", found_inf)
+        amax_t = None if amax is None else self._as_state_tensor("amax", amax)
+        return ~self._overflow(found, amax_t)
+
     def update_from_grads(self, grads: Sequence[Tensor | None]) -> Tensor:
         """TF1 ``LossScale.update(grads)``: check the (already unscaled) gradients and update; returns
         ``should_apply``. One read-only pass: ``amax = max|g|`` (NaN if any NaN); overflow = ``amax`` is not
@@ -339,6 +347,11 @@ class FixedLossScale(LossScale):
         if self.skip_non_finite:
             return ~overflow, None
         return torch.ones((), dtype=torch.bool, device=self.device), None
+
+    def would_apply(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
+        if self.skip_non_finite:
+            return super().would_apply(found_inf, amax)
+        return torch.ones((), dtype=torch.bool, device=self.device)
 
     def update_from_grads(self, grads: Sequence[Tensor | None]) -> Tensor:
         """TF1 ``FixedLossScale.update``: True without looking at the gradients (unless
@@ -655,6 +668,9 @@ class AutomaticLossScaler(LossScale):
 
     def update(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
         return self.scaler.update(found_inf, amax)
+
+    def would_apply(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
+        return self.scaler.would_apply(found_inf, amax)
 
     def update_from_grads(self, grads: Sequence[Tensor | None]) -> Tensor:
         return self.scaler.update_from_grads(grads)

@@ -5,8 +5,9 @@ dynamic scale a step whose gradients hold a NaN or an inf is skipped and ``S`` s
 :mod:`optkit.loss_scale`). One step, with ``S`` the scale the gradients carry::
 
     found_inf = any(!isfinite(g))                  # read-only pass (max|g| for LogMax)
-    should_apply = scaler.update(found_inf)        # the state machine; S changes for the NEXT backward
+    should_apply = scaler.would_apply(found_inf)   # not found_inf (a fixed scale: True)
     inner step with grad_scale = S, found_inf = !should_apply
+    scaler.update(found_inf)                       # the state machine; S changes for the NEXT backward
 
 When the inner optimizer takes ``grad_scale``/``found_inf`` (optkit optimizers, other optkit wrappers, torch
 fused optimizers) the unscale and the skip are folded into its own pass: one extra read of the gradients and
@@ -102,9 +103,11 @@ def loss_scaled_step(
         grad_scale = None
     skip = outer_found
     if check:
-        should_apply = scaler.update(found, amax)
-        skip = _max(skip, (~should_apply).to(torch.float32).to(dev))
-    return wrapper._delegate(grad_scale, skip, multipliers)
+        skip = _max(skip, (~scaler.would_apply(found, amax)).to(torch.float32).to(dev))
+    applied = wrapper._delegate(grad_scale, skip, multipliers)
+    if check:  # after the inner step: a step that raises (bad input) leaves the scale as it was
+        scaler.update(found, amax)
+    return applied
 
 
 _UNSCALED_HELP = (

@@ -21,7 +21,9 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
 6. clip (``clip_gradients = c``): ``s = min(1, c/N)`` (no epsilon, as the original);
 7. summaries of the learning rate, the norms and the variables (due steps only);
 8. non-finite check (any NaN/inf element in any gradient of the window, from a max-abs pass next to the norm
-   pass, never from ``N`` itself, so the decision is the same on any number of ranks) and the scaler update;
+   pass, never from ``N`` itself, so the decision is the same on any number of ranks) decides whether the
+   scaler lets the update apply (the scaler itself advances after step 9, so an update that raises leaves
+   the scale as it was);
 9. the optimizer stack's step with ``lr(k)``, ``k`` = applied updates so far (a skipped update changes
    nothing): ``LARC`` (``larc_params``, :mod:`optkit.larc`) computes per parameter
    ``r = min(max(η‖w‖/(lr(‖g‖+ε)), min_update), 1)`` (clip mode) or ``max(η‖w‖/(‖g‖+ε), min_update)``
@@ -33,7 +35,7 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
 The optimizer stack is ``MixedPrecisionOptimizerWrapper(LARC(cls(params)))`` with the parts not asked for left
 out. The wrappers get no loss scale of their own (``loss_scale=None``: a fixed scale of 1, no check); the
 train op drives the scaler and talks to the outermost optimizer through the step protocol
-(:mod:`optkit._wrapper`). LARC therefore runs after the scaler update (the spec puts it before): only
+(:mod:`optkit._wrapper`). LARC therefore runs after the skip decision (the spec puts it before): only
 ``LogMax`` depends on that order (its ``max|g|`` is taken after LARC), and for it the ratios are computed
 ahead with :meth:`LARC.trust_ratios`.
 
@@ -605,7 +607,7 @@ class TrainOp:
             step_now = int(self._step)
             self._write_summaries(step_now, idx, qs, grads, lr_t, norm, factor, coef, scale)
 
-        # (8) non-finite check and scaler update
+        # (8) non-finite check: whether the scaler lets this update apply
         found = None
         applied = self._true
         if self._checks:
@@ -613,11 +615,14 @@ class TrainOp:
             overflow = found_raw
             if self.scaler.needs_amax:
                 overflow, amax = self._amax(qs, inf_norms, grad_scale, factor)
-            applied = self.scaler.update(overflow, amax)
+            applied = self.scaler.would_apply(overflow, amax)
             found = (~applied).to(torch.float32)
 
-        # (9) LARC (inside the wrapper stack), the update, p16 ← saturate(master) ("mixed")
+        # (9) LARC (inside the wrapper stack), the update, p16 ← saturate(master) ("mixed"); then the scaler,
+        # so an update that raises leaves the scale as it was
         self._step_optimizer(grads, grad_scale, found)
+        if self._checks:
+            self.scaler.update(overflow, amax)
         if due and self._larc is not None and log.wants("larc_summaries"):
             self._write_larc(step_now, lr_t)
 
