@@ -27,6 +27,7 @@ from .clipping import (
     global_norm,
 )
 from .ftrl import Ftrl
+from .lamb import LAMB
 from .larc import LARC
 from .lars import LARS
 from .loss_scale import (
@@ -81,7 +82,7 @@ __all__ = [
     "LossScale", "FixedLossScale", "DynamicLossScale", "BackoffScaler", "LogMaxScaler", "AutomaticLossScaler",
     "LossScaleAtMinimumWarning", "get_loss_scale",
     # optimizers
-    "Optimizer", "SGD", "LARS", "Ftrl", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp",
+    "Optimizer", "SGD", "LARS", "LAMB", "Ftrl", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp",
     "OPTIMIZER_CLS_NAMES", "get_optimizer",
     # wrappers
     "VariableClippingOptimizer", "LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer",
