@@ -39,13 +39,18 @@ needs the norm of ``u`` over the whole tensor before any weight changes, so a st
    added and ``‖u‖``, ``‖w‖`` are taken on the chunk while it is in cache. Chunk sums of squares are summed
    per tensor with one ``index_add_`` (and across the mesh for DTensors); trust ratios and the per-tensor
    factors are formed on stacked vectors.
-2. :meth:`LAMB._update` (the base's blocked pass): the direction is rebuilt in cache from the new moments,
-   ``d = c·m/(√v + e) + s·wd·w`` with ``c = lr·r·√(1−β2^t)/(1−β1^t)``, ``e = ε·√(1−β2^t)``, and torch's
-   fused SGD kernel applies ``w ← w − d`` with ``found_inf`` (a skipped step changes nothing).
+2. :meth:`LAMB._update` (the base's blocked pass) rebuilds the direction in cache from the new moments:
+   ``w ← w·(1 − s·wd) − c·m/(√v + e)`` with ``s = lr·r``, ``c = s·√(1−β2^t)/(1−β1^t)``,
+   ``e = ε·√(1−β2^t)``. On CPU that is ``√v + e`` into a scratch chunk and one ``addcdiv`` with per-tensor
+   scalars (a CPU tensor, multiplied by 0 on a skipped step, which leaves ``w`` exactly as it was); on other
+   devices the step ``d`` is formed in scratch and torch's fused SGD kernel applies ``w ← w − d`` with
+   ``found_inf``.
 
 Main memory sees: read ``w, g, m, v`` and write ``m, v`` (pass 1, 24 B/param in fp32), read ``w, m, v`` and
 write ``w`` (pass 2, 16 B/param): 40 B/param, the floor of any two-pass LAMB. Half-precision parameters keep
-half moments (the fused Adam kernel computes in fp32 and rounds once); pass 2 runs on fp32 staged copies.
+half moments, updated in pass 2 by the fused Adam kernel (fp32 arithmetic, rounded once) after pass 1 ran it
+on copies: the applied direction is then the one whose norm set the trust ratio (rebuilding it from rounded
+half moments would not be); their pass 2 runs on fp32 staged copies.
 Sparse gradients are densified (duplicates summed).
 
 State: ``exp_avg`` and ``exp_avg_sq`` (torch/timm names).
