@@ -324,10 +324,7 @@ def test_timm_model_descends():
                "2.bias": [-0.0711]}
     model.load_state_dict({k: torch.tensor(v, dtype=F64) for k, v in weights.items()})
     inp = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], dtype=F64).reshape(3, 2)
-    decay = [(n, p) for n, p in model.named_parameters() if p.ndim > 1]
-    no_decay = [(n, p) for n, p in model.named_parameters() if p.ndim <= 1]
-    opt = optkit.LAMB([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], 1e-3,
-                      weight_decay=0.01, global_grad_norm_clip=1.0)
+    opt = optkit.create_optimizer(model, "LAMB", lr=1e-3, weight_decay=0.01, global_grad_norm_clip=1.0)
     prev = float("inf")
     for _ in range(20):
         opt.zero_grad()

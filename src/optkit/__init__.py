@@ -4,7 +4,8 @@ Everything public is importable from here. The modules are small and named for w
 ``clipping`` (global-norm and per-tensor clipping), ``lr_policies`` / ``schedules`` (OpenSeq2Seq learning-rate
 policies), ``loss_scale`` (fixed, dynamic, Backoff and LogMax scalers), ``optimizer`` (the Keras-style base),
 ``sgd`` / ``momentum`` / ``adam`` / ``adagrad`` / ``rmsprop`` / ``ftrl`` / ``lars`` (optimizers, one file
-each), ``registry`` (optimizers by name), the wrappers
+each), ``registry`` (optimizers by name), ``param_rules`` (param groups by name, layer-wise decay,
+``create_optimizer``), the wrappers
 (``variable_clipping``, ``loss_scale_optimizer``, ``mixed_precision``, ``larc``) and ``train``
 (``optimize_loss``). All per-parameter arithmetic lives in the private ``_multi_tensor`` layer.
 """
@@ -55,6 +56,7 @@ from .lr_policies import (
 from .mixed_precision import MixedPrecisionOptimizerWrapper, convert_model_to_half
 from .momentum import Momentum
 from .optimizer import Optimizer
+from .param_rules import ParamGroups, create_optimizer, param_groups
 from .registry import OPTIMIZER_CLS_NAMES, get_optimizer
 from .regularization import (
     add_regularizer,
@@ -84,6 +86,8 @@ __all__ = [
     # optimizers
     "Optimizer", "SGD", "LARS", "LAMB", "Ftrl", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp",
     "OPTIMIZER_CLS_NAMES", "get_optimizer",
+    # parameter rules by name, layer-wise decay, the optimizer front door
+    "param_groups", "ParamGroups", "create_optimizer",
     # wrappers
     "VariableClippingOptimizer", "LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer",
     "MixedPrecisionOptimizerWrapper", "convert_model_to_half", "LARC",

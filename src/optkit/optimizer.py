@@ -352,7 +352,8 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
 
     def _current_lr(self, group: dict) -> Tensor:
         """The learning rate of this step as a 0-d fp32 tensor on the state device (fp64 when the group holds
-        fp64 parameters)."""
+        fp64 parameters): the group's ``lr`` (or the schedule's value, written to ``lr``) times the group's
+        ``lr_scale`` when it has one (layer-wise decay, :func:`optkit.param_groups`)."""
         fn = self._learning_rate
         if isinstance(fn, (float, Tensor)):
             lr = group["lr"]
@@ -364,8 +365,11 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             group["lr"] = lr
         dtype = torch.float64 if self._has_fp64(group) else torch.float32
         if isinstance(lr, Tensor):
-            return lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
-        return torch.tensor(float(lr), dtype=dtype, device=self._state_device)
+            out = lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
+        else:
+            out = torch.tensor(float(lr), dtype=dtype, device=self._state_device)
+        scale = group.get("lr_scale", 1.0)
+        return out if not isinstance(scale, Tensor) and scale == 1.0 else out * scale
 
     def _has_fp64(self, group: dict) -> bool:
         """Whether ``group`` holds float64 parameters (they get float64 hyperparameters); cached per group

@@ -239,6 +239,10 @@ def optimize_loss(
     process_group: Any = None,
     bucket_numel: int = 1 << 22,
     pipeline_group: Any = None,
+    rules: Sequence[tuple[Any, Mapping[str, Any]]] | None = None,
+    layer_decay: float | None = None,
+    num_layers: int | None = None,
+    no_decay_1d: bool = True,
 ) -> TrainOp:
     """Build the train op for ``loss`` (OpenSeq2Seq ``optimize_loss``; see the module docstring for the
     per-update order and the differences from the original).
@@ -274,6 +278,11 @@ def optimize_loss(
             a true value makes the call accumulate only and a false value updates with the micro-batches
             accumulated so far (``train_op(..., skip_update=...)`` overrides it per call).
         model: the model (its parameters and names; DDP detection).
+        rules, layer_decay, num_layers, no_decay_1d: param groups by name (:func:`optkit.param_groups`:
+            per-group ``lr_scale``, ``weight_decay``, ``exclude_from_adaptation``, ``clip``; BEiT layer-wise
+            decay), built as :func:`optkit.create_optimizer` does. Grouping happens when ``rules`` (``[]``
+            for no rules) or ``layer_decay`` is given; then ``no_decay_1d`` (default True) takes weight decay
+            off biases and normalisation scales.
 
     Raises ``ValueError``/``TypeError`` naming the argument; nothing is built when an argument is bad.
     """
@@ -311,6 +320,14 @@ def optimize_loss(
     scaler = _build_scaler(loss_scaling, loss_scaling_params)
     logger = SummaryLogger(summary_writer, summary_list, summary_every)
     named = _named_params(var_list, model, loss)
+    groups = None
+    if rules is not None or layer_decay is not None:
+        from .param_rules import param_groups
+
+        groups = param_groups(named, rules, no_decay_1d=no_decay_1d, layer_decay=layer_decay,
+                              num_layers=num_layers)
+    elif num_layers is not None:
+        raise ValueError("`num_layers` only applies with `layer_decay`")
     if on_horovod:
         import torch.distributed as dist
 
@@ -322,7 +339,8 @@ def optimize_loss(
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("`pipeline_group` needs an initialised torch.distributed process group")
     return TrainOp(loss, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
-                   int(iter_size), skip_update_ph, model, process_group, bucket_numel, pipeline_group)
+                   int(iter_size), skip_update_ph, model, process_group, bucket_numel, pipeline_group,
+                   groups=groups)
 
 
 def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
@@ -366,7 +384,8 @@ class TrainOp:
     """
 
     def __init__(self, loss_fn, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
-                 iter_size, skip_update_ph, model, process_group, bucket_numel, pipeline_group=None) -> None:
+                 iter_size, skip_update_ph, model, process_group, bucket_numel, pipeline_group=None,
+                 groups=None) -> None:
         self._loss_fn = loss_fn
         self._lr_fn = lr_fn
         self.dtype = dtype
@@ -400,10 +419,17 @@ class TrainOp:
         lr0 = self._current_lr if self._optkit else float(self._lr_now)
 
         def build(ps: list) -> torch.optim.Optimizer:
-            opt = cls(ps, **{key: lr0}, **opt_kwargs)
+            if groups is not None:  # param groups by name (optkit.create_optimizer's construction)
+                from .param_rules import build_optimizer
+
+                opt = build_optimizer(cls, ps, lr0, **opt_kwargs)
+            else:
+                opt = cls(ps, **{key: lr0}, **opt_kwargs)
             return opt if larc is None else LARC(opt, **larc)
 
         opt_params: list = list(zip(self.names, self.params)) if self._optkit else list(self.params)
+        if groups is not None:
+            opt_params = list(groups)
         if dtype == "mixed":
             self.optimizer = MixedPrecisionOptimizerWrapper.wrap(build, opt_params, loss_scale=None)
         else:
@@ -496,7 +522,8 @@ class TrainOp:
             for g in self.optimizer.param_groups:
                 if isinstance(value, Tensor) and not (self._optkit_inst or g.get("fused")):
                     value = float(value)  # non-fused torch kernels take a float lr (a host read)
-                g["lr"] = value
+                scale = g.get("lr_scale", 1.0)  # torch optimizers do not apply a group's lr_scale
+                g["lr"] = value if scale == 1.0 else value * scale
 
     # ---- one micro-step -----------------------------------------------------------------------------------
 
