@@ -222,9 +222,10 @@ ROWS: list[Row] = [
         per_tensor=_lamb_skip_bias, uses_names=True),
     Row("LAMBC-exclude1d-nobc", lambda ps, lr: optkit.LAMB(
         _plain(ps), lr, beta1=0.8, weight_decay=0.02, exclude_1d=True, lambc=True, bias_correction=False,
-        always_adapt=True, use_ema=True, ema_momentum=0.9),
+        always_adapt=True, use_ema=True, ema_momentum=0.9, ema_warmup=True),
         "lamb", {"beta1": 0.8, "weight_decay": 0.02, "lambc": True, "bias_correction": False,
-                 "always_adapt": True}, {"use_ema": True, "ema_momentum": 0.9}, per_tensor=_lamb_skip_bias),
+                 "always_adapt": True}, {"use_ema": True, "ema_momentum": 0.9, "ema_warmup": True},
+        per_tensor=_lamb_skip_bias),
     # ---- wrappers and stacks
     Row("LossScale(SGD,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
         optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), optkit.DynamicLossScale(256.0)),

@@ -169,8 +169,8 @@ class Reference:
 
     ``hp`` holds the rule's hyperparameters; ``base`` the base options: ``lr`` (number or ``step -> lr``),
     ``weight_decay`` (decoupled, Keras), ``decay_mask`` (per tensor), ``clipnorm`` / ``clipvalue`` /
-    ``global_clipnorm``, ``use_ema``, ``ema_momentum``, ``ema_overwrite_frequency``; ``per_tensor`` optional
-    per-tensor hyperparameter overrides (e.g. LARS skip flags).
+    ``global_clipnorm``, ``use_ema``, ``ema_momentum``, ``ema_overwrite_frequency``, ``ema_warmup``;
+    ``per_tensor`` optional per-tensor hyperparameter overrides (e.g. LARS skip flags).
     """
 
     def __init__(self, rule: str, ws: Sequence[Arr], hp: dict | None = None, base: dict | None = None,
@@ -217,6 +217,8 @@ class Reference:
             self.ws[i] = self.rule(w, gs[i], self.states[i], lr, t, hp)
         if b.get("use_ema"):
             mu = 0.0 if self.iterations == 0 else b.get("ema_momentum", 0.99)
+            if b.get("ema_warmup") and self.iterations:  # TF ExponentialMovingAverage(num_updates=k)
+                mu = min(mu, (1 + self.iterations) / (10 + self.iterations))
             self.avgs = [mu * a + (1 - mu) * w for a, w in zip(self.avgs, self.ws)]
             f = b.get("ema_overwrite_frequency")
             if f and (self.iterations + 1) % f == 0:
