@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 # The public face, by layer: foundations (multi-tensor math, clipping, schedules, loss scaling), optimizers,
 # wrappers over any optimizer, and the one-call training step.
-from . import distributed
+from . import distributed, recipes
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .clipping import (
@@ -94,6 +94,6 @@ __all__ = [
     # training
     "optimize_loss", "TrainOp", "StepResult", "OPTIMIZER_SUMMARIES", "get_regularization_loss",
     "add_regularizer", "clear_regularizers", "l1_regularizer", "l2_regularizer",
-    # distributed helpers (module)
-    "distributed",
+    # distributed helpers and training recipes (modules)
+    "distributed", "recipes",
 ]
