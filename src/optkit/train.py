@@ -244,6 +244,7 @@ def optimize_loss(
     layer_decay: float | None = None,
     num_layers: int | None = None,
     no_decay_1d: bool = True,
+    layer_regex: str | None = None,
 ) -> TrainOp:
     """Build the train op for ``loss`` (OpenSeq2Seq ``optimize_loss``; see the module docstring for the
     per-update order and the differences from the original).
@@ -284,10 +285,11 @@ def optimize_loss(
             a true value makes the call accumulate only and a false value updates with the micro-batches
             accumulated so far (``train_op(..., skip_update=...)`` overrides it per call).
         model: the model (its parameters and names; DDP detection).
-        rules, layer_decay, num_layers, no_decay_1d: param groups by name (:func:`optkit.param_groups`:
-            per-group ``lr_scale``, ``weight_decay``, ``exclude_from_adaptation``, ``clip``; BEiT layer-wise
-            decay), built as :func:`optkit.create_optimizer` does. Grouping happens when ``rules`` (``[]``
-            for no rules) or ``layer_decay`` is given; then ``no_decay_1d`` (default True) takes weight decay
+        rules, layer_decay, num_layers, no_decay_1d, layer_regex: param groups by name
+            (:func:`optkit.param_groups`: per-group ``lr_scale``, ``weight_decay``,
+            ``exclude_from_adaptation``, ``clip``; BEiT layer-wise decay), built as
+            :func:`optkit.create_optimizer` does. Grouping happens when ``rules`` (``[]`` for no rules) or
+            ``layer_decay`` is given; then ``no_decay_1d`` (default True) takes weight decay
             off biases and normalisation scales.
 
     Raises ``ValueError``/``TypeError`` naming the argument; nothing is built when an argument is bad.
@@ -328,12 +330,13 @@ def optimize_loss(
     named = _named_params(var_list, model, loss)
     groups = None
     if rules is not None or layer_decay is not None:
-        from .param_rules import param_groups
+        from .param_rules import DEFAULT_LAYER_REGEX, param_groups
 
         groups = param_groups(named, rules, no_decay_1d=no_decay_1d, layer_decay=layer_decay,
-                              num_layers=num_layers)
-    elif num_layers is not None:
-        raise ValueError("`num_layers` only applies with `layer_decay`")
+                              num_layers=num_layers,
+                              layer_regex=DEFAULT_LAYER_REGEX if layer_regex is None else layer_regex)
+    elif num_layers is not None or layer_regex is not None:
+        raise ValueError("`num_layers` and `layer_regex` only apply with `layer_decay`")
     if on_horovod:
         import torch.distributed as dist
 
