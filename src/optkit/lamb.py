@@ -47,10 +47,11 @@ needs the norm of ``u`` over the whole tensor before any weight changes, so a st
    ``found_inf``.
 
 Main memory sees: read ``w, g, m, v`` and write ``m, v`` (pass 1, 24 B/param in fp32), read ``w, m, v`` and
-write ``w`` (pass 2, 16 B/param): 40 B/param, the floor of any two-pass LAMB. Half-precision parameters keep
-half moments, updated in pass 2 by the fused Adam kernel (fp32 arithmetic, rounded once) after pass 1 ran it
-on copies: the applied direction is then the one whose norm set the trust ratio (rebuilding it from rounded
-half moments would not be); their pass 2 runs on fp32 staged copies.
+write ``w`` (pass 2, 16 B/param): 40 B/param, the floor of any two-pass LAMB (+4 under loss scaling or a
+global clip, whose factor the fused kernel applies to ``g`` in place, as torch's fused kernels do).
+Half-precision parameters keep half moments, updated in pass 2 by the fused Adam kernel (fp32 arithmetic,
+rounded once) after pass 1 ran it on copies: the applied direction is then the one whose norm set the trust
+ratio (rebuilding it from rounded half moments would not be); their pass 2 runs on fp32 staged copies.
 Sparse gradients are densified (duplicates summed).
 
 State: ``exp_avg`` and ``exp_avg_sq`` (torch/timm names).

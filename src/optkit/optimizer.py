@@ -87,7 +87,8 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         ema_buffers: an ``nn.Module`` (its floating-point buffers, e.g. BatchNorm running statistics) or
             ``(name, tensor)`` pairs whose values are averaged with the same decay after every applied step;
             :meth:`ema_weights` and :meth:`finalize_variable_values` swap them too, and their averages are
-            in :meth:`state_dict` (``"ema_buffers"``). Needs ``use_ema=True``.
+            in :meth:`state_dict` (``"ema_buffers"``). Needs ``use_ema=True``; not part of
+            :meth:`get_config` (it names live tensors: give it to ``from_config`` again).
         jit_compile: compile the grouped update with ``torch.compile`` (falls back to eager with a warning).
         mesh: a ``DeviceMesh`` all DTensor parameters must live on (scalar state is kept on its device type).
         name: the optimizer's name (defaults to the class name).
