@@ -3,7 +3,8 @@
 The method follows ``shared/spec/perf_baseline.md``:
 
 * **Parameter sets** (fp32): ``resnet50`` = the 161 real ResNet-50 parameter shapes (25,557,032 params),
-  ``many_small`` = 2,000 tensors of 4,096, ``one_big`` = one tensor of 25,000,000. Params are ``randn·0.1``
+  ``many_small`` = 2,000 tensors of 4,096, ``one_big`` = one tensor of 25,000,000, ``tiny_10k`` = 10,000
+  tensors of 256 (host work per tensor dominates: the case for flat buffers). Params are ``randn·0.1``
   and grads ``randn·0.01`` from a seeded generator (never zero).
 * **Floor** = the in-place triad ``a.add_(c, alpha=s)`` on 256 MiB arrays (reads a and c, writes a: the access
   pattern of an optimizer update), in GB/s (1e9 bytes/s). "% of floor" = a variant's effective GB/s over it.
@@ -54,6 +55,7 @@ __all__ = [
     "Row",
     "compare",
     "markdown_table",
+    "x_floor_note",
     "header",
     "log",
 ]
@@ -62,7 +64,7 @@ QUICK: bool = os.environ.get("OPTKIT_BENCH_QUICK", "") not in ("", "0")
 THREADS = 2
 torch.set_num_threads(THREADS)
 
-SET_NAMES = ("resnet50", "many_small", "one_big")
+SET_NAMES = ("resnet50", "many_small", "one_big", "tiny_10k")
 RESNET50_PARAMS = 25_557_032
 
 # timing knobs (perf_baseline.md "Method"); QUICK shrinks them for a smoke run
@@ -117,7 +119,23 @@ def param_set(name: str) -> list[tuple[int, ...]]:
         return [(4096,)] * (200 if QUICK else 2000)
     if name == "one_big":
         return [(2_500_000 if QUICK else 25_000_000,)]
+    if name == "tiny_10k":
+        return [(256,)] * (1000 if QUICK else 10_000)
+    if name == "transformer":
+        return transformer_shapes()
     raise ValueError(f"param_set: unknown set {name!r}; known: {SET_NAMES}")
+
+
+def transformer_shapes() -> list[tuple[int, ...]]:
+    """A small transformer's parameter shapes (the ``transformer`` set, not in ``SET_NAMES``): token and
+    position embeddings, then per layer fused QKV weight and bias, output projection, two LayerNorms and a
+    4x MLP; d = 512, 6 layers, a 32k vocabulary: 76 tensors, 35.8M params (QUICK: 2 layers, 4k vocabulary)."""
+    d, ff = 512, 2048
+    layers, vocab = (2, 4000) if QUICK else (6, 32000)
+    shapes: list[tuple[int, ...]] = [(vocab, d), (1024, d)]
+    for _ in range(layers):
+        shapes += [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (ff, d), (ff,), (d, ff), (d,), (d,), (d,)]
+    return shapes + [(d,), (d,)]
 
 
 def n_params(shapes: Sequence[Sequence[int]]) -> int:
@@ -304,6 +322,13 @@ def markdown_table(rows: Sequence[Row], title: str | None = None, note: str | No
     return "\n".join(lines)
 
 
+def x_floor_note(rows: Sequence[Row], total: int, bytes_per_param: float, floor: float) -> str:
+    """"× floor" of every row: its time over (minimal bytes ÷ the floor bandwidth)."""
+    floor_ms = total * bytes_per_param / (floor * 1e6)
+    return (f"Floor time for {bytes_per_param:g} B/param: {floor_ms:.2f} ms; × floor: "
+            + ", ".join(f"{r.variant} {r.ms / floor_ms:.2f}×" for r in rows) + ".")
+
+
 def header(title: str, floor: float) -> str:
     """Environment line for the top of a bench's Markdown."""
     mode = "QUICK (smoke run: shrunken sets, few steps; not for conclusions)" if QUICK else "full"
@@ -311,7 +336,8 @@ def header(title: str, floor: float) -> str:
         f"## {title}\n\n"
         f"torch {torch.__version__}, python {platform.python_version()}, threads={torch.get_num_threads()}, "
         f"{os.cpu_count()} cpus, {platform.machine()}; mode: {mode}; "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC\n\n"
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC; load average at start "
+        f"{os.getloadavg()[0]:.2f}\n\n"
         f"Floor (in-place triad `a.add_(c, alpha=s)`, {FLOOR_MIB} MiB arrays, median of {FLOOR_REPEATS}): "
         f"**{floor:.1f} GB/s**. Times are medians of per-step `perf_counter_ns`; variants of one table ran "
         f"interleaved in one process ({ROUNDS} rounds), so compare ratios within a table only.\n"

@@ -1,21 +1,24 @@
-"""Optimizers: optkit SGD and LARS against torch.optim.SGD and timm's Lars, on the three parameter sets.
+"""Optimizers: optkit SGD and LARS against torch.optim.SGD (fused) and timm's Lars, on the parameter sets.
 
-(a) SGD, momentum 0.9, Nesterov, weight decay 1e-4: ``torch.optim.SGD(foreach=True)``,
-    ``torch.optim.SGD(fused=True)`` (the ratio's reference), ``optkit.SGD`` eager and with
-    ``jit_compile=True``. torch's ``weight_decay`` is coupled (``g + wd·w``) and optkit's is the Keras
-    decoupled form (``w ← w − lr·wd·w``): different formulas, the same minimal traffic, 20 B/param
-    (read p, g, m; write p, m).
-(b) LARS, momentum 0.9, weight decay 1e-4, eeta/trust_coeff 0.001: timm's ``Lars(foreach=True)`` (the
-    reference; loaded from its file in site-packages without importing ``timm``, which needs torchvision),
-    ``Lars(foreach=False)``, and ``optkit.LARS`` (TF 1.15 and TF 1.14 forms). Minimal traffic 28 B/param
-    (two norm reads of p and g, then the 20-byte update).
+(a) SGD, momentum 0.9: ``torch.optim.SGD(fused=True)`` (the ratio's reference), ``foreach=True``,
+    ``optkit.SGD`` per tensor and over flat buffers (``optkit.flat_parameters``). 20 B/param (read p, g, m;
+    write p, m).
+(b) SGD, momentum 0.9 + weight decay 1e-4 + EMA 0.99: torch's fused SGD followed by a ``_foreach_lerp_``
+    EMA (the reference, 20 + 12 = 32 B/param), ``optkit.SGD(weight_decay=..., use_ema=True)`` per tensor,
+    flat, and with ``jit_compile=True`` (compiled before timing, first-call time reported; not on the
+    many-tensor sets, where compilation time grows with the tensor count). torch's decay is coupled
+    (``g + wd·w``), optkit's the Keras decoupled form (``w ← w − lr·wd·w``): different formulas, the same
+    traffic. One fused pass would move 28 B/param.
+(c) LARS, momentum 0.9, weight decay 1e-4, eeta/trust_coeff 0.001: timm's ``Lars(foreach=True)`` (the
+    reference; loaded from its file without importing ``timm``, which needs torchvision), ``foreach=False``,
+    ``optkit.LARS`` (TF 1.15 and TF 1.14 forms) per tensor and flat. 28 B/param (two norm reads of p and g,
+    then the 20-byte update).
 
 Every step starts from the same gradients (restored, untimed, from a reference copy: optkit's SGD writes
-``−lr·g`` back into ``.grad``, as torch's fused kernels do under a GradScaler). The ``jit_compile`` variant is
-compiled before timing (its first-call time is reported) and is skipped on ``many_small``, where compilation
-time grows with the tensor count (perf_baseline.md: 254 s for 2,000 tensors). Targets (eager, quiet machine):
-SGD ≤ 1.1× fused on resnet50 / one_big and ≤ 1.0× on many_small; LARS ≥ 67% of floor (within 1.5×) on
-resnet50 and one_big. Run ``python -m bench.bench_optimizers`` (``OPTKIT_BENCH_QUICK=1`` for a smoke run).
+``−lr·g`` back into ``.grad``, as torch's fused kernels do under a GradScaler). "× floor" = time ÷ (minimal
+bytes ÷ the in-place triad bandwidth measured in the same run). Targets (issue #13): (a) ≤ 1.0× fused on the
+large sets, ≤ 2× floor on all; (b) ≤ 1.0× the reference, ≤ 1.1× floor; (c) ≤ 1.3× floor large, ≤ 2× small.
+Run ``python -m bench.bench_optimizers`` (``OPTKIT_BENCH_QUICK=1`` for a smoke run).
 """
 
 from __future__ import annotations
@@ -25,14 +28,19 @@ import time
 import torch
 
 from bench import _harness as H
-from optkit import LARS, SGD
+from optkit import LARS, SGD, flat_parameters
 
 LR_SGD, LR_LARS = 0.01, 0.1
+#: sets with many tensors: flat buffers matter there, and jit_compile would compile for minutes
+MANY = ("many_small", "tiny_10k")
 
 
-def _variant(name, set_name, build):
-    """A variant over its own copy of the parameter set; ``build(params) -> step callable``."""
+def _variant(name, set_name, build, *, flat: bool = False):
+    """A variant over its own copy of the parameter set; ``build(params) -> step callable``; ``flat``: the
+    parameters are first moved into flat buffers."""
     params = H.make_params(set_name, seed=0)
+    if flat:
+        flat_parameters(params)
     grads = [p.grad for p in params]
     ref = [g.clone() for g in grads]
 
@@ -42,19 +50,10 @@ def _variant(name, set_name, build):
     return H.Variant(name, build(params), setup), params
 
 
-def bench_sgd(set_name: str, floor: float) -> str:
-    kw = dict(momentum=0.9, nesterov=True, weight_decay=1e-4)
+def _run(specs, set_name, floor, bytes_per_param, title, extra_note=""):
     variants, notes = [], []
-    specs = [
-        ("torch SGD fused=True", lambda ps: torch.optim.SGD(ps, lr=LR_SGD, fused=True, **kw).step),
-        ("torch SGD foreach=True", lambda ps: torch.optim.SGD(ps, lr=LR_SGD, foreach=True, **kw).step),
-        ("optkit SGD (eager)", lambda ps: SGD(ps, learning_rate=LR_SGD, **kw).step),
-    ]
-    if set_name != "many_small":
-        specs.append(("optkit SGD jit_compile=True",
-                      lambda ps: SGD(ps, learning_rate=LR_SGD, jit_compile=True, **kw).step))
-    for name, build in specs:
-        v, params = _variant(name, set_name, build)
+    for name, build, flat in specs:
+        v, params = _variant(name, set_name, build, flat=flat)
         if "jit" in name:
             v.setup()
             t0 = time.perf_counter()
@@ -62,10 +61,46 @@ def bench_sgd(set_name: str, floor: float) -> str:
             notes.append(f"`{name}` first call (compile) {time.perf_counter() - t0:.1f} s.")
         variants.append(v)
     total = H.n_params([p.shape for p in params])
-    rows = H.compare(variants, n_params=total, bytes_per_param=20, floor=floor)
-    title = (f"(a) SGD momentum 0.9 + Nesterov + wd 1e-4, set `{set_name}` "
-             f"({len(params)} tensors, {total:,} params)")
-    return H.markdown_table(rows, title=title, note=" ".join(notes) or None)
+    rows = H.compare(variants, n_params=total, bytes_per_param=bytes_per_param, floor=floor)
+    note = " ".join([H.x_floor_note(rows, total, bytes_per_param, floor), *notes, extra_note]).strip()
+    full = f"{title}, set `{set_name}` ({len(params)} tensors, {total:,} params)"
+    return H.markdown_table(rows, title=full, note=note)
+
+
+def bench_sgd(set_name: str, floor: float) -> str:
+    specs = [
+        ("torch SGD fused=True",
+         lambda ps: torch.optim.SGD(ps, lr=LR_SGD, momentum=0.9, fused=True).step, False),
+        ("torch SGD foreach=True",
+         lambda ps: torch.optim.SGD(ps, lr=LR_SGD, momentum=0.9, foreach=True).step, False),
+        ("optkit SGD", lambda ps: SGD(ps, learning_rate=LR_SGD, momentum=0.9).step, False),
+    ]
+    if set_name != "one_big":
+        specs.append(("optkit SGD flat", lambda ps: SGD(ps, learning_rate=LR_SGD, momentum=0.9).step, True))
+    return _run(specs, set_name, floor, 20, "(a) SGD momentum 0.9")
+
+
+def bench_sgd_ema(set_name: str, floor: float) -> str:
+    def torch_pipeline(ps):
+        opt = torch.optim.SGD(ps, lr=LR_SGD, momentum=0.9, weight_decay=1e-4, fused=True)
+        avgs = [p.detach().clone() for p in ps]
+
+        def step():
+            opt.step()
+            torch._foreach_lerp_(avgs, ps, 0.01)
+
+        return step
+
+    kw = dict(learning_rate=LR_SGD, momentum=0.9, weight_decay=1e-4, use_ema=True, ema_momentum=0.99)
+    specs = [("torch SGD fused + _foreach_lerp_ EMA", torch_pipeline, False),
+             ("optkit SGD wd+EMA", lambda ps: SGD(ps, **kw).step, False)]
+    if set_name != "one_big":
+        specs.append(("optkit SGD wd+EMA flat", lambda ps: SGD(ps, **kw).step, True))
+    if set_name not in MANY:
+        specs.append(("optkit SGD wd+EMA jit_compile=True", lambda ps: SGD(ps, jit_compile=True, **kw).step,
+                      False))
+    return _run(specs, set_name, floor, 32, "(b) SGD momentum 0.9 + weight decay 1e-4 + EMA 0.99",
+                "Bytes/param count the reference pipeline's two passes (32); one fused pass would move 28.")
 
 
 def bench_lars(set_name: str, floor: float, timm_lars) -> str:
@@ -78,8 +113,12 @@ def bench_lars(set_name: str, floor: float, timm_lars) -> str:
     okw = dict(momentum=0.9, weight_decay=1e-4, eeta=0.001)
     specs += [("optkit LARS tf1.15", lambda ps: LARS(ps, LR_LARS, **okw).step),
               ("optkit LARS tf1.14", lambda ps: LARS(ps, LR_LARS, variant="tf1.14", **okw).step)]
+    flat_names = set()
+    if set_name != "one_big":
+        specs.append(("optkit LARS tf1.15 flat", lambda ps: LARS(ps, LR_LARS, **okw).step))
+        flat_names.add("optkit LARS tf1.15 flat")
     for name, build in specs:
-        v, params = _variant(name, set_name, build)
+        v, params = _variant(name, set_name, build, flat=name in flat_names)
         variants.append(v)
     total = H.n_params([p.shape for p in params])
     rows = H.compare(variants, n_params=total, bytes_per_param=28, floor=floor)
@@ -88,7 +127,7 @@ def bench_lars(set_name: str, floor: float, timm_lars) -> str:
             + ", ".join(f"{r.variant} {r.ms / floor_ms:.2f}×" for r in rows) + ".")
     if timm_lars is None:
         note += " timm is not installed: no timm rows (`pip install --no-deps timm`)."
-    title = (f"(b) LARS momentum 0.9, wd 1e-4, eeta 0.001, set `{set_name}` "
+    title = (f"(c) LARS momentum 0.9, wd 1e-4, eeta 0.001, set `{set_name}` "
              f"({len(params)} tensors, {total:,} params)")
     return H.markdown_table(rows, title=title, note=note)
 
@@ -98,13 +137,15 @@ def main() -> str:
     floor = H.floor_gbps()
     timm_lars = H.load_timm_lars()
     parts = [H.header("Optimizers: optkit SGD / LARS vs torch.optim.SGD / timm Lars", floor)]
-    sgd, lars = [], []
+    sgd, ema, lars = [], [], []
     for set_name in H.SET_NAMES:
         H.log(f"bench_optimizers: SGD, {set_name} ...")
         sgd.append(bench_sgd(set_name, floor))
+        H.log(f"bench_optimizers: SGD + wd + EMA, {set_name} ...")
+        ema.append(bench_sgd_ema(set_name, floor))
         H.log(f"bench_optimizers: LARS, {set_name} ...")
         lars.append(bench_lars(set_name, floor, timm_lars))
-    parts += [*sgd, *lars]
+    parts += [*sgd, *ema, *lars]
     return "\n".join(parts)
 
 

@@ -12,18 +12,7 @@ import torch
 from optkit import LossScaleOptimizer, MixedPrecisionLossScaleOptimizer
 from optkit.loss_scale import DynamicLossScale, FixedLossScale, LogMaxScaler
 from optkit.sgd import SGD
-
-
-def scaled_step(opt):
-    """``opt.step()`` on gradients set by hand that already carry the loss scale (as after
-    ``scale_loss(loss).backward()``): loss-scale wrappers refuse unmarked gradients."""
-    level = opt
-    while isinstance(level, torch.optim.Optimizer):
-        if hasattr(level, "grads_scaled"):
-            level.grads_scaled = True
-        level = getattr(level, "optimizer", None)
-    return opt.step()
-
+from scaled_grads import scaled_step
 
 INF, NAN = float("inf"), float("nan")
 

@@ -10,18 +10,7 @@ import torch
 from optkit import LARC, LossScaleOptimizer, MixedPrecisionOptimizerWrapper, convert_model_to_half
 from optkit.loss_scale import DynamicLossScale
 from optkit.sgd import SGD
-
-
-def scaled_step(opt):
-    """``opt.step()`` on gradients set by hand that already carry the loss scale (as after
-    ``scale_loss(loss).backward()``): loss-scale wrappers refuse unmarked gradients."""
-    level = opt
-    while isinstance(level, torch.optim.Optimizer):
-        if hasattr(level, "grads_scaled"):
-            level.grads_scaled = True
-        level = getattr(level, "optimizer", None)
-    return opt.step()
-
+from scaled_grads import scaled_step
 
 MP = MixedPrecisionOptimizerWrapper
 HALF = [torch.float16, torch.bfloat16]

@@ -575,3 +575,19 @@ def test_torch_compile_of_step_traces_the_pointwise_rule(kind):
     for (_, x), (_, y) in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     assert int(ob.iterations) == 3
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_parameter_replaced_by_another_size_is_refused(kind):
+    """``p.data = <a tensor of another size>``: torch's fused kernels would read the old slots out of bounds;
+    the plan is rebuilt, the misfit slot named in a ValueError, and nothing is written."""
+    params = make_params()
+    opt = FACTORIES[kind](params)
+    do_step(opt, params, 0)
+    w = params[0][1]
+    w.data = torch.randn(3, 2)
+    w.grad = torch.randn(3, 2)
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match=params[0][0]):
+        opt.step()
+    assert torch.equal(w.detach(), before)

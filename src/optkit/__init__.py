@@ -10,7 +10,7 @@ each), ``registry`` (optimizers by name), ``param_rules`` (param groups by name,
 (``optimize_loss``). All per-parameter arithmetic lives in the private ``_multi_tensor`` layer.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The public face, by layer: foundations (multi-tensor math, clipping, schedules, loss scaling), optimizers,
 # wrappers over any optimizer, and the one-call training step.
@@ -27,6 +27,7 @@ from .clipping import (
     clip_grads_by_value_,
     global_norm,
 )
+from .flat import FlatParameters, flat_parameters
 from .ftrl import Ftrl
 from .lamb import LAMB
 from .larc import LARC
@@ -91,6 +92,8 @@ __all__ = [
     # wrappers
     "VariableClippingOptimizer", "LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer",
     "MixedPrecisionOptimizerWrapper", "convert_model_to_half", "LARC",
+    # flat buffers
+    "flat_parameters", "FlatParameters",
     # training
     "optimize_loss", "TrainOp", "StepResult", "OPTIMIZER_SUMMARIES", "get_regularization_loss",
     "add_regularizer", "clear_regularizers", "l1_regularizer", "l2_regularizer",

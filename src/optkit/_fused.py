@@ -13,9 +13,8 @@ memory-bandwidth floor on CPU (``spec/perf_baseline.md``), but they guard nothin
 :func:`partition` is the one capability check: per tensor position it decides whether the kernel may run on
 the tensors as they are (``native``), on contiguous float32/float64 copies that are written back afterwards
 (``staged``: same arithmetic, any layout, half dtypes computed in fp32 and rounded once), or not at all on
-this
-device (``fallback``: the optimizer's out-of-place rule). Sparse gradients and missing state never reach a
-kernel: the optimizer base coalesces or densifies sparse gradients and creates every slot at construction.
+this device (``fallback``: the optimizer's out-of-place rule). Sparse gradients and missing state never reach
+a kernel: the optimizer base coalesces or densifies sparse gradients and creates every slot at construction.
 """
 
 from __future__ import annotations
@@ -26,7 +25,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["KERNELS", "Part", "partition", "is_dense", "native_dtype_ok", "staged", "split_by_mask"]
+__all__ = [
+    "KERNELS", "Part", "partition", "is_dense", "native_dtype_ok", "staged", "split_by_mask", "unscale_arg",
+]
 
 _FLOATS = (torch.float32, torch.float64)
 _HALF_AND_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -147,6 +148,24 @@ def staged(part: Part, written: Sequence[int]) -> Iterator[tuple[list[Tensor], .
     yield copies
     for j in written:
         torch._foreach_copy_(list(originals[j]), copies[j])
+
+
+def unscale_arg(
+    k: Tensor | None, grads: list[Tensor], device: torch.device, dtype: torch.dtype
+) -> Tensor | None:
+    """The ``grad_scale`` argument that applies the step's gradient multiplier ``k`` inside a fused kernel.
+
+    The kernels compute ``g / grad_scale`` with a float32 ``grad_scale``, so for float32 and narrower
+    tensors this returns ``1/k`` as float32. For float64 a float32 ``1/k`` would round the unscaling, so
+    ``grads`` (the step's gradients or their staged copies) are multiplied by the float64 ``k`` in place and
+    None is returned. ``k`` None (nothing to unscale or clip) returns None.
+    """
+    if k is None:
+        return None
+    if dtype == torch.float64:
+        torch._foreach_mul_(grads, k.to(device=device, dtype=dtype))
+        return None
+    return torch.reciprocal(k.to(device=device, dtype=torch.float32))
 
 
 def split_by_mask(

@@ -12,17 +12,19 @@ instead of corrupting memory in a kernel.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from . import _fused
 from . import _multi_tensor as mt
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import Optimizer
 
-__all__ = ["Plan", "PlanView", "Block", "check_slot_fits"]
+__all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "check_slot_fits"]
 
 
 def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
@@ -59,6 +61,9 @@ class PlanView:
         self.slots = slots
         self.use_wd = use_wd
         self.any_wd = any(use_wd)
+        self.uniform_wd = use_wd[0] if all(w == use_wd[0] for w in use_wd) else None
+        self.flat = None
+        self.flat_active = False
 
 
 class Block:
@@ -67,8 +72,141 @@ class Block:
     tensor; ``split`` None when nothing is cut), the block's (device, dtype) when homogeneous, and whether
     every parameter and slot chunk is contiguous (the fused-kernel gate then checks only the gradients)."""
 
-    __slots__ = ("owners", "params", "slots", "averages", "split", "key", "identity", "all_wd", "avg_same",
+    __slots__ = ("owners", "params", "slots", "averages", "split", "key", "identity", "all_wd",
                  "static_contiguous")
+
+
+def _build_blocks(lists: list[list[Tensor]], slot_keys: list[str], use_wd: list[bool], has_avg: bool,
+                  cut: bool, block_numel: int) -> tuple[list[Block], list[tuple[int, torch.Size]]]:
+    """The blocks over parallel lists ``[params, grads, *slots, (averages)]``; cut into cache-sized chunks
+    when ``cut`` (:func:`optkit._multi_tensor.blocks`). Also returns the owners whose gradients are cut."""
+    n = len(lists[0])
+    raw = mt.blocks(lists, block_numel) if cut else [(list(range(n)), tuple(lists))]
+    blocks: list[Block] = []
+    split_owners: list[tuple[int, torch.Size]] = []
+    for owners, chunk_lists in raw:
+        b = Block()
+        b.owners = owners
+        b.params = chunk_lists[0]
+        b.slots = {s: chunk_lists[2 + j] for j, s in enumerate(slot_keys)}
+        b.averages = chunk_lists[-1] if has_avg else None
+        split = []
+        for o, chunk in zip(owners, chunk_lists[1]):
+            g = lists[1][o]
+            if chunk.numel() == g.numel() and chunk.data_ptr() == g.data_ptr():
+                split.append(None)
+            else:
+                start = chunk.storage_offset() - g.storage_offset()
+                split.append((start, start + chunk.numel()))
+                split_owners.append((o, g.shape))
+        b.split = None if all(r is None for r in split) else split
+        kinds = {(t.device, t.dtype) for t in b.params}
+        b.key = next(iter(kinds)) if len(kinds) == 1 else None
+        b.identity = len(owners) == n and owners == list(range(n))
+        b.all_wd = all(use_wd[o] for o in owners)
+        b.static_contiguous = all(t.is_contiguous() for t in b.params) and all(
+            t.is_contiguous() for s in slot_keys for t in b.slots[s])
+        blocks.append(b)
+    return blocks, list(dict(split_owners).items())
+
+
+def _run_view(ts: list[Tensor], layout: list[Tensor] | None = None) -> Tensor | None:
+    """One 1-D view over ``ts`` when they lie back to back, in order, in one storage (each dense, with the
+    shape and strides of the matching tensor of ``layout``, so that element pairs line up across lists);
+    else None. :mod:`optkit.flat` lays parameters, gradients, slots and averages out this way."""
+    first = ts[0]
+    if not all(type(t) in (Tensor, torch.nn.Parameter) for t in ts):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    start = pos = first.storage_offset()
+    for i, t in enumerate(ts):
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != pos or t.dtype != first.dtype \
+                or t.device != first.device or t.is_sparse:
+            return None
+        ref = t if layout is None else layout[i]
+        if t.shape != ref.shape or t.stride() != ref.stride() or not _fused.is_dense(t):
+            return None
+        pos += t.numel()
+    if len(ts) == 1 and first.is_contiguous():
+        return first.view(-1)
+    view = torch.empty(0, dtype=first.dtype, device=first.device)
+    return view.set_(first.untyped_storage(), start, (pos - start,), (1,))
+
+
+class RunAux:
+    """Per-tensor values for the row blocks of a :class:`FlatPart` (what ``_prepare`` returns there): one
+    entry per row chunk, e.g. LARS's ``(s·k, s·wd)`` as ``(rows, 1)`` column tensors."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+
+class FlatPart:
+    """The group as one flat run per list (parameters, gradients, slots, averages all back to back in their
+    own storages, as :func:`optkit.flat.flat_parameters` lays them out): its blocks are chunks of single
+    tensors, so a step costs O(#chunks) kernel calls, not O(#parameters). ``grad_objs`` are this plan's
+    gradient tensors: the same objects next step means the same flat gradient.
+
+    For per-tensor quantities (LARS trust ratios) the same memory is also cut into *runs* of consecutive
+    parameters of equal size, each a ``(count, size)`` matrix whose rows are the parameters: a per-parameter
+    norm is a row norm, a per-parameter factor a ``(count, 1)`` column that broadcasts. ``runs`` holds
+    ``(first segment, count, size)``; ``row_blocks`` are cache-sized row chunks of those matrices (one chunk
+    per block), ``row_grads`` the matching gradient chunks, ``chunk_segments[j]`` the segment range of chunk
+    ``j``, and ``row_views(lst)`` the run matrices of another list over the same segments."""
+
+    def __init__(self, blocks: list[Block], runs_views: list[Tensor], grad_objs: list[Tensor],
+                 uniform_wd: bool, numels: list[int], slot_keys: list[str], has_avg: bool,
+                 block_numel: int) -> None:
+        self.blocks = blocks
+        self.grad = runs_views[1]
+        self.grad_objs = grad_objs
+        self.all_wd = uniform_wd
+        self.runs: list[tuple[int, int, int]] = []
+        for i, n in enumerate(numels):
+            if self.runs and self.runs[-1][2] == n:
+                first, count, _ = self.runs[-1]
+                self.runs[-1] = (first, count + 1, n)
+            else:
+                self.runs.append((i, 1, n))
+        self._flats = runs_views
+        self.row_blocks: list[Block] = []
+        self.row_grads: list[Tensor] = []
+        self.chunk_segments: list[tuple[int, int]] = []
+        mats = [self.row_views(f) for f in runs_views]
+        key = (runs_views[0].device, runs_views[0].dtype)
+        for r, (first, count, n) in enumerate(self.runs):
+            rows = max(1, block_numel // max(n, 1))
+            for lo in range(0, count, rows):
+                hi = min(count, lo + rows)
+                chunk = [m[r][lo:hi] for m in mats]
+                b = Block()
+                b.owners = [len(self.row_blocks)]
+                b.params = [chunk[0]]
+                b.slots = {s: [chunk[2 + j]] for j, s in enumerate(slot_keys)}
+                b.averages = [chunk[-1]] if has_avg else None
+                b.split, b.key, b.identity, b.all_wd = None, key, False, uniform_wd
+                b.static_contiguous = True
+                self.row_blocks.append(b)
+                self.row_grads.append(chunk[1])
+                self.chunk_segments.append((first + lo, first + hi))
+
+    def row_views(self, flat: Tensor) -> list[Tensor]:
+        """The ``(count, size)`` run matrices of a flat run laid out like the parameters."""
+        out, offset = [], 0
+        for _, count, n in self.runs:
+            out.append(flat[offset:offset + count * n].view(count, n))
+            offset += count * n
+        return out
+
+    def params_rows(self) -> list[Tensor]:
+        """The parameters' run matrices."""
+        return self.row_views(self._flats[0])
+
+    def same_grads(self, grads: list[Tensor]) -> bool:
+        """Whether ``grads`` are this plan's gradient objects (a C-speed identity scan)."""
+        return len(grads) == len(self.grad_objs) and all(map(operator.is_, grads, self.grad_objs))
 
 
 class Plan:
@@ -89,6 +227,8 @@ class Plan:
         self.averages = [st[p]["average"] for p in params] if opt.use_ema else None
         self.use_wd = [opt._use_weight_decay(p, n) for p, n in zip(params, self.names)]
         self.any_wd = any(self.use_wd)
+        #: True / False when every parameter is / is not decayed, None when it differs
+        self.uniform_wd = self.use_wd[0] if all(w == self.use_wd[0] for w in self.use_wd) else None
         self.any_dtensor = any(mt.is_dtensor(t) for t in params) or any(mt.is_dtensor(g) for g in grads)
         self._ptrs = _data_ptrs(params, self.any_dtensor)
         loc = mt.local
@@ -96,40 +236,20 @@ class Plan:
         lists += [[loc(t) for t in self.slots[s]] for s in slot_keys]
         if self.averages is not None:
             lists.append([loc(a) for a in self.averages])
-        on_cpu = lists[0][0].device.type == "cpu"
-        if blocked and on_cpu:
-            raw = mt.blocks(lists, opt.block_numel)
-        else:
-            raw = [(list(range(len(params))), tuple(lists))]
-        self.blocks: list[Block] = []
-        self._split_owners: list[tuple[int, torch.Size]] = []
-        n = len(params)
-        for owners, chunk_lists in raw:
-            b = Block()
-            b.owners = owners
-            b.params = chunk_lists[0]
-            b.slots = {s: chunk_lists[2 + j] for j, s in enumerate(slot_keys)}
-            b.averages = chunk_lists[-1] if self.averages is not None else None
-            split = []
-            for o, chunk in zip(owners, chunk_lists[1]):
-                g = lists[1][o]
-                if chunk.numel() == g.numel() and chunk.data_ptr() == g.data_ptr():
-                    split.append(None)
-                else:
-                    start = chunk.storage_offset() - g.storage_offset()
-                    split.append((start, start + chunk.numel()))
-                    self._split_owners.append((o, g.shape))
-            b.split = None if all(r is None for r in split) else split
-            kinds = {(t.device, t.dtype) for t in b.params}
-            b.key = next(iter(kinds)) if len(kinds) == 1 else None
-            b.identity = len(owners) == n and owners == list(range(n))
-            b.all_wd = all(self.use_wd[o] for o in owners)
-            b.avg_same = b.averages is not None and all(
-                a.dtype == p.dtype for a, p in zip(b.averages, b.params))
-            b.static_contiguous = all(t.is_contiguous() for t in b.params) and all(
-                t.is_contiguous() for s in slot_keys for t in b.slots[s])
-            self.blocks.append(b)
-        self._split_owners = list(dict(self._split_owners).items())
+        cut = blocked and lists[0][0].device.type == "cpu"
+        self.blocks, self._split_owners = _build_blocks(lists, slot_keys, self.use_wd,
+                                                        self.averages is not None, cut, opt.block_numel)
+        self.flat: FlatPart | None = None
+        if not self.any_dtensor and len(params) > 1:
+            runs = [_run_view(lst, lists[0]) for lst in lists]
+            if all(r is not None for r in runs):
+                fblocks, _ = _build_blocks([[r] for r in runs], slot_keys, [bool(self.uniform_wd)],
+                                           self.averages is not None, cut, opt.block_numel)
+                self.flat = FlatPart(fblocks, runs, list(grads), bool(self.uniform_wd),
+                                     [p.numel() for p in lists[0]], slot_keys, self.averages is not None,
+                                     opt.block_numel)
+        #: set by the optimizer before ``_prepare`` each step: whether this step may use the flat part
+        self.flat_active = False
 
     def params_fit(self, params: list[Tensor]) -> bool:
         """Whether the parameters still live where the plan's chunk views point (``p.data = ...`` or a move

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._amp import AmpProtocol
 from ._tf_surface import autograd_pairs as _autograd_pairs
 from ._tf_surface import check_pairs as _check_pairs
 from ._tf_surface import gradients_installed
@@ -86,14 +87,13 @@ def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
-class OptimizerWrapper(torch.optim.Optimizer):
+class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
     """Base of optkit wrappers: holds ``self.optimizer`` and proxies the ``torch.optim`` and TF surfaces.
 
     Subclasses implement :meth:`_wrapped_step` (and optionally :meth:`_own_state`, :meth:`_load_own_state`,
     :meth:`_own_config`, :meth:`_remap_params`).
     """
 
-    _step_supports_amp_scaling = True  # GradScaler may set grad_scale / found_inf on a wrapper
     #: a wrapper that must not be wrapped by another optkit wrapper (it changes which tensors hold gradients)
     _outermost_only = False
 
@@ -169,22 +169,6 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return getattr(inner, name)
 
     @property
-    def amp_protocol(self) -> bool:
-        """Whether ``torch.amp.GradScaler`` hands ``grad_scale``/``found_inf`` to ``step()`` (True, the
-        default: unscaling and the skip fold into the update, no extra pass and no host sync) or unscales
-        ``.grad`` itself before ``step()`` (False). Set it to False where a framework clips gradients between
-        unscaling and the step and refuses optimizers that unscale internally: Lightning's
-        ``gradient_clip_val`` under ``precision="16-mixed"``/``"bf16-mixed"``. (Clipping inside the optimizer,
-        ``global_clipnorm=``, needs neither.)"""
-        return bool(self._step_supports_amp_scaling)
-
-    @amp_protocol.setter
-    def amp_protocol(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"`amp_protocol` must be a bool, got {value!r}")
-        self._step_supports_amp_scaling = value  # read by torch.amp.GradScaler and Lightning
-
-    @property
     def iterations(self) -> Tensor:
         """The inner optimizer's count of applied updates (optkit optimizers; skipped steps do not count)."""
         return self._inner_attr("iterations")
@@ -245,6 +229,11 @@ class OptimizerWrapper(torch.optim.Optimizer):
         d = self.__dict__
         return d.get("grad_scale"), d.get("found_inf"), d.get("grad_multipliers")
 
+    def whole_grads(self) -> list[Tensor] | None:
+        """The inner optimizer's :meth:`optkit.Optimizer.whole_grads` (flat gradients), or None."""
+        whole = getattr(self.optimizer, "whole_grads", None)
+        return None if whole is None else whole()
+
     def _params_with_grads(self) -> tuple[list[Tensor], list[Tensor]]:
         params, grads = [], []
         for g in self.param_groups:
@@ -262,7 +251,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        mt.reduce_partial_grads_(self._all_params())  # before any wrapper reads a gradient
+        if getattr(_innermost(self), "_any_dtensor", True):  # before any wrapper reads a gradient
+            mt.reduce_partial_grads_(self._all_params())
         grad_scale, found_inf, multipliers = self._take_protocol()
         self._wrapped_step(grad_scale, found_inf, multipliers)
         return loss

@@ -21,10 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from . import _multi_tensor as mt
-from ._fused import split_by_mask
+from ._fused import split_by_mask, unscale_arg
 from .optimizer import Optimizer, check_number
 
 __all__ = ["Adagrad"]
@@ -76,8 +75,8 @@ class Adagrad(Optimizer):
         d = self.defaults
         return {k: d[k] for k in ("initial_accumulator_value", "epsilon", "lr_decay")}
 
-    def _make_slot(self, p: Tensor, slot: str, group: dict) -> Tensor:
-        return torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+    def _slot_fill(self, slot: str, group: dict) -> float:
+        return float(group["initial_accumulator_value"])
 
     def _pointwise_hyper(self, group: dict) -> tuple:
         return (float(group["lr_decay"]), float(group["weight_decay"]), float(group["epsilon"]))
@@ -87,6 +86,8 @@ class Adagrad(Optimizer):
     def _prepare(self, group, plan, params, grads, lr, k) -> list:
         """``(t, decayed)`` per tensor: the update number (0-d float32, no host sync) and the decay mask."""
         t = (self._iterations + 1).to(torch.float32)
+        if plan.uniform_wd is not None:  # one shared entry: the base may then step a flat buffer at once
+            return [(t, plan.uniform_wd)] * len(params)
         return [(t, d) for d in plan.use_wd]
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
@@ -99,12 +100,7 @@ class Adagrad(Optimizer):
             if mode == "fallback":
                 self._pointwise_fallback(group, part[0], part[1], part[2:], lr, k, fi, [aux[i] for i in ix])
                 continue
-            scale = None
-            if k is not None:
-                if dtype == torch.float64:  # the kernel's grad_scale is float32: unscale in float64
-                    torch._foreach_mul_(part[1], k.to(device=device, dtype=dtype))
-                else:
-                    scale = torch.reciprocal(k.to(device=device, dtype=torch.float32))
+            scale = unscale_arg(k, part[1], device, dtype)
             lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
             t_ = t.to(device)
             for decayed, (p, g, s) in split_by_mask(mask, ix, part):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import _multi_tensor as mt
-from ._fused import split_by_mask
+from ._fused import split_by_mask, unscale_arg
 from .optimizer import Optimizer, check_number
 
 __all__ = ["Adam", "AdamW"]
@@ -99,6 +99,8 @@ class Adam(Optimizer):
     def _prepare(self, group, plan, params, grads, lr, k) -> list:
         """``(t, decayed)`` per tensor: the update number (0-d float32, no host sync) and the decay mask."""
         t = (self._iterations + 1).to(torch.float32)
+        if plan.uniform_wd is not None:  # one shared entry: the base may then step a flat buffer at once
+            return [(t, plan.uniform_wd)] * len(params)
         return [(t, d) for d in plan.use_wd]
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
@@ -113,12 +115,7 @@ class Adam(Optimizer):
             if mode == "fallback":
                 self._pointwise_fallback(group, part[0], part[1], part[2:], lr, k, fi, [aux[i] for i in ix])
                 continue
-            scale = None
-            if k is not None:
-                if dtype == torch.float64:  # the kernel's grad_scale is float32: unscale in float64
-                    torch._foreach_mul_(part[1], k.to(device=device, dtype=dtype))
-                else:
-                    scale = torch.reciprocal(k.to(device=device, dtype=torch.float32))
+            scale = unscale_arg(k, part[1], device, dtype)
             lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
             t_ = t.to(device)
             for decayed, sub in split_by_mask(mask, ix, part):

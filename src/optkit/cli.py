@@ -8,7 +8,11 @@
 
 Every ``train`` option is a field of :class:`optkit.demo.config.TrainConfig`; the flags are generated from it,
 so the TOML keys, the flags and ``--help`` always agree. Options are validated before any work starts; a bad
-value ends the command with exit status 2 and a message naming the flag.
+value, a refused file or folder, a missing optional package or a failed write ends the command with exit
+status 2 and a one-line message naming the flag or the file (several problems: one line each).
+
+Building the parser imports neither torch nor the library's modules (only the option table of
+:mod:`optkit.demo.config`), so ``--help`` and ``--version`` cost what importing the ``optkit`` package costs.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from optkit.demo.config import (
     merge,
     parse_assignment,
     parse_value,
-    validate,
 )
+from optkit.demo.extras import PACKAGES, extra_for, require
 
 __all__ = ["main", "build_parser", "config_from_args", "to_toml"]
 
@@ -127,9 +131,16 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
             )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error message (exit status 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``optkit`` argument parser (subcommands ``train``, ``lr-plot``, ``bench``)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="optkit",
         description="optkit: the TensorFlow-era optimizer suite for PyTorch. "
         "Run `optkit train` for the demo.",
@@ -149,8 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume",
         metavar="RUN_OR_CHECKPOINT",
-        help="continue a run from its newest checkpoint (a run folder) or from a checkpoint file; "
-        "the run's own configuration is used, flags given here override it",
+        help="continue a run from its newest checkpoint (a run folder) or from a checkpoint file, in the run "
+        "folder that holds it (or in a new folder given with --run-dir); the run's own configuration is "
+        "used, flags given here override it except those that would make it another run (--optimizer, "
+        "--dtype, ...). Checkpoints are read with torch.load(weights_only=True): see README, 'Checkpoints "
+        "and safety'",
     )
     train.add_argument(
         "--print-config", action="store_true", help="print the effective configuration as TOML and exit"
@@ -169,7 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument(
         "--steps", type=int, default=None, help="steps to draw (default: 1.1 x the longest decay)"
     )
-    plot.add_argument("--out", default="lr_policies.png", help="output PNG (default: lr_policies.png)")
+    plot.add_argument(
+        "--out",
+        default="lr_policies.png",
+        help="output file; the extension picks the format (.png, .svg, .pdf, .jpg; none: .png is added) "
+        "(default: lr_policies.png)",
+    )
     plot.add_argument("--log-y", action="store_true", help="logarithmic learning-rate axis")
 
     bench = sub.add_parser(
@@ -222,28 +241,32 @@ def _toml_nulls(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] | None]:
-    """The effective configuration (and the loaded checkpoint when resuming), validated."""
-    from optkit.demo.checkpoint import load_checkpoint
-    from optkit.demo.components import keeps_ema
+def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Any]:
+    """The effective configuration, validated and with canonical names, and the loaded checkpoint when
+    resuming (a :class:`~optkit.demo.checkpoint.Checkpoint`, whose continuation rules are checked)."""
+    from optkit.demo.validation import validate
 
     resume = None
     cfg = TrainConfig()
-    ema_chosen = False  # EMA is on by default; an optimizer without it turns the default off
     if args.resume:
+        from optkit.demo.checkpoint import load_checkpoint
+        from optkit.demo.resume import saved_config
+
         resume = load_checkpoint(args.resume)
-        cfg = merge(cfg, {k: v for k, v in resume["config"].items() if k in FIELDS})
-        ema_chosen = True
+        cfg = saved_config(resume)
     if args.config:
-        data = _toml_nulls(load_toml(args.config))
-        ema_chosen = ema_chosen or "ema_momentum" in data
-        cfg = merge(cfg, data)
+        cfg = merge(cfg, _toml_nulls(load_toml(args.config)))
     updates, dict_ops = _flag_values(args)
-    ema_chosen = ema_chosen or "ema_momentum" in updates
     cfg = merge(cfg, updates, dict_ops)
-    if not ema_chosen and cfg.ema_momentum is not None and not keeps_ema(cfg.optimizer):
-        cfg = merge(cfg, {"ema_momentum": None})  # torch-based optimizers keep no weight average
-    validate(cfg)
+    if resume is not None:
+        from optkit.demo.resume import check_continuation
+
+        check_continuation(resume, cfg)  # first: "the optimizer changed" says more than its consequences
+    cfg = validate(cfg)
+    if resume is not None:
+        from optkit.demo.resume import check_progress
+
+        check_progress(resume, cfg)
     return cfg, resume
 
 
@@ -291,10 +314,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_lr_plot(args: argparse.Namespace) -> int:
+    require(["matplotlib"], "optkit lr-plot")
     from optkit.demo.lr_plot import parse_specs, plot_policies
 
     path = plot_policies(parse_specs(args.spec), args.out, steps=args.steps, log_y=args.log_y)
-    print(f"wrote {path}")
+    note = f" (--out {args.out} has no extension: .png added)" if str(path) != str(args.out) else ""
+    print(f"wrote {path}{note}")
     return 0
 
 
@@ -319,8 +344,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "bench.run_all", *args.args], cwd=root, env=env)
 
 
+def _fail(command: str, message: str) -> int:
+    print(f"optkit {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``optkit`` command; returns the exit status."""
+    """Entry point of the ``optkit`` command; returns the exit status (2 for every refused input)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
@@ -331,8 +361,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except ConfigError as err:
-        print(f"optkit {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(args.command, str(err))
+    except ModuleNotFoundError as err:
+        root = (err.name or "").split(".")[0]
+        if root not in PACKAGES:
+            raise
+        return _fail(args.command, str(extra_for([root], f"optkit {args.command}")))
+    except OSError as err:  # the environment (a disk, a folder) rather than the input: still one line
+        where = f"{err.filename}: " if err.filename else ""
+        return _fail(args.command, f"{where}{err.strerror or err}")
     except KeyboardInterrupt:
         print("optkit: interrupted", file=sys.stderr)
         return 130

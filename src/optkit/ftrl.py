@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from . import _multi_tensor as mt
 from .optimizer import Optimizer, check_number
@@ -108,10 +107,8 @@ class Ftrl(Optimizer):
     def _hyper_config(self) -> dict:
         return {key: self.defaults[key] for key in self._KEYS}
 
-    def _make_slot(self, p: Tensor, slot: str, group: dict) -> Tensor:
-        if slot == "accum":
-            return torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
-        return torch.zeros_like(p, memory_format=torch.preserve_format)
+    def _slot_fill(self, slot: str, group: dict) -> float:
+        return float(group["initial_accumulator_value"]) if slot == "accum" else 0.0
 
     def _pointwise_hyper(self, group: dict) -> tuple:
         return (group["learning_rate_power"], group["l1_regularization_strength"],

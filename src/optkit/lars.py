@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._plan import RunAux
 from .momentum import sparse_momentum_rows_
 from .optimizer import Optimizer, check_number
 
@@ -190,22 +191,23 @@ class LARS(Optimizer):
         skip_list = group["skip_list"]
         return skip_list is not None and any(s in name for s in skip_list)
 
-    def _static(self, group: dict, names: list[str], params: list[Tensor], dev, dtype) -> tuple:
-        """Per-group facts that only change with the parameter set: which tensors skip LARS, their indices,
-        and the per-tensor weight-decay vector (cached; the key is built at C speed)."""
+    def _static(self, group: dict, plan, params: list[Tensor], dev, dtype) -> tuple:
+        """Per-group facts that only change with the plan (the parameter set) or the options: which tensors
+        skip LARS, their indices and mask, and the per-tensor weight-decay vector (cached per plan)."""
         skip_list = group["skip_list"]
-        key = (id(group), tuple(names), None if skip_list is None else tuple(skip_list), group["exclude_1d"],
+        key = (id(plan), None if skip_list is None else tuple(skip_list), group["exclude_1d"],
                group["weight_decay"], dev, dtype)
         hit = self._static_cache.get(id(group))
-        if hit is not None and hit[0] == key:
+        if hit is not None and hit[0] == key and hit[2] is plan:
             return hit[1]
-        skipped = [self._skipped(group, nm, p) for nm, p in zip(names, params)]
+        skipped = [self._skipped(group, nm, p) for nm, p in zip(plan.names, params)]
         adapt = [i for i, sk in enumerate(skipped) if not sk]
         wd = float(group["weight_decay"])
         wd_vec = torch.tensor([0.0 if sk else wd for sk in skipped], dtype=dtype, device=dev)
         index = torch.tensor(adapt, dtype=torch.long, device=dev)
-        value = (adapt, len(adapt) == len(params), index, wd_vec)
-        self._static_cache[id(group)] = (key, value)
+        mask = torch.tensor([not sk for sk in skipped], dtype=torch.bool, device=dev)
+        value = (adapt, len(adapt) == len(params), index, wd_vec, mask)
+        self._static_cache[id(group)] = (key, value, plan)
         return value
 
     _prepare_reads_grads = True
@@ -214,12 +216,15 @@ class LARS(Optimizer):
         """Per-tensor factors as 0-d tensors: ``(s·k, s·wd)`` for TF 1.15, ``(s, s·m)`` for TF 1.14, with
         ``s = lr·trust``. One grouped norm call (two read-only passes: weights and gradients), stacked
         vector arithmetic, no host sync."""
-        names = plan.names
         n = len(params)
         dev = mt.local(params[0]).device
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        adapt, all_adapt, index, wd_vec = self._static(group, names, params, dev, dtype)
+        dtype = torch.float64 if mt.local(params[0]).dtype == torch.float64 else torch.float32
+        if not plan.flat_active:
+            dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        adapt, all_adapt, index, wd_vec, mask = self._static(group, plan, params, dev, dtype)
         lr = lr.to(device=dev, dtype=dtype)
+        if plan.flat_active:
+            return self._prepare_rows(group, plan.flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask)
         if adapt:
             sel_p = params if all_adapt else [params[i] for i in adapt]
             sel_g = grads if all_adapt else [grads[i] for i in adapt]
@@ -243,6 +248,33 @@ class LARS(Optimizer):
             sk = s if k is None else s * k.to(device=dev, dtype=dtype)
             return list(zip(sk.unbind(), (s * wd_vec).unbind()))
         return list(zip(s.unbind(), (s * float(group["momentum"])).unbind()))
+
+    def _prepare_rows(self, group, flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask) -> RunAux:
+        """:meth:`_prepare` over a flat buffer's runs (:class:`optkit._plan.FlatPart`): per-parameter norms as
+        row norms of the run matrices (one kernel per run, no per-parameter work), the factors as ``(rows,
+        1)`` columns per row chunk."""
+        dev = lr.device
+        if adapt:
+            w_n = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype) for m in flat.params_rows()])
+            g_n = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype)
+                             for m in flat.row_views(flat.grad)])
+            if k is not None:
+                g_n = g_n * k.to(device=dev, dtype=dtype).abs()
+            wd = float(group["weight_decay"])
+            ratio = group["eeta"] * w_n / (g_n + wd * w_n + group["epsilon"])
+            ok = (w_n > 0) & (g_n > 0)
+            if not all_adapt:
+                ok = ok & mask
+            s = lr * torch.where(ok, ratio, torch.ones_like(ratio))
+        else:
+            s = lr.expand(len(wd_vec))
+        if group["variant"] == "tf1.15":
+            c1 = s if k is None else s * k.to(device=dev, dtype=dtype)
+            c2 = s * wd_vec
+        else:
+            c1, c2 = s, s * float(group["momentum"])
+        c1, c2 = c1.unsqueeze(1), c2.unsqueeze(1)
+        return RunAux([(c1[lo:hi], c2[lo:hi]) for lo, hi in flat.chunk_segments])
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         m = float(group["momentum"])

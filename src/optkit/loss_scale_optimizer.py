@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs, protocol_level
+from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs, _innermost, protocol_level
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 
 __all__ = ["LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer"]
@@ -138,7 +138,8 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
         raise RuntimeError(
             f"{type(wrapper).__name__}.step(): the gradients did not come from scale_loss(loss) (loss·S); "
             f"dividing them by the loss scale would stall training. {_UNSCALED_HELP}")
-    mt.reduce_partial_grads_(wrapper._all_params())  # before the non-finite check reads them
+    if getattr(_innermost(wrapper), "_any_dtensor", True):  # before the non-finite check reads them
+        mt.reduce_partial_grads_(wrapper._all_params())
     wrapper._wrapped_step(*wrapper._take_protocol())
     wrapper.grads_scaled = False
     return loss
@@ -197,7 +198,10 @@ class LossScaleOptimizer(OptimizerWrapper):
         return scaled_backward_step(self, closure)
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers, *, scaled: bool = True) -> None:
-        _, grads = self._params_with_grads()
+        whole = getattr(self.optimizer, "whole_grads", None)
+        grads = whole() if whole is not None else None  # flat buffers: one check over each flat gradient
+        if grads is None:
+            _, grads = self._params_with_grads()
         scale = self.loss_scaler() if scaled else None
         loss_scaled_step(self, self.loss_scaler, grads, scale, grad_scale, found_inf, multipliers)
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from ._fused import split_by_mask
+from ._fused import split_by_mask, unscale_arg
 from .optimizer import Optimizer, check_number
 
 __all__ = ["Momentum"]
@@ -97,12 +97,7 @@ class Momentum(Optimizer):
                 self._pointwise_fallback(group, *part[:2], [part[2]], lr, k, fi,
                                          None if aux is None else [aux[i] for i in ix])
                 continue
-            scale = None
-            if k is not None:
-                if dtype == torch.float64:  # the kernel's grad_scale is float32: unscale in float64
-                    torch._foreach_mul_(part[1], k.to(device=device, dtype=dtype))
-                else:
-                    scale = torch.reciprocal(k.to(device=device, dtype=torch.float32))
+            scale = unscale_arg(k, part[1], device, dtype)
             lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
             for decayed, (p, g, b) in split_by_mask(aux, ix, part):
                 torch._fused_sgd_(

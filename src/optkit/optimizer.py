@@ -34,6 +34,8 @@ cache-sized chunks (``_multi_tensor.blocks``) so their chain costs about one swe
 from __future__ import annotations
 
 import inspect
+import itertools
+import operator
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,12 +46,14 @@ from torch import Tensor
 
 from . import _fused
 from . import _multi_tensor as mt
+from ._amp import AmpProtocol
 from ._compile import chain, compiled_chain, warn_compile_fallback
 from ._params import normalize_param_groups
-from ._plan import Plan, PlanView, check_slot_fits
+from ._plan import Plan, PlanView, RunAux, check_slot_fits
 from ._state_dict import validate_state_dict
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
+from .flat import flat_buffer_of
 
 __all__ = ["Optimizer", "check_number", "autograd_pairs"]
 
@@ -67,7 +71,7 @@ def _callable_arity(fn: Callable) -> int:
     return len(required)
 
 
-class Optimizer(TFSurface, torch.optim.Optimizer):
+class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     """Base class of optkit optimizers (Keras 3 semantics on a ``torch.optim.Optimizer``).
 
     Args:
@@ -95,10 +99,9 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         amsgrad: accepted and ignored, as in the seed (``Adam`` has its own).
 
     Subclasses set ``slot_names``, implement :meth:`_update` and ``_pointwise`` (and optionally
-    :meth:`_prepare`, :meth:`_make_slot`, :meth:`_sparse_update`).
+    :meth:`_prepare`, :meth:`_slot_fill`, :meth:`_sparse_update`).
     """
 
-    _step_supports_amp_scaling = True  # step() consumes grad_scale / found_inf (torch.amp.GradScaler)
     slot_names: tuple[str, ...] = ()
     #: whether the group key ``weight_decay`` means Keras decoupled decay (LARS uses it for its own rule)
     _decoupled_weight_decay = True
@@ -197,7 +200,9 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         self._fp64_cache: dict[int, tuple] = {}
         self._block = None  # the Block of the blocked pass being run (kernel-gate and grouping hints)
         self._ema_swapped = False  # inside an ema_weights() block
+        self._any_dtensor = False  # whether a parameter is a DTensor (set as groups are added)
         self._slots_seen: dict[int, tuple[str, ...]] = {}  # id(group) -> the slots created for it
+        self._flat_slots: dict[tuple[int, str], Tensor] = {}  # (flat parameter storage, slot) -> flat slot
         self._host_iterations = 0  # exact while no found_inf was ever given
         self._host_exact = True
 
@@ -280,6 +285,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
     def _build_group(self, group: dict) -> None:
         for p in group["params"]:
             self._init_state(p, group)
+        self._any_dtensor = self._any_dtensor or any(mt.is_dtensor(p) for p in group["params"])
 
     def _active_slots(self, group: dict) -> tuple[str, ...]:
         """The slots ``group`` uses (default: all of ``slot_names``; SGD keeps no momentum buffer for a
@@ -302,13 +308,28 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         st["step"] = self._iterations
         for slot in self._active_slots(group):
             if slot not in st:
-                st[slot] = self._make_slot(p, slot, group)
+                st[slot] = self._new_slot(p, slot, self._slot_fill(slot, group))
         if self.use_ema and "average" not in st:
-            st["average"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["average"] = self._new_slot(p, "average", 0.0)
 
-    def _make_slot(self, p: Tensor, slot: str, group: dict) -> Tensor:
-        """Create one slot for ``p`` (zeros with the parameter's placement). Subclasses may override."""
-        return torch.zeros_like(p, memory_format=torch.preserve_format)
+    def _slot_fill(self, slot: str, group: dict) -> float:
+        """The initial value of ``slot`` (0; RMSProp's ``rms`` starts at 1, Adagrad's and Ftrl's accumulators
+        at ``initial_accumulator_value``). Subclasses override."""
+        return 0.0
+
+    def _new_slot(self, p: Tensor, slot: str, fill: float) -> Tensor:
+        """A slot for ``p`` filled with ``fill``: like ``p`` (its placement and memory format), or, for a
+        parameter in a flat buffer (:func:`optkit.flat_parameters`), a view at the same place in a flat buffer
+        of this slot, so that the optimizer can step the whole buffer at once."""
+        flat = flat_buffer_of(p)
+        if flat is None:
+            return torch.full_like(p, fill, memory_format=torch.preserve_format)
+        key = (flat.untyped_storage().data_ptr(), slot)
+        buf = self._flat_slots.get(key)
+        if buf is None or buf.numel() != flat.numel():
+            buf = self._flat_slots[key] = torch.empty_like(flat)
+        view = buf.as_strided(p.shape, p.stride(), p.storage_offset() - flat.storage_offset())
+        return view.fill_(fill)
 
     def build(self, var_list: Iterable[Tensor] | None = None) -> None:
         """Create missing optimizer state for ``var_list`` (default: every parameter). Idempotent.
@@ -381,12 +402,15 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             lr = fn()
             group["lr"] = lr
         dtype = torch.float64 if self._has_fp64(group) else torch.float32
-        if isinstance(lr, Tensor):
-            out = lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
-        else:
-            out = torch.tensor(float(lr), dtype=dtype, device=self._state_device)
-        scale = group.get("lr_scale", 1.0)
-        return out if not isinstance(scale, Tensor) and scale == 1.0 else out * scale
+        scale = group.get("lr_scale", 1.0)  # layer-wise decay (optkit.param_groups)
+        if isinstance(lr, Tensor) or isinstance(scale, Tensor):
+            out = lr.detach().to(device=self._state_device, dtype=dtype).reshape(()) if isinstance(lr, Tensor) \
+                else torch.tensor(float(lr), dtype=dtype, device=self._state_device)
+            return out if not isinstance(scale, Tensor) and scale == 1.0 else out * scale
+        value = float(lr) * float(scale)
+        out = torch.tensor(value, dtype=dtype, device=self._state_device)
+        out.host_value = value  # the number itself, for kernels that take a Python float (no device read)
+        return out
 
     def _has_fp64(self, group: dict) -> bool:
         """Whether ``group`` holds float64 parameters (they get float64 hyperparameters); cached per group
@@ -405,22 +429,6 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
     def iterations(self) -> Tensor:
         """Number of applied updates (0-d int64 tensor; skipped steps do not count)."""
         return self._iterations
-
-    @property
-    def amp_protocol(self) -> bool:
-        """Whether ``torch.amp.GradScaler`` hands ``grad_scale``/``found_inf`` to ``step()`` (True, the
-        default: unscaling and the skip fold into the update, no extra pass and no host sync) or unscales
-        ``.grad`` itself before ``step()`` (False). Set it to False where a framework clips gradients between
-        unscaling and the step and refuses optimizers that unscale internally: Lightning's
-        ``gradient_clip_val`` under ``precision="16-mixed"``/``"bf16-mixed"``. (Clipping inside the optimizer,
-        ``global_clipnorm=``, needs neither.)"""
-        return bool(self._step_supports_amp_scaling)
-
-    @amp_protocol.setter
-    def amp_protocol(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"`amp_protocol` must be a bool, got {value!r}")
-        self._step_supports_amp_scaling = value  # read by torch.amp.GradScaler and Lightning
 
     # ------------------------------------------------------------------------------------------------ decay
 
@@ -463,6 +471,50 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------ step
 
+    def whole_grads(self) -> list[Tensor] | None:
+        """The gradients as few tensors, for reductions over all of them (wrappers' non-finite checks):
+        each group's flat gradient when every group's cached plan is flat (:func:`optkit.flat_parameters`) and
+        this step's gradients are its views; None otherwise (then use the per-parameter gradients)."""
+        out = []
+        for group in self.param_groups:
+            plan = self._plans.get(id(group))
+            flat = None if plan is None else plan.flat
+            if flat is None or len(flat.grad_objs) != len(group["params"]) \
+                    or not flat.same_grads([p.grad for p in group["params"]]):
+                return None
+            out.append(flat.grad)
+        return out
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch semantics, except for parameters in flat buffers (:func:`optkit.flat_parameters`): their
+        gradients are zeroed in place, keeping the views (one fill per group whose plan holds them flat)."""
+        rest = []
+        for group in self.param_groups:
+            plan = self._plans.get(id(group))
+            flat = None if plan is None else plan.flat
+            if flat is not None and len(flat.grad_objs) == len(group["params"]) \
+                    and flat.same_grads([p.grad for p in group["params"]]):
+                flat.grad.zero_()
+            else:
+                rest.append(group)
+        zero = []
+        for group in rest:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if set_to_none and flat_buffer_of(p) is None:
+                    p.grad = None
+                    continue
+                if g.grad_fn is not None:
+                    g.detach_()
+                else:
+                    g.requires_grad_(False)
+                zero.append(g)
+        for _, (_, (ts,)) in mt.group_by_device_dtype(zero).items() if zero else ():
+            torch._foreach_zero_(ts)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update over every parameter with a gradient; returns the closure's loss (torch semantics).
@@ -484,14 +536,14 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         return loss
 
     def _gather(self, group: dict) -> tuple[list[int], list[Tensor], list[Tensor]]:
-        idx, params, grads = [], [], []
-        for i, p in enumerate(group["params"]):
-            g = p.grad
-            if g is not None:
-                idx.append(i)
-                params.append(p)
-                grads.append(g)
-        return idx, params, grads
+        """(indices, parameters, gradients) of the group's parameters that have a gradient. One read of
+        ``.grad`` per parameter (about 0.25 us each, the floor of torch's Python API) when all have one."""
+        ps = group["params"]
+        grads = [p.grad for p in ps]
+        if not any(map(operator.is_, grads, itertools.repeat(None))):
+            return list(range(len(ps))), list(ps), grads
+        idx = [i for i, g in enumerate(grads) if g is not None]
+        return idx, [ps[i] for i in idx], [grads[i] for i in idx]
     def _apply(
         self, grad_scale: Tensor | None, found_inf: Tensor | None, multipliers: dict | None = None
     ) -> None:
@@ -500,31 +552,38 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         pass instead of a separate sweep)."""
         dev = self._state_device
         self._ensure_slots()
-        mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])  # TP + SP gradients
+        if self._any_dtensor:  # tensor + sequence parallel: Partial gradients are reduced before anything
+            mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])
         gathered = [self._gather(g) for g in self.param_groups]
-        all_grads = [g for _, _, gs in gathered for g in gs]
         if found_inf is not None:
             found_inf = found_inf.detach().to(device=dev, dtype=torch.float32).reshape(())
             self._host_exact = False
-        if not all_grads:
+        if not any(gs for _, _, gs in gathered):
             self.step_applied = torch.zeros((), dtype=torch.bool, device=dev)
             return
 
+        # groups whose gradients are still the views of a flat buffer (optkit.flat_parameters): their cached
+        # plan holds one flat gradient, so the reductions below read it once instead of tensor by tensor
+        flat_plans = [self._flat_plan(group, *gath, multipliers) for group, gath in zip(self.param_groups,
+                                                                                       gathered)]
         # dense fallback for sparse gradients (subclasses with a sparse rule handle them in _sparse_update)
-        sparse_handled = self._handle_sparse(gathered, found_inf)
+        sparse_handled = self._handle_sparse(
+            [gath for gath, fp in zip(gathered, flat_plans) if fp is None], found_inf)
 
         inv = None
         if grad_scale is not None:
             inv = torch.reciprocal(grad_scale.detach().to(device=dev, dtype=torch.float32).reshape(()))
         k = inv  # factor applied to raw gradients (unscale and global clip), folded into the kernels
 
-        dense_grads = [g for (_, _, gs) in gathered for g in gs]
+        whole_grads = [t for (_, _, gs), fp in zip(gathered, flat_plans)
+                       for t in ([fp.flat.grad] if fp is not None else gs)]  # the same memory, fewer tensors
         if self.clipvalue is not None:
             if inv is not None:
-                mt.scale_(dense_grads, inv)
+                mt.scale_(whole_grads, inv)
                 k = None
-            mt.clamp_(dense_grads, -self.clipvalue, self.clipvalue)
+            mt.clamp_(whole_grads, -self.clipvalue, self.clipvalue)
         elif self.clipnorm is not None:
+            dense_grads = [g for (_, _, gs) in gathered for g in gs]
             ns = mt.norms(dense_grads)
             if len({(x.device, x.dtype) for x in ns}) > 1:
                 n_all = torch.stack([x.to(device=dev, dtype=torch.float64) for x in ns])
@@ -538,7 +597,7 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             mt.scale_(dense_grads, list(coef.unbind()))
             k = None
         elif self.global_clipnorm is not None:
-            n = mt.global_norm(dense_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
+            n = mt.global_norm(whole_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
             if inv is not None:
                 n = n * inv
             c = self.global_clipnorm
@@ -546,17 +605,17 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             k = coef if k is None else k * coef
 
         applied = None if found_inf is None else (1.0 - found_inf)
-        for group, (idx, params, grads) in zip(self.param_groups, gathered):
+        for group, (idx, params, grads), fp in zip(self.param_groups, gathered, flat_plans):
             if not params:
                 if self.use_ema:
                     self._ema_group(group, list(range(len(group["params"]))), applied)
                 continue
             lr = self._current_lr(group)
             mult = None if multipliers is None else [multipliers.get(id(p)) for p in params]
-            self._run_group(group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult)
+            self._run_group(group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult,
+                            plan=fp)
 
         self._after_update(found_inf, applied)
-
 
     def _handle_sparse(self, gathered, found_inf) -> set[int]:
         """Prepare sparse COO gradients before clipping.
@@ -588,11 +647,33 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
         """The update rule for coalesced sparse gradients (only called when ``_sparse_rule`` is True)."""
         raise TypeError(f"{type(self).__name__} sets _sparse_rule but does not implement _sparse_update()")
 
+    def _blocked(self, group: dict, mult: list | None) -> bool:
+        """Whether the group's chain of kernels runs block by block over cache-sized chunks."""
+        wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
+        return self._blockable and (self._always_block or bool(wd) or self.use_ema or mult is not None)
+
+    def _flat_plan(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor],
+                   multipliers: dict | None) -> Plan | None:
+        """The group's cached plan when it has a flat part whose gradients are this step's (O(1) checks plus
+        one identity scan of the gradients); None otherwise (then :meth:`_run_group` plans per tensor)."""
+        plan = self._plans.get(id(group))
+        if plan is None or plan.flat is None or multipliers is not None or torch.compiler.is_compiling():
+            return None
+        key = (len(idx), self._plan_version, self._blocked(group, None), self.block_numel)
+        if plan.key[1:] != key[1:] or len(plan.key[0]) != key[0] or len(idx) != len(group["params"]):
+            return None
+        if not plan.flat.same_grads(grads) or mt.local(params[0]).data_ptr() != plan._ptrs[0]:
+            return None
+        return plan
+
     def _run_group(
-        self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None
+        self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None, plan=None
     ) -> None:
         if mult is not None and all(m is None for m in mult):
             mult = None
+        if plan is not None:  # a flat plan, checked this step: no sparse gradients, nothing to re-plan
+            self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan)
+            return
         if sparse_handled and any(id(p) in sparse_handled for p in params):
             sp = [j for j, p in enumerate(params) if id(p) in sparse_handled]
             sp_grads = [grads[j] for j in sp]
@@ -615,18 +696,24 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
                 if self.use_ema:
                     self._ema_group(group, list(range(len(group["params"]))), applied)
                 return
-        wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
-        blocked = self._blockable and (
-            self._always_block or bool(wd) or self.use_ema or mult is not None
-        )
         tracing = torch.compiler.is_compiling()  # inside torch.compile(opt.step): no fused kernels, no plans
         plan = self._light_plan(group, idx, params) if tracing else self._plan_for(
-            group, idx, params, grads, blocked)
+            group, idx, params, grads, self._blocked(group, mult))
+        self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan, tracing)
+
+    def _run_planned(self, group, idx, params, grads, lr, k, found_inf, applied, mult, plan, tracing=False):
+        """Decay → update → EMA of one group with its plan: the flat blocks when the plan has a flat part and
+        nothing per tensor differs (multipliers, per-tensor ``_prepare`` values, a mixed decay mask), else
+        the per-tensor blocks."""
+        wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
         if mult is not None and self._prepare_reads_grads:
             # _prepare reads whole-tensor quantities (norms): it must see the multiplied gradients
             sel = [(g, m) for g, m in zip(grads, mult) if m is not None]
             mt.scale_([g for g, _ in sel], [m for _, m in sel])
             mult = None
+        flat = getattr(plan, "flat", None)
+        plan.flat_active = flat is not None and mult is None and not tracing and not (
+            self.jit_compile and self._compile_state != "failed")
         aux = self._prepare(group, plan, params, grads, lr, k)
 
         decay_mask = plan.use_wd if (wd and plan.any_wd) else None
@@ -646,8 +733,15 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
         ema_w = self._ema_weight(applied) if self.use_ema else None
 
-        glocal = grads if not plan.any_dtensor else [mt.local(g) for g in grads]
-        for blk in plan.blocks:
+        if isinstance(aux, RunAux):  # per-tensor values over the flat part's row chunks (e.g. LARS)
+            blocks, glocal, aux = flat.row_blocks, flat.row_grads, aux.items
+        elif plan.flat_active and (aux is None or all(map(operator.is_, aux, itertools.repeat(aux[0])))) \
+                and (decay_mask is None or plan.uniform_wd is not None):
+            blocks, glocal, aux = flat.blocks, [flat.grad], None if aux is None else aux[:1]
+        else:
+            blocks = plan.blocks
+            glocal = grads if not plan.any_dtensor else [mt.local(g) for g in grads]
+        for blk in blocks:
             owners, bp, bslots, bavg = blk.owners, blk.params, blk.slots, blk.averages
             if blk.split is None:
                 bg = [glocal[o] for o in owners]
@@ -883,7 +977,6 @@ class Optimizer(TFSurface, torch.optim.Optimizer):
             mt.lerp_(lp, la, weight)
 
     # ------------------------------------------------------------------------------------------------ hooks
-
 
     def finalize_variable_values(self, var_list: Sequence[Tensor] | None = None) -> None:
         """With EMA on, set every parameter (or those in ``var_list``) to its moving average (one way: see

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from . import _multi_tensor as mt
 from .optimizer import Optimizer, check_number
@@ -73,10 +72,8 @@ class RMSProp(Optimizer):
         super().__init__(params, learning_rate, decay=float(decay), momentum=float(momentum),
                          epsilon=float(epsilon), centered=centered, **kwargs)
 
-    def _make_slot(self, p: Tensor, slot: str, group: dict) -> Tensor:
-        if slot == "rms":
-            return torch.ones_like(p, memory_format=torch.preserve_format)
-        return torch.zeros_like(p, memory_format=torch.preserve_format)
+    def _slot_fill(self, slot: str, group: dict) -> float:
+        return 1.0 if slot == "rms" else 0.0
 
     def _hyper_config(self) -> dict:
         d = self.defaults

@@ -11,11 +11,14 @@ The velocity holds ``−lr·accum`` (Keras form), so it differs from ``torch.opt
 the learning rate changes between steps.
 
 Implementation: one call of torch's fused SGD kernel per (device, dtype) group. The kernel divides the
-gradient by its ``grad_scale`` operand before the momentum update; passing ``grad_scale = −1/(lr·k)`` (``k`` =
-unscale × global-clip factor) makes the kernel's buffer exactly the Keras velocity and folds learning rate,
-unscaling and clipping into the same memory pass (``lr = −1`` then adds the buffer). ``found_inf`` makes it
-a no-op. As with ``torch.amp.GradScaler`` + fused optimizers, the kernel writes the scaled gradient back:
-after ``step()``, ``p.grad`` holds ``−lr·g``; call ``zero_grad()`` before the next backward as usual.
+gradient by its ``grad_scale`` operand before the momentum update; passing ``grad_scale = −1/(lr·k)`` (``k``
+= unscale × global-clip factor) makes the kernel's buffer exactly the Keras velocity and folds learning
+rate, unscaling and clipping into the same memory pass (``lr = −1`` then adds the buffer). ``found_inf``
+makes it a no-op. As with ``torch.amp.GradScaler`` + fused optimizers, the kernel writes the scaled gradient
+back: after ``step()``, ``p.grad`` holds ``−lr·g``; call ``zero_grad()`` before the next backward as usual.
+With nothing to unscale or clip, no Nesterov, and the learning rate a host number (a constant or a torch
+scheduler's value), the kernel's dampening carries ``lr`` instead (``1 − d = −lr``): no gradient write-back,
+the minimal 20 bytes per parameter.
 
 Exceptions: float64 groups fold ``−lr·k`` into the gradient in float64 (the kernel's ``grad_scale`` is
 float32). The kernel runs only where the gate (:mod:`optkit._fused`) says it is exact: float16/bfloat16
@@ -95,12 +98,24 @@ class SGD(Optimizer):
         momentum = float(group["momentum"])
         nesterov = bool(group["nesterov"])
         eff = lr if k is None else lr * k
+        # With nothing to unscale or clip and the learning rate a host number, the kernel's dampening carries
+        # it: buf ← μ·buf + (1 − d)·g with 1 − d = −lr is the Keras velocity, and the gradient is not written
+        # back (the grad_scale form writes the scaled gradient: 4 more bytes per parameter).
+        host_lr = getattr(lr, "host_value", None) if k is None and not nesterov else None
         bufs = slots.get("momentum", []) if momentum != 0.0 else []
         lists, written = ((params, grads, bufs), (0, 2)) if bufs else ((params, grads), (0,))
         for device, dtype, mode, _, (p, g, *b) in self._kernel_parts("sgd", lists, written):
             fi = None if found_inf is None else found_inf.to(device)
             if mode == "fallback":
                 self._pointwise_fallback(group, p, g, b, lr, k, fi, None)
+                continue
+            if host_lr is not None:
+                torch._fused_sgd_(
+                    p, g, b[0] if b else [],
+                    weight_decay=0.0, momentum=momentum, lr=-1.0 if b else host_lr,
+                    dampening=1.0 + host_lr if b else 0.0, nesterov=False, maximize=False,
+                    is_first_step=False, found_inf=fi,
+                )
                 continue
             if dtype == torch.float64:
                 # the kernel's grad_scale is float32: fold −lr·k into the gradient in float64 instead

@@ -698,8 +698,7 @@ class TrainOp:
             self._host_step += 1
         else:
             self._step.add_(applied.to(torch.int64))
-        for q in self.masters:
-            q.grad = None
+        self._clear_grads()
         for i in self._half_idx:
             self.params[i].grad = None
         self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
@@ -733,6 +732,17 @@ class TrainOp:
             if dist.is_available() and dist.is_initialized():
                 return self._group, True
         return False, False
+
+    def _clear_grads(self) -> None:
+        """The updated tensors' gradients after an update: None, except views into flat buffers
+        (``optkit.flat_parameters``), which the optimizer zeroes in place so that the next backward
+        accumulates into them."""
+        inner = _chain(self.optimizer)[-1]
+        if isinstance(inner, _OptkitOptimizer):  # its parameters are the masters
+            inner.zero_grad(set_to_none=True)
+        else:
+            for q in self.masters:
+                q.grad = None
 
     def _amax(self, qs: list[Tensor], inf_norms: Tensor, grad_scale: Tensor | None,
               factor: Tensor | None) -> tuple[Tensor, Tensor]:

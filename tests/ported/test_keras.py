@@ -27,32 +27,11 @@ import torch
 
 import optkit
 from optkit import SGD, DynamicLossScale, LossScaleOptimizer
-
-
-def scaled_step(opt):
-    """``opt.step()`` on gradients set by hand that already carry the loss scale (as after
-    ``scale_loss(loss).backward()``): loss-scale wrappers refuse unmarked gradients."""
-    level = opt
-    while isinstance(level, torch.optim.Optimizer):
-        if hasattr(level, "grads_scaled"):
-            level.grads_scaled = True
-        level = getattr(level, "optimizer", None)
-    return opt.step()
-
+from scaled_grads import scaled_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 
 F32, F64 = torch.float32, torch.float64
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread (restored afterwards): results do not depend on it, and the fused CPU kernels
-    are much slower when two threads compete for two shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 
 def var(values, dtype=F32):

@@ -26,16 +26,6 @@ from optkit import DynamicLossScale, FixedLossScale, LossScaleAtMinimumWarning, 
 
 F32_MAX = float(np.finfo(np.float32).max)
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread (restored afterwards): results do not depend on it, and the fused CPU kernels
-    are much slower when two threads compete for two shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 
 def var(values):
     return torch.tensor(values, requires_grad=True)

@@ -35,18 +35,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread (restored afterwards): results do not depend on it, and the fused CPU kernels
-    are much slower when two threads compete for two shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 # TF's assertAllCloseAccordingToType tolerances
 TOL = {F16: 1e-3, torch.bfloat16: 1e-2, F32: 1e-6, F64: 1e-6}
-
 
 
 def var(values, dtype=F32):

@@ -31,14 +31,6 @@ import optkit
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _lars(variant="tf1.15", nesterov=False):
     def make(params, lr, exclude_1d=False):
         return optkit.LARS(params, learning_rate=lr, use_nesterov=nesterov, variant=variant,

@@ -1,13 +1,16 @@
 """How a :class:`~optkit.demo.config.TrainConfig` becomes library objects: the learning-rate schedule, the
 optimizer arguments and the :func:`optkit.optimize_loss` train op.
 
-:func:`check_components` runs every library look-up and constructor on throw-away inputs (a one-parameter
-model), so that a bad optimizer name, policy, parameter or loss-scaling setting is reported with the flag it
-came from before any data is loaded or any file is written.
+The layer above ``config`` (which knows only option values): this module asks the library. :func:`canonical`
+spells names as the registries do (``lars`` -> ``LARS``); :func:`check_components` runs every library
+look-up and constructor on throw-away inputs (a one-parameter model, the demo's network) and evaluates the
+learning-rate schedule over the run, so that a bad optimizer name, policy, parameter or loss-scaling setting
+is reported with the flag it came from before any data is loaded or any file is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import re
@@ -17,12 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .config import TrainConfig
+from .config import FP32_MAX, TrainConfig
 
 __all__ = [
+    "canonical",
+    "check_schedule",
     "trained_parameters",
     "HALF_DTYPES",
-    "keeps_ema",
     "accepted_arguments",
     "planned_steps",
     "model_dtype",
@@ -176,75 +180,144 @@ def accepted_arguments(cls: type) -> set[str] | None:
     return None
 
 
-def keeps_ema(optimizer: str) -> bool:
-    """Whether the registry optimizer ``optimizer`` can keep EMA weights (optkit's own optimizers can)."""
-    from optkit.optimizer import Optimizer as OptkitOptimizer
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _registry_key(name: str, keys: Any) -> str | None:
+    wanted = name.strip().lower()
+    return next((k for k in keys if k.lower() == wanted), None)
+
+
+def canonical(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
+    """``cfg`` with its names spelled as the registries spell them (names are matched without regard to
+    letter case, as :func:`optkit.get_optimizer` does), and one message per unknown name."""
+    from optkit.lr_policies import LR_POLICIES
     from optkit.registry import OPTIMIZER_CLS_NAMES
 
-    cls = OPTIMIZER_CLS_NAMES.get(optimizer)
-    return isinstance(cls, type) and issubclass(cls, OptkitOptimizer)
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
-def check_components(cfg: TrainConfig, total_updates: int = 1000) -> list[str]:
-    """Every library-side problem with ``cfg``, one message per problem, each naming its flag."""
-    from optkit.lr_policies import get_policy
-    from optkit.registry import OPTIMIZER_CLS_NAMES, get_optimizer
-    from optkit.schedules import PolicySchedule
-    from optkit.summaries import validate_summaries
-
     errors: list[str] = []
-    cls = None
-    if cfg.optimizer not in OPTIMIZER_CLS_NAMES:
+    changes: dict[str, Any] = {}
+    optimizer = _registry_key(cfg.optimizer, OPTIMIZER_CLS_NAMES)
+    if optimizer is None:
         errors.append(
             f"--optimizer: unknown optimizer {cfg.optimizer!r}; choose from "
-            f"{', '.join(sorted(OPTIMIZER_CLS_NAMES))}"
+            f"{', '.join(sorted(OPTIMIZER_CLS_NAMES))} (any letter case)"
         )
     else:
-        cls = get_optimizer(cfg.optimizer)
-    if cls is not None:
-        params = optimizer_params(cfg)
-        for key in ("learning_rate", "lr"):
-            if key in params:
-                errors.append(
-                    f"--optimizer-param: {key} comes from the learning-rate policy; set it with "
-                    f"--lr-policy-param learning_rate=..."
-                )
-        if cfg.ema_momentum is not None and not keeps_ema(cfg.optimizer):
-            errors.append(
-                f"--ema-momentum: optimizer {cfg.optimizer} keeps no weight average (only optkit's "
-                f"own optimizers have use_ema, e.g. LARS or SGD); pass --ema-momentum none"
-            )
-            params = {k: v for k, v in params.items() if k not in ("use_ema", "ema_momentum")}
-        accepted = accepted_arguments(cls)
-        unknown = sorted(set(params) - accepted - {"learning_rate", "lr"}) if accepted is not None else []
-        if unknown:
-            errors.append(
-                f"--optimizer-param: unknown parameter(s) {unknown} for {cfg.optimizer}; accepted: "
-                f"{', '.join(sorted(accepted or ()))}"
-            )
-        if not any(e.startswith("--optimizer-param") for e in errors):
-            try:
-                cls([("probe", nn.Parameter(torch.ones(2)))], learning_rate=0.1, **params)
-            except (TypeError, ValueError) as err:
-                errors.append(f"--optimizer-param: {cfg.optimizer} rejects {params}: {_first_line(err)}")
-    try:
-        get_policy(cfg.lr_policy)
-    except (TypeError, ValueError):
-        from optkit.lr_policies import LR_POLICIES
-
+        changes["optimizer"] = optimizer
+    policy = _registry_key(cfg.lr_policy, LR_POLICIES)
+    if policy is None:
         errors.append(
             f"--lr-policy: unknown learning-rate policy {cfg.lr_policy!r}; choose from "
             f"{', '.join(sorted(LR_POLICIES))}"
         )
     else:
+        changes["lr_policy"] = policy
+    if isinstance(cfg.loss_scaling, str):
+        scaling = _registry_key(cfg.loss_scaling, ("Backoff", "LogMax", "dynamic"))
+        if scaling is None:
+            errors.append(
+                f"--loss-scaling: unknown loss scaling {cfg.loss_scaling!r}; give a number (a static scale) "
+                "or one of Backoff, LogMax, dynamic (any letter case)"
+            )
+        else:
+            changes["loss_scaling"] = scaling
+    changes["dtype"] = cfg.dtype.strip().lower()
+    changes["half_dtype"] = cfg.half_dtype.strip().lower()
+    return dataclasses.replace(cfg, **changes), errors
+
+
+def _sample_steps(params: dict[str, Any], total_updates: int, count: int = 400) -> list[int]:
+    """Steps at which to evaluate a schedule: evenly spaced over the run plus every boundary the parameters
+    name (warm-up end, decay start and end), each with its neighbours."""
+    total = max(1, total_updates)
+    steps = {round(i * total / count) for i in range(count + 1)}
+    for key in ("warmup_steps", "begin_decay_at", "decay_steps"):
+        value = params.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            edge = int(value) + (int(params.get("begin_decay_at") or 0) if key == "decay_steps" else 0)
+            steps |= {edge - 1, edge, edge + 1}
+    return sorted(s for s in steps if 0 <= s <= total)
+
+
+def check_schedule(cfg: TrainConfig, total_updates: int) -> list[str]:
+    """Evaluate the run's learning-rate schedule over its updates: every value must be a finite float32
+    number >= 0 (huge ``learning_rate`` or ``power`` values overflow; the policy functions themselves accept
+    any finite argument)."""
+    import torch
+
+    params = policy_params(cfg, total_updates)
+    schedule = build_schedule_for(cfg, total_updates)
+    shown = ", ".join(f"{k}={v}" for k, v in cfg.lr_policy_params.items())
+    for step in _sample_steps(params, total_updates):
         try:
-            PolicySchedule(cfg.lr_policy, **policy_params(cfg, total_updates))
-        except (TypeError, ValueError) as err:
-            errors.append(f"--lr-policy-param: {_first_line(err)}")
+            lr = schedule(step)
+            value = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+        except (ArithmeticError, ValueError, TypeError) as err:  # OverflowError, ZeroDivisionError, ...
+            return [f"--lr-policy-param: {cfg.lr_policy}({shown}) fails at update {step}: {_first_line(err)}"]
+        if not (math.isfinite(value) and 0.0 <= value <= FP32_MAX):
+            return [
+                f"--lr-policy-param: {cfg.lr_policy}({shown}) gives the learning rate {value!r} at update "
+                f"{step}; it must be a finite float32 number >= 0 (is a parameter too large?)"
+            ]
+    return []
+
+
+def _probe_optimizer(cfg: TrainConfig, errors: list[str]) -> None:
+    from optkit.registry import get_optimizer
+
+    cls = get_optimizer(cfg.optimizer)
+    params = optimizer_params(cfg)
+    for key in ("learning_rate", "lr"):
+        if key in params:
+            errors.append(
+                f"--optimizer-param: {key} comes from the learning-rate policy; set it with "
+                f"--lr-policy-param learning_rate=..."
+            )
+    accepted = accepted_arguments(cls)
+    unknown = sorted(set(params) - accepted - {"learning_rate", "lr"}) if accepted is not None else []
+    if unknown:
+        errors.append(
+            f"--optimizer-param: unknown parameter(s) {unknown} for {cfg.optimizer}; accepted: "
+            f"{', '.join(sorted(accepted or ()))}"
+        )
+    if any(e.startswith("--optimizer-param") for e in errors):
+        return
+    try:
+        cls([("probe", nn.Parameter(torch.ones(2)))], learning_rate=0.1, **params)
+    except Exception as err:  # noqa: BLE001 - whatever the constructor rejects, the user's values caused it
+        errors.append(f"--optimizer-param: {cfg.optimizer} rejects {params}: {_first_line(err)}")
+
+
+def _probe_schedule(cfg: TrainConfig, total_updates: int, errors: list[str]) -> None:
+    from optkit.schedules import PolicySchedule
+
+    try:
+        PolicySchedule(cfg.lr_policy, **policy_params(cfg, total_updates))
+    except Exception as err:  # noqa: BLE001 - the policy's parameters come from the user
+        errors.append(f"--lr-policy-param: {_first_line(err)}")
+    else:
+        errors.extend(check_schedule(cfg, total_updates))
+
+
+def _flag_of(err: BaseException) -> str:
+    """The flag an error of ``optimize_loss`` is about (judged from its message)."""
+    text = str(err).lower()
+    for key, flag in (("--freeze", ""), ("larc", "--larc-param: "), ("scal", "--loss-scaling: ")):
+        if key in text:
+            return flag
+    return "configuration: "
+
+
+def check_components(cfg: TrainConfig, total_updates: int = 1000) -> list[str]:
+    """Every library-side problem with ``cfg`` (names already :func:`canonical`), one message per problem,
+    each naming its flag."""
+    from optkit.summaries import validate_summaries
+
+    errors: list[str] = []
+    _probe_optimizer(cfg, errors)
+    _probe_schedule(cfg, total_updates, errors)
     try:
         validate_summaries(cfg.summaries)
     except (TypeError, ValueError) as err:
@@ -258,15 +331,6 @@ def check_components(cfg: TrainConfig, total_updates: int = 1000) -> list[str]:
     probe_model = make_model(cfg.channels, cfg.seed, model_dtype(cfg))
     try:
         build_train_op(cfg, probe_model, total_updates)
-    except (TypeError, ValueError, AttributeError) as err:
-        text = str(err).lower()
-        flag = next(
-            (
-                f
-                for key, f in (("--freeze", ""), ("larc", "--larc-param: "), ("scal", "--loss-scaling: "))
-                if key in text
-            ),
-            "configuration: ",
-        )
-        errors.append(f"{flag}{_first_line(err)}")
+    except Exception as err:  # noqa: BLE001 - the train op is built from the user's values only
+        errors.append(f"{_flag_of(err)}{_first_line(err)}")
     return errors

@@ -2,18 +2,22 @@
 
 ``report.png`` has five panels over the training steps: training loss, test accuracy (EMA and raw weights),
 learning rate, loss scale (skipped updates marked), and the global gradient norm; a sixth panel sums the run
-up. Plotting uses matplotlib's non-interactive Agg backend, so it works without a display.
+up. Plotting uses matplotlib's non-interactive Agg backend, so it works without a display. Both files are
+written atomically (whole or not at all).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TRAIN_KEYS", "EVAL_KEYS", "History", "write_metrics", "plot_report", "use_agg"]
+from .files import write_bytes
+
+__all__ = ["TRAIN_KEYS", "EVAL_KEYS", "History", "write_metrics", "plot_report", "use_agg", "figure_bytes"]
 
 TRAIN_KEYS = ("step", "loss", "learning_rate", "loss_scale", "grad_norm", "applied")
 EVAL_KEYS = ("step", "test_accuracy", "test_accuracy_raw", "test_loss")
@@ -63,18 +67,28 @@ def _clean(value: Any) -> Any:
 
 
 def write_metrics(path: str | Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as indented JSON (non-finite numbers become null)."""
-    Path(path).write_text(json.dumps(_clean(payload), indent=1) + "\n")
+    """Write ``payload`` as indented JSON (non-finite numbers become null), atomically."""
+    write_bytes(path, (json.dumps(_clean(payload), indent=1) + "\n").encode())
 
 
 def use_agg() -> Any:
     """``matplotlib.pyplot`` on the Agg backend (imported lazily: matplotlib is a CLI extra)."""
+    from .extras import require
+
+    require(["matplotlib"], "drawing a chart")
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def figure_bytes(fig: Any, fmt: str = "png", dpi: int = 100) -> bytes:
+    """``fig`` rendered to ``fmt`` in memory (the file is then written in one atomic step)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt, dpi=dpi)
+    return buf.getvalue()
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -214,5 +228,8 @@ def plot_report(
         fontsize=9.5,
         transform=ax_text.transAxes,
     )
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        data = figure_bytes(fig)
+    finally:
+        plt.close(fig)
+    write_bytes(path, data)

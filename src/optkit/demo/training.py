@@ -14,22 +14,26 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import save_checkpoint
+from .checkpoint import Checkpoint, save_checkpoint
 from .components import build_train_op, model_dtype, planned_steps
-from .config import TrainConfig, validate
+from .config import ConfigError, TrainConfig
 from .data import BatchOrder, DigitsSplit, load_split
+from .extras import require
+from .files import os_reason
 from .model import DigitsCNN, make_model
-from .parallel import Processes, start
+from .parallel import Processes, env_world, start
 from .report import History, plot_report, write_metrics
+from .resume import check_continuation, check_progress, check_state_fits, output_dir
+from .run_folder import check_new_run_dir, create_run_dir, default_run_dir
+from .validation import validate
 
-__all__ = ["RunResult", "run_training", "default_run_dir"]
+__all__ = ["RunResult", "run_training", "preflight", "plan_output", "default_run_dir"]
 
 
 @dataclass
@@ -43,16 +47,6 @@ class RunResult:
     updates_applied: int
     updates_skipped: int
     train_seconds: float
-
-
-def default_run_dir(root: str | Path = "runs") -> Path:
-    """``runs/<date>-<time>`` (with a suffix if that folder exists)."""
-    base = Path(root) / datetime.now().strftime("%Y%m%d-%H%M%S")
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
 
 
 def _weights(train_op: Any, use_ema: bool) -> list[Tensor]:
@@ -131,14 +125,66 @@ class _Recorder:
         return rows[-1]
 
 
-def run_training(
-    cfg: TrainConfig, *, resume: dict[str, Any] | None = None, echo: Callable[[str], None] = print
-) -> RunResult:
-    """Train as ``cfg`` says (continuing ``resume``, a loaded checkpoint, if given) and write the run folder.
+def _required_modules(cfg: TrainConfig) -> list[str]:
+    """The optional modules this run needs (the ``cli`` extra)."""
+    return (
+        ["numpy", "sklearn"]
+        + ["tqdm"] * bool(cfg.progress)
+        + ["tensorboard"] * bool(cfg.tensorboard)
+        + ["matplotlib"] * bool(cfg.plot)
+    )
 
-    ``cfg`` is validated first; nothing is written if it is invalid.
+
+def _main_process() -> bool:
+    try:
+        return env_world()[0] == 0
+    except ValueError as err:
+        raise ConfigError(f"torchrun environment: {err}") from None
+
+
+def plan_output(cfg: TrainConfig, resume: Checkpoint | None = None) -> tuple[Path | None, bool]:
+    """``(folder, new)``: where the run will write, checked against the run-folder rules without writing
+    anything. ``folder`` is ``None`` for a fresh ``runs/<date>-<time>``; ``new`` says whether the run creates
+    it (a new run, or a continuation in a new folder) or continues in the recognised run folder of
+    ``resume``. ``ConfigError`` naming the flag when the rules refuse it."""
+    if resume is not None:
+        return output_dir(resume, cfg)
+    if cfg.run_dir is None:
+        return None, True
+    target = Path(cfg.run_dir).expanduser()
+    check_new_run_dir(target)
+    return target, True
+
+
+def preflight(cfg: TrainConfig, resume: Checkpoint | None = None) -> TrainConfig:
+    """Everything checked before a run starts, nothing written: the configuration (returned with canonical
+    names), the optional modules it needs, a continuation's options and state, and the output folder.
+    ``ConfigError`` naming the flag or file on the first failing check."""
+    if resume is not None:
+        check_continuation(resume, cfg)
+    cfg = validate(cfg)
+    require(_required_modules(cfg), "optkit train")
+    if resume is not None:
+        check_progress(resume, cfg)
+        probe = make_model(cfg.channels, cfg.seed, model_dtype(cfg))
+        check_state_fits(resume, probe, build_train_op(cfg, probe, planned_steps(cfg)[1]))
+    if _main_process():  # the other processes of a torchrun job would race the main one creating it
+        plan_output(cfg, resume)
+    return cfg
+
+
+def run_training(
+    cfg: TrainConfig, *, resume: Checkpoint | None = None, echo: Callable[[str], None] = print
+) -> RunResult:
+    """Train as ``cfg`` says (continuing ``resume``, a checkpoint from
+    :func:`~optkit.demo.checkpoint.load_checkpoint`, if given) and write the run folder.
+
+    Everything is checked first (:func:`preflight`); nothing is written if a check fails. A new run creates
+    its folder (new or empty, see :mod:`optkit.demo.run_folder`); a continuation writes into the run folder
+    holding its checkpoint, or into a new folder named by ``cfg.run_dir``. Every file is written atomically;
+    a failed write raises :class:`~optkit.demo.config.ConfigError` naming the file.
     """
-    validate(cfg)
+    cfg = preflight(cfg, resume)
     procs = start()
     threads = torch.get_num_threads()
     try:
@@ -148,8 +194,45 @@ def run_training(
         procs.close()
 
 
+def _open_run_dir(cfg: TrainConfig, resume: Checkpoint | None, procs: Processes) -> Path:
+    """The run folder, created (with its marker) by the main process when the run is new; every process
+    gets its path, or the main process's error."""
+    outcome: tuple[str, str] = ("", "")
+    if procs.main:
+        try:
+            target, new = plan_output(cfg, resume)
+            folder = create_run_dir(target) if new else target
+            outcome = (str(folder), "")
+        except ConfigError as err:
+            outcome = ("", str(err))
+    path, error = procs.broadcast(outcome)
+    if error:
+        raise ConfigError(error)
+    return Path(path)
+
+
+def _summary_writer(run_dir: Path) -> Any:
+    from torch.utils.tensorboard import SummaryWriter
+
+    try:
+        return SummaryWriter(str(run_dir / "tensorboard"))
+    except OSError as err:
+        raise ConfigError(f"cannot write {run_dir / 'tensorboard'}: {os_reason(err)}") from None
+
+
+def _load_resume(resume: Checkpoint, model: nn.Module, train_op: Any) -> tuple[History, int, float]:
+    """Load ``resume`` (already checked by :func:`preflight`) into the run; ``(history, step, seconds)``."""
+    try:
+        model.load_state_dict(resume.model)
+        train_op.load_state_dict(resume.train_op)
+    except Exception as err:  # noqa: BLE001 - a foreign state that slipped past the checks
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"--resume: {resume.path} does not fit this run: {first}") from None
+    return History.from_dict(resume.history), resume.step, resume.train_seconds
+
+
 def _run(
-    cfg: TrainConfig, resume: dict[str, Any] | None, echo: Callable[[str], None], procs: Processes
+    cfg: TrainConfig, resume: Checkpoint | None, echo: Callable[[str], None], procs: Processes
 ) -> RunResult:
     torch.set_num_threads(cfg.threads)
     say = echo if procs.main else (lambda _msg: None)
@@ -161,80 +244,25 @@ def _run(
     eval_net = make_model(cfg.channels, cfg.seed, torch.float32)
     use_ema = cfg.ema_momentum is not None
 
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else None
-    if resume is not None and run_dir is None:
-        run_dir = Path(resume["path"]).parent.parent
-    run_dir = procs.broadcast(run_dir if run_dir is not None else default_run_dir())
-    writer = None
-    if procs.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(str(run_dir / "tensorboard"))
-
-    train_op = build_train_op(cfg, model, total_updates, distributed=procs.distributed, summary_writer=writer)
-    history, step0, spent = History(), 0, 0.0
-    if resume is not None:
-        model.load_state_dict(resume["model"])
-        train_op.load_state_dict(resume["train_op"])
-        history = History.from_dict(resume["history"])
-        step0, spent = int(resume["step"]), float(resume["train_seconds"])
-        say(f"resuming from {resume['path']} at step {step0}")
-    say(_describe(cfg, model, split, procs))
-
-    recorder = _Recorder(history, procs, writer)
-    bar = None
-    if procs.main and cfg.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total_steps, initial=step0, unit="step", dynamic_ncols=True, desc="train")
-    accuracy = accuracy_raw = float("nan")
-    t0 = time.perf_counter()
-    for step in range(step0, total_steps):
-        idx = order.batch(step)
-        result = train_op(split.x_train[idx], split.y_train[idx])
-        recorder.add(step, result)
-        done = step + 1
-        last = done == total_steps
-        due_eval = done % cfg.eval_every == 0 or last
-        due_ckpt = done % cfg.checkpoint_every == 0 or last
-        if done % cfg.log_every == 0 or due_eval or due_ckpt:
-            row = recorder.flush()
-            if bar is not None and row is not None:
-                bar.update(done - bar.n)
-                bar.set_postfix_str(
-                    f"loss {row[0]:.4f}  lr {row[1]:.3g}  scale {row[2]:g}"
-                    + (f"  acc {accuracy:.1%}" if accuracy == accuracy else "")
-                )
-        if due_eval:
-            acc, loss = evaluate(train_op, model, eval_net, split, use_ema)
-            acc_raw = evaluate(train_op, model, eval_net, split, False)[0] if use_ema else acc
-            accuracy, accuracy_raw, test_loss = acc.item(), acc_raw.item(), loss.item()
-            history.add_eval(done, accuracy, accuracy_raw, test_loss)
-            if writer is not None:
-                writer.add_scalar("test/accuracy", accuracy, done)
-                writer.add_scalar("test/accuracy_raw_weights", accuracy_raw, done)
-                writer.add_scalar("test/loss", test_loss, done)
-        if due_ckpt and procs.main:
-            payload = {
-                "model": model.state_dict(),
-                "train_op": train_op.state_dict(),
-                "history": history.to_dict(),
-                "config": dataclasses.asdict(cfg),
-                "train_seconds": spent + time.perf_counter() - t0,
-                "world_size": procs.world_size,
-            }
-            save_checkpoint(run_dir, done, payload, keep=cfg.keep_checkpoints)
-    seconds = spent + time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    if not history.eval["step"]:  # nothing was evaluated (a resume at or past the end of the run)
-        acc, loss = evaluate(train_op, model, eval_net, split, use_ema)
-        accuracy, test_loss = acc.item(), loss.item()
-        accuracy_raw = evaluate(train_op, model, eval_net, split, False)[0].item() if use_ema else accuracy
-        history.add_eval(total_steps, accuracy, accuracy_raw, test_loss)
-    accuracy, accuracy_raw = history.eval["test_accuracy"][-1], history.eval["test_accuracy_raw"][-1]
+    run_dir = _open_run_dir(cfg, resume, procs)
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # recorded in metrics.json and the checkpoints
+    writer = _summary_writer(run_dir) if procs.main and cfg.tensorboard else None
+    try:
+        train_op = build_train_op(
+            cfg, model, total_updates, distributed=procs.distributed, summary_writer=writer
+        )
+        history, step0, spent = History(), 0, 0.0
+        if resume is not None:
+            history, step0, spent = _load_resume(resume, model, train_op)
+            moved = "" if resume.run_dir == run_dir else f", continuing in the new run folder {run_dir}"
+            say(f"resuming from {resume.path} at step {step0}{moved}")
+        say(_describe(cfg, model, split, procs))
+        loop = _Loop(cfg, procs, writer, split, order, model, eval_net, train_op, history, run_dir)
+        accuracy, accuracy_raw, seconds = loop.run(step0, total_steps, spent)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
     applied = sum(history.train["applied"])
     attempts = len(history.train["applied"]) // cfg.iter_size  # accumulation micro-steps are no attempts
     result = RunResult(run_dir, accuracy, accuracy_raw, total_steps, applied, attempts - applied, seconds)
@@ -250,6 +278,95 @@ def _run(
         written = ["metrics.json"] + ["report.png"] * cfg.plot + ["tensorboard/"] * cfg.tensorboard
         say(f"run folder: {run_dir}  ({', '.join([*written, 'checkpoints/'])})")
     return result
+
+
+class _Loop:
+    """The training loop of one run: steps, periodic evaluation, metrics and checkpoints."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        procs: Processes,
+        writer: Any,
+        split: DigitsSplit,
+        order: BatchOrder,
+        model: nn.Module,
+        eval_net: DigitsCNN,
+        train_op: Any,
+        history: History,
+        run_dir: Path,
+    ) -> None:
+        self.cfg, self.procs, self.writer, self.split, self.order = cfg, procs, writer, split, order
+        self.model, self.eval_net, self.train_op, self.history = model, eval_net, train_op, history
+        self.run_dir = run_dir
+        self.use_ema = cfg.ema_momentum is not None
+        self.accuracy = self.accuracy_raw = float("nan")
+
+    def _evaluate(self, step: int) -> None:
+        acc, loss = evaluate(self.train_op, self.model, self.eval_net, self.split, self.use_ema)
+        raw = acc
+        if self.use_ema:
+            raw = evaluate(self.train_op, self.model, self.eval_net, self.split, False)[0]
+        self.accuracy, self.accuracy_raw, test_loss = acc.item(), raw.item(), loss.item()
+        self.history.add_eval(step, self.accuracy, self.accuracy_raw, test_loss)
+        if self.writer is not None:
+            self.writer.add_scalar("test/accuracy", self.accuracy, step)
+            self.writer.add_scalar("test/accuracy_raw_weights", self.accuracy_raw, step)
+            self.writer.add_scalar("test/loss", test_loss, step)
+
+    def _checkpoint(self, step: int, seconds: float) -> None:
+        """Every rank takes the train op's state (a collective under torchrun: an open accumulation window
+        holds every rank's sums); the main process writes the file."""
+        train_op_state = self.train_op.state_dict()
+        if not self.procs.main:
+            return
+        payload = {
+            "model": self.model.state_dict(),
+            "train_op": train_op_state,
+            "history": self.history.to_dict(),
+            "config": dataclasses.asdict(self.cfg),
+            "train_seconds": seconds,
+            "world_size": self.procs.world_size,
+        }
+        save_checkpoint(self.run_dir, step, payload, keep=self.cfg.keep_checkpoints)
+
+    def run(self, step0: int, total_steps: int, spent: float) -> tuple[float, float, float]:
+        """Train from ``step0`` to ``total_steps``; ``(accuracy, raw accuracy, training seconds)``."""
+        cfg, procs = self.cfg, self.procs
+        recorder = _Recorder(self.history, procs, self.writer)
+        bar = None
+        if procs.main and cfg.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total_steps, initial=step0, unit="step", dynamic_ncols=True, desc="train")
+        t0 = time.perf_counter()
+        try:
+            for step in range(step0, total_steps):
+                idx = self.order.batch(step)
+                recorder.add(step, self.train_op(self.split.x_train[idx], self.split.y_train[idx]))
+                done = step + 1
+                last = done == total_steps
+                due_eval = done % cfg.eval_every == 0 or last
+                due_ckpt = done % cfg.checkpoint_every == 0 or last
+                if done % cfg.log_every == 0 or due_eval or due_ckpt:
+                    row = recorder.flush()
+                    if bar is not None and row is not None:
+                        bar.update(done - bar.n)
+                        bar.set_postfix_str(
+                            f"loss {row[0]:.4f}  lr {row[1]:.3g}  scale {row[2]:g}"
+                            + (f"  acc {self.accuracy:.1%}" if self.accuracy == self.accuracy else "")
+                        )
+                if due_eval:
+                    self._evaluate(done)
+                if due_ckpt:
+                    self._checkpoint(done, spent + time.perf_counter() - t0)
+        finally:
+            if bar is not None:
+                bar.close()
+        seconds = spent + time.perf_counter() - t0
+        if not self.history.eval["step"]:  # nothing was evaluated (a resume at or past the end of the run)
+            self._evaluate(total_steps)
+        return self.history.eval["test_accuracy"][-1], self.history.eval["test_accuracy_raw"][-1], seconds
 
 
 def _write_outputs(

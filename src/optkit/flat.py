@@ -1,0 +1,173 @@
+"""Flat parameter buffers: many parameters as views into one contiguous buffer per (device, dtype).
+
+An optimizer step over thousands of small tensors is bound by per-tensor host work, not by memory: every
+kernel call, norm or check costs about a microsecond per tensor (``spec/perf_baseline.md``: 10-60× the
+bandwidth floor at 10,000 tensors). :func:`flat_parameters` applies the Megatron/DeepSpeed/apex
+contiguous-buffer idea: each parameter's data becomes a view into one flat buffer of its (device, dtype), its
+gradient a view into a matching flat gradient buffer, and optkit optimizers then keep their slots and EMA
+averages as views into flat buffers too. An optimizer step then runs its kernels once per cache-sized chunk
+of the flat buffer instead of once per tensor, and global reductions (the global norm, the non-finite check)
+read the flat gradient once.
+
+What stays the same: the parameters are the same ``Parameter`` objects with the same shapes (and memory
+formats: a dense parameter keeps its strides inside its segment), ``named_parameters()``, ``state_dict()``
+(per parameter: a saved state loads into an optimizer with or without flat buffers, and back), every contract
+of the optimizers (skips, checkpoints, hooks).
+
+Rules:
+
+* call it before building the optimizer (the optimizer allocates flat slots for flat parameters);
+* clear gradients with the optimizer's ``zero_grad()`` or :meth:`FlatParameters.zero_grad`: they zero the flat
+  gradient and keep the views. ``model.zero_grad()`` sets ``.grad`` to None; the next backward then creates
+  separate gradients and the step falls back to the per-tensor path (correct, slower) until views come back
+  (:meth:`FlatParameters.zero_grad` restores them);
+* ``p.data = ...`` on a flat parameter takes it out of its buffer: call :func:`flat_parameters` again;
+* DDP works (its reduced gradients are copied into the views), but not with ``gradient_as_bucket_view=True``
+  (that replaces the views); FSDP2 / DTensor parameters are refused (FSDP2 keeps flat shards of its own);
+  sparse gradients fall back to the per-tensor path for their parameter's group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from . import _multi_tensor as mt
+from ._fused import is_dense
+
+__all__ = ["flat_parameters", "FlatParameters", "flat_buffer_of"]
+
+#: (data pointer, byte size) of the storages flat_parameters made. The parameters' views keep a storage alive;
+#: the registry keeps no memory. A storage that later reuses the address and size is harmless: slots laid out
+#: in a buffer the size of a parameter's own storage are plain slots.
+_REGISTRY: set[tuple[int, int]] = set()
+
+
+@dataclass
+class _Segment:
+    param: Tensor
+    offset: int
+    numel: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+class FlatParameters:
+    """The flat buffers that :func:`flat_parameters` made: ``buffers[(device, dtype)]`` (parameters) and
+    ``grads[(device, dtype)]`` (their gradients), each parameter a view at its ``offset``."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self.grads: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._segments: dict[tuple[torch.device, torch.dtype], list[_Segment]] = {}
+
+    def __repr__(self) -> str:
+        parts = [f"{d}/{str(t).replace('torch.', '')}: {len(self._segments[(d, t)])} tensors, "
+                 f"{self.buffers[(d, t)].numel():,} elements" for d, t in self.buffers]
+        return f"FlatParameters({'; '.join(parts)})"
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero every flat gradient (one fill per buffer) and point each ``.grad`` back at its view."""
+        for key, gflat in self.grads.items():
+            gflat.zero_()
+            for seg in self._segments[key]:
+                view = _segment_view(gflat, seg)
+                if seg.param.grad is not view and not _is_view_of(seg.param.grad, view):
+                    seg.param.grad = view
+
+    def views_intact(self) -> bool:
+        """Whether every parameter and gradient is still its view into the flat buffers."""
+        for key, flat in self.buffers.items():
+            gflat = self.grads[key]
+            for seg in self._segments[key]:
+                if not _is_view_of(seg.param, _segment_view(flat, seg)):
+                    return False
+                if seg.param.grad is None or not _is_view_of(seg.param.grad, _segment_view(gflat, seg)):
+                    return False
+        return True
+
+
+def _segment_view(flat: Tensor, seg: _Segment) -> Tensor:
+    return flat.as_strided(seg.shape, seg.stride, flat.storage_offset() + seg.offset)
+
+
+def _is_view_of(t: Tensor | None, view: Tensor) -> bool:
+    return (t is not None and t.data_ptr() == view.data_ptr() and t.shape == view.shape
+            and t.stride() == view.stride())
+
+
+def _segment_stride(p: Tensor) -> tuple[int, ...]:
+    """A dense parameter keeps its strides (channels_last stays channels_last); others become contiguous."""
+    if is_dense(p) and p.numel() > 0:
+        return tuple(p.stride())
+    return tuple(torch.empty(p.shape, device="meta").stride())
+
+
+@torch.no_grad()
+def flat_parameters(params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> FlatParameters:
+    """Move the parameters (a module's, or an iterable of tensors / ``(name, tensor)`` pairs) that require
+    grad into one flat buffer per (device, dtype), in order, and give each a zero gradient that is a view into
+    a matching flat gradient buffer (existing gradients are copied in). Returns the :class:`FlatParameters`.
+
+    Raises ``TypeError`` for DTensor (FSDP2 / tensor parallel) or sparse parameters, ``ValueError`` for a
+    non-leaf tensor or no parameters. Call it before building the optimizer (module doc for the rules).
+    """
+    if isinstance(params, nn.Module):
+        items = list(params.parameters())
+    else:
+        items = [x[1] if isinstance(x, tuple) else x for x in params]
+    seen: set[int] = set()
+    by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for p in items:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"flat_parameters: expected tensors, got {type(p).__name__}")
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        if mt.is_dtensor(p):
+            raise TypeError("flat_parameters: DTensor parameters (FSDP2, tensor parallel) keep their own "
+                            "sharded layout and cannot become views into one local buffer")
+        if p.is_sparse or p.layout != torch.strided:
+            raise TypeError("flat_parameters: parameters must be dense strided tensors")
+        if not p.is_leaf:
+            raise ValueError("flat_parameters: can't move a non-leaf tensor into a flat buffer")
+        by_key.setdefault((p.device, p.dtype), []).append(p)
+    if not by_key:
+        raise ValueError("flat_parameters: no parameter that requires grad")
+    out = FlatParameters()
+    for key, ps in by_key.items():
+        device, dtype = key
+        total = sum(p.numel() for p in ps)
+        flat = torch.empty(total, device=device, dtype=dtype)
+        gflat = torch.zeros(total, device=device, dtype=dtype)
+        segs, offset = [], 0
+        for p in ps:
+            seg = _Segment(p, offset, p.numel(), p.shape, _segment_stride(p))
+            view = _segment_view(flat, seg)
+            view.copy_(p.detach())
+            gview = _segment_view(gflat, seg)
+            if p.grad is not None:
+                gview.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            p.data = view
+            p.grad = gview
+            segs.append(seg)
+            offset += p.numel()
+        out.buffers[key], out.grads[key], out._segments[key] = flat, gflat, segs
+        _REGISTRY.add((flat.untyped_storage().data_ptr(), flat.untyped_storage().nbytes()))
+    return out
+
+
+def flat_buffer_of(p: Tensor) -> Tensor | None:
+    """A 1-D view of the whole flat parameter buffer ``p`` lies in (made by :func:`flat_parameters`), else
+    None."""
+    if mt.is_dtensor(p) or p.layout != torch.strided or p.is_sparse:
+        return None
+    storage = p.untyped_storage()
+    if (storage.data_ptr(), storage.nbytes()) not in _REGISTRY:
+        return None
+    n = storage.nbytes() // p.element_size()
+    return torch.empty(0, dtype=p.dtype, device=p.device).set_(storage, 0, (n,), (1,))

@@ -1,0 +1,408 @@
+"""``optkit train`` with files it did not write or folders it must not touch: crafted and misfit checkpoints,
+reused and foreign run folders, resumes from elsewhere, failed writes (mocked ``OSError``). Every refusal is
+one line on stderr naming the flag or file, exit status 2, and leaves every file as it was."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+from optkit import cli  # noqa: E402
+from optkit.demo import files, run_folder  # noqa: E402
+from optkit.demo.checkpoint import load_checkpoint  # noqa: E402
+
+QUIET = ["--no-progress", "--no-tensorboard", "--no-plot"]
+SHORT = ["--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints", "0", *QUIET]
+
+
+def run(*argv: object) -> int:
+    return cli.main([str(a) for a in argv])
+
+
+def one_line_error(capsys, *fragments: str) -> str:
+    """stderr is a single ``optkit ...: error:`` line holding every fragment (no traceback)."""
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("optkit train: error:"), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, err)
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file below ``folder`` with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def trained(tmp_path) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4."""
+    out = tmp_path / "run"
+    assert run("train", *SHORT, "--run-dir", out) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002.pt", "step_000004.pt"]
+    return out
+
+
+class _RunsCode:
+    """Unpickling this runs ``exec`` (as a crafted checkpoint would): it creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# what --resume reads
+
+
+def test_real_checkpoints_are_plain_data(trained):
+    data = torch.load(trained / "checkpoints" / "step_000004.pt", weights_only=True)
+    assert isinstance(data["config"], dict) and data["config"]["optimizer"] == "LARS"
+    assert load_checkpoint(trained).step == 4
+
+
+def test_crafted_pickle_never_runs(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "step_000010.pt"
+    torch.save({"format": "optkit-demo-checkpoint/1", "step": 10, "payload": _RunsCode(marker)}, evil)
+    assert run("train", "--resume", evil, "--run-dir", tmp_path / "new", *QUIET) == 2
+    one_line_error(
+        capsys,
+        f"--resume: {evil.resolve()} is not a plain-data checkpoint",
+        "(it asks to build exec)",
+        "weights_only=True",
+    )
+    assert not marker.exists()
+    assert not (tmp_path / "new").exists()
+
+
+def test_crafted_pickle_inside_a_run_folder_never_runs(trained, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    before = snapshot(trained)
+    torch.save({"evil": _RunsCode(marker)}, trained / "checkpoints" / "step_000099.pt")
+    assert run("train", "--resume", trained, *QUIET) == 2  # the newest checkpoint is the crafted one
+    one_line_error(capsys, "step_000099.pt is not a plain-data checkpoint")
+    assert not marker.exists()
+    after = snapshot(trained)
+    del after["checkpoints/step_000099.pt"]
+    assert after == before
+
+
+def test_truncated_file(trained, capsys):
+    ckpt = trained / "checkpoints" / "step_000004.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:4000])
+    assert run("train", "--resume", ckpt, *QUIET) == 2
+    one_line_error(capsys, f"--resume: cannot read {ckpt}", "truncated")
+
+
+def _rewrite(ckpt: Path, change) -> None:
+    data = torch.load(ckpt, weights_only=True)
+    change(data)
+    torch.save(data, ckpt)
+
+
+def test_truncated_slot_is_refused_before_any_kernel(trained, capsys):
+    ckpt = trained / "checkpoints" / "step_000004.pt"
+    before = snapshot(trained)
+
+    def truncate(data):
+        state = data["train_op"]["optimizer"]["optimizer"]["state"]
+        state[4]["momentum"] = state[4]["momentum"][:3].clone()
+
+    _rewrite(ckpt, truncate)
+    assert run("train", "--resume", trained, "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, "does not fit this run", "state[4].momentum has shape (3, 512)", "(64, 512)")
+    after = snapshot(trained)
+    assert {k: v for k, v in after.items() if k != "checkpoints/step_000004.pt"} == {
+        k: v for k, v in before.items() if k != "checkpoints/step_000004.pt"
+    }
+
+
+def test_another_optimizers_state_is_refused(trained, tmp_path, capsys):
+    other = tmp_path / "sgd"
+    argv = ["--optimizer", "SGD", "--optimizer-param", "momentum=0.9", "--run-dir", other]
+    assert run("train", *SHORT, *argv) == 0
+    sgd_state = torch.load(other / "checkpoints" / "step_000004.pt", weights_only=True)["train_op"]
+    _rewrite(trained / "checkpoints" / "step_000004.pt", lambda d: d.update(train_op=sgd_state))
+    assert run("train", "--resume", trained, "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, "--resume:", "does not fit this run")
+
+
+def test_a_wrong_model_tensor_is_refused(trained, capsys):
+    def shrink(data):
+        data["model"]["6.weight"] = data["model"]["6.weight"][:, :100].clone()
+
+    _rewrite(trained / "checkpoints" / "step_000004.pt", shrink)
+    assert run("train", "--resume", trained, "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, "model.6.weight has shape (64, 100)")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.update(format="something else"), "is not an optkit demo checkpoint"),
+        (lambda d: d.update(step=-1), "'step' is not a whole number"),
+        (lambda d: d.update(history="nope"), "'history' is not a table"),
+        (lambda d: d["history"]["train"].update(loss="x"), "columns must be lists of numbers"),
+        (lambda d: d.update(config=[1, 2]), "'config' is not a table"),
+        (lambda d: d.update(model={"0.weight": 3}), "is not a named tensor"),
+    ],
+)
+def test_checkpoint_layout_is_checked(trained, capsys, change, message):
+    _rewrite(trained / "checkpoints" / "step_000004.pt", change)
+    assert run("train", "--resume", trained, *QUIET) == 2
+    one_line_error(capsys, message)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# where a run writes
+
+
+def test_a_run_folder_is_never_reused(trained, capsys):
+    before = snapshot(trained)
+    assert run("train", *SHORT, "--run-dir", trained, "--seed", 1) == 2
+    one_line_error(capsys, f"--run-dir: {trained} is an optkit run", f"--resume {trained}")
+    assert snapshot(trained) == before
+
+
+def test_a_non_empty_folder_is_refused_and_an_empty_one_is_used(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert run("train", *SHORT, "--run-dir", tmp_path) == 2
+    one_line_error(capsys, f"--run-dir: {tmp_path} is not empty (notes.txt)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run("train", *SHORT, "--run-dir", empty) == 0
+    assert run_folder.is_run_folder(empty)
+
+
+def test_a_file_is_not_a_run_folder(tmp_path, capsys):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    assert run("train", *SHORT, "--run-dir", f) == 2
+    one_line_error(capsys, f"--run-dir: {f} exists and is not a folder")
+    assert run("train", *SHORT, "--run-dir", f / "sub") == 2
+    one_line_error(capsys, f"--run-dir: cannot create {f / 'sub'}: {f} is not a folder")
+    assert f.read_text() == "x"
+
+
+def test_default_folders_never_collide(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    class Frozen:
+        @staticmethod
+        def now():
+            from datetime import datetime
+
+            return datetime(2026, 11, 23, 10, 15, 0)
+
+    monkeypatch.setattr(run_folder, "datetime", Frozen)
+    first = run_folder.create_run_dir(None)
+    second = run_folder.create_run_dir(None)
+    assert first == Path("runs/20261123-101500") and second == Path("runs/20261123-101500-2")
+    assert run_folder.is_run_folder(first) and run_folder.is_run_folder(second)
+
+
+def test_resume_from_outside_a_run_folder_is_refused(trained, tmp_path, monkeypatch, capsys):
+    home = tmp_path / "home"
+    (home / "Downloads").mkdir(parents=True)
+    (home / "precious.txt").write_text("keep")
+    (trained / "checkpoints" / "step_000004.pt").replace(home / "Downloads" / "step_000004.pt")
+    monkeypatch.setenv("HOME", str(home))
+    before = snapshot(home)
+    assert run("train", "--resume", "~/Downloads/step_000004.pt", "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, "is not inside an optkit run folder", "--run-dir NEW_FOLDER")
+    assert snapshot(home) == before
+    # with a new folder it continues there (the file is only read)
+    new = tmp_path / "continued"
+    assert (
+        run("train", "--resume", "~/Downloads/step_000004.pt", "--max-steps", 6, "--run-dir", new, *QUIET)
+        == 0
+    )
+    assert snapshot(home) == before
+    assert [p.name for p in run_folder.list_checkpoints(new)] == ["step_000006.pt"]
+
+
+def test_a_folder_without_the_marker_is_not_resumed(trained, capsys):
+    (trained / run_folder.MARKER).unlink()
+    before = snapshot(trained)
+    assert run("train", "--resume", trained, "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, "is not an optkit run folder: it has no optkit-run.json")
+    assert run("train", "--resume", trained / "checkpoints" / "step_000004.pt", "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, "is not inside an optkit run folder")
+    assert snapshot(trained) == before
+
+
+def test_the_checkpoint_does_not_decide_where_output_goes_or_what_is_pruned(trained, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "step_000001.pt").write_text("not ours")
+
+    def redirect(data):
+        data["config"].update(run_dir=str(elsewhere), keep_checkpoints=1)
+
+    _rewrite(trained / "checkpoints" / "step_000002.pt", redirect)
+    assert (
+        run(
+            "train",
+            "--resume",
+            trained / "checkpoints" / "step_000002.pt",
+            "--max-steps",
+            6,
+            "--checkpoint-every",
+            2,
+            *QUIET,
+        )
+        == 0
+    )
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["step_000001.pt"]
+    names = [p.name for p in run_folder.list_checkpoints(trained)]
+    assert names == ["step_000002.pt", "step_000004.pt", "step_000006.pt"]  # nothing pruned
+    assert json.loads((trained / "metrics.json").read_text())["config"]["run_dir"] == str(trained.resolve())
+
+
+def test_pruning_deletes_only_this_runs_checkpoints(trained, tmp_path):
+    ckpts = trained / "checkpoints"
+    outside = tmp_path / "outside.pt"
+    outside.write_text("target of a link")
+    (ckpts / "notes.txt").write_text("mine")
+    (ckpts / "best.pt").write_text("mine")
+    (ckpts / "step_1.pt").write_text("mine")
+    os.symlink(outside, ckpts / "step_000001.pt")
+    assert (
+        run(
+            "train",
+            "--resume",
+            trained,
+            "--max-steps",
+            8,
+            "--checkpoint-every",
+            2,
+            "--keep-checkpoints",
+            1,
+            *QUIET,
+        )
+        == 0
+    )
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "best.pt",
+        "notes.txt",
+        "step_000001.pt",
+        "step_000008.pt",
+        "step_1.pt",
+    ]
+    assert outside.read_text() == "target of a link"
+
+
+def test_resume_keeps_the_optimizer_and_precision(trained, capsys):
+    before = snapshot(trained)
+    assert run("train", "--resume", trained, "--optimizer", "Adam", "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, "--optimizer: the run of", "'LARS', not 'Adam'")
+    assert run("train", "--resume", trained, "--dtype", "float32", "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, "--dtype:", "'mixed', not 'float32'")
+    assert snapshot(trained) == before
+    assert json.loads((trained / "metrics.json").read_text())["config"]["optimizer"] == "LARS"
+    # the same names in another letter case are the same optimizer and dtype
+    assert (
+        run("train", "--resume", trained, "--optimizer", "lars", "--dtype", "MIXED", "--max-steps", 6, *QUIET)
+        == 0
+    )
+    assert json.loads((trained / "metrics.json").read_text())["config"]["optimizer"] == "LARS"
+
+
+def test_resume_past_the_planned_end_is_refused(trained, capsys):
+    assert run("train", "--resume", trained, "--max-steps", 3, *QUIET) == 2
+    one_line_error(capsys, "is at step 4, past the end of this run (3 steps)")
+
+
+def test_a_new_folder_for_a_continuation_follows_the_new_run_rules(trained, tmp_path, capsys):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    assert run("train", "--resume", trained, "--max-steps", 6, "--run-dir", busy, *QUIET) == 2
+    one_line_error(capsys, f"--run-dir: {busy} is not empty")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# failed writes: one line, nothing half-written
+
+
+def _no_temporaries(folder: Path) -> None:
+    assert not [p for p in folder.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_full_disk_while_saving_a_checkpoint(tmp_path, monkeypatch, capsys):
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    out = tmp_path / "run"
+    assert run("train", *SHORT, "--run-dir", out) == 2
+    one_line_error(capsys, f"cannot write {out / 'checkpoints' / 'step_000002.pt'}: No space left on device")
+    _no_temporaries(out)
+    assert run_folder.list_checkpoints(out) == []
+
+
+def test_failed_rename_of_metrics(tmp_path, monkeypatch, capsys):
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if str(dst).endswith("metrics.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    out = tmp_path / "run"
+    assert run("train", *SHORT, "--run-dir", out) == 2
+    one_line_error(capsys, f"cannot write {out / 'metrics.json'}")
+    _no_temporaries(out)
+    assert not (out / "metrics.json").exists()
+    assert [p.name for p in run_folder.list_checkpoints(out)] == ["step_000002.pt", "step_000004.pt"]
+
+
+def test_read_only_parent(tmp_path, monkeypatch, capsys):
+    def denied(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    out = tmp_path / "run"
+    assert run("train", *SHORT, "--run-dir", out) == 2
+    one_line_error(capsys, f"--run-dir: cannot create {out}: Permission denied")
+    assert not out.exists()
+
+
+def test_marker_write_failure_removes_the_new_folder(tmp_path, monkeypatch, capsys):
+    def denied(*_args, **_kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(files.os, "open", denied)
+    out = tmp_path / "a" / "run"
+    assert run("train", *SHORT, "--run-dir", out) == 2
+    one_line_error(capsys, "--run-dir:", f"cannot write {out / run_folder.MARKER}: Permission denied")
+    assert not (tmp_path / "a").exists()
+
+
+def test_atomic_write_leaves_the_old_file_on_failure(tmp_path):
+    target = tmp_path / "f.json"
+    target.write_text("old")
+
+    def boom(fh):
+        fh.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(files.ConfigError, match="No space left"):
+        files.atomic_write(target, boom)
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
