@@ -404,8 +404,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         dtype = torch.float64 if self._has_fp64(group) else torch.float32
         scale = group.get("lr_scale", 1.0)  # layer-wise decay (optkit.param_groups)
         if isinstance(lr, Tensor) or isinstance(scale, Tensor):
-            out = lr.detach().to(device=self._state_device, dtype=dtype).reshape(()) if isinstance(lr, Tensor) \
-                else torch.tensor(float(lr), dtype=dtype, device=self._state_device)
+            if isinstance(lr, Tensor):
+                out = lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
+            else:
+                out = torch.tensor(float(lr), dtype=dtype, device=self._state_device)
             return out if not isinstance(scale, Tensor) and scale == 1.0 else out * scale
         value = float(lr) * float(scale)
         out = torch.tensor(value, dtype=dtype, device=self._state_device)
