@@ -145,6 +145,10 @@ def _lars_skip_bias(names):
     return [{"_lars_skipped": "bias" in n} for n in names]
 
 
+def _lamb_skip_bias(names):
+    return [{"_skipped": "bias" in n} for n in names]
+
+
 def _no_decay_bias(names):
     return [{"_decayed": "bias" not in n} for n in names]
 
@@ -209,6 +213,19 @@ ROWS: list[Row] = [
                                                            variant="tf1.14"),
         "lars", {"eeta": 0.01, "use_nesterov": True, "variant": "tf1.14"}, sparse="rows",
         sparse_rule="momentum", sparse_hp={"momentum": 0.9, "use_nesterov": True}),
+    Row("LAMB", lambda ps, lr: optkit.LAMB(_plain(ps), lr, weight_decay=0.01), "lamb",
+        {"weight_decay": 0.01}),
+    Row("LAMB-skiplist-clamp-nvlamb", lambda ps, lr: optkit.LAMB(
+        _named(ps), lr, weight_decay=0.05, skip_list=["bias"], min_coeff=0.6, max_coeff=2.0,
+        global_grad_norm_clip=4.0),  # binds (the gradients' global norm is ~12), keeps fp16 v normal
+        "lamb", {"weight_decay": 0.05, "min_coeff": 0.6, "max_coeff": 2.0}, {"global_clipnorm": 4.0},
+        per_tensor=_lamb_skip_bias, uses_names=True),
+    Row("LAMBC-exclude1d-nobc", lambda ps, lr: optkit.LAMB(
+        _plain(ps), lr, beta1=0.8, weight_decay=0.02, exclude_1d=True, lambc=True, bias_correction=False,
+        always_adapt=True, use_ema=True, ema_momentum=0.9, ema_warmup=True),
+        "lamb", {"beta1": 0.8, "weight_decay": 0.02, "lambc": True, "bias_correction": False,
+                 "always_adapt": True}, {"use_ema": True, "ema_momentum": 0.9, "ema_warmup": True},
+        per_tensor=_lamb_skip_bias),
     # ---- wrappers and stacks
     Row("LossScale(SGD,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
         optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), optkit.DynamicLossScale(256.0)),
@@ -246,6 +263,9 @@ ROWS: list[Row] = [
         loss_scale=optkit.DynamicLossScale(256.0)),
         "keras_sgd", {"momentum": 0.9}, feed_scale=256.0, grad_transform=larc_transform(0.02),
         dtypes=(torch.float16, torch.bfloat16), half_masters=True),
+    Row("LossScale(LAMB,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
+        optkit.LAMB(_plain(ps), lr, weight_decay=0.01), optkit.DynamicLossScale(256.0)),
+        "lamb", {"weight_decay": 0.01}, feed_scale=256.0),
 ]
 
 ROW_IDS = [r.id for r in ROWS]

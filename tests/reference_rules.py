@@ -127,9 +127,37 @@ def lars(w, g, st, lr, t, hp):
     return w - (s * g + s * mu * a if nesterov else s * a)
 
 
+def lamb(w, g, st, lr, t, hp):
+    """LAMB, You et al. 2019 (arXiv:1904.00962) Algorithm 2, with the peers' options: ``weight_decay`` in
+    the direction, ``bias_correction``, the adaptation rule (``always_adapt``; a tensor without weight decay
+    is not adapted unless it is set, as timm's ``Lamb``), the trust-ratio clamp ``min_coeff``/``max_coeff``
+    (DeepSpeed) and ``lambc`` (timm's LAMBC: ratio <= 1). Per-tensor flags: ``_skipped`` (skip_list /
+    exclude_1d: no decay, no adaptation), ``_decayed`` (exclude_from_weight_decay)."""
+    b1, b2, eps = hp.get("beta1", 0.9), hp.get("beta2", 0.999), hp.get("epsilon", 1e-6)
+    skipped = hp.get("_skipped", False)
+    wd = 0.0 if skipped or not hp.get("_decayed", True) else hp.get("weight_decay", 0.0)
+    m = b1 * st.get("m", np.zeros_like(w)) + (1 - b1) * g
+    v = b2 * st.get("v", np.zeros_like(w)) + (1 - b2) * g * g
+    st["m"], st["v"] = m, v
+    if hp.get("bias_correction", True):
+        m, v = m / (1 - b1**t), v / (1 - b2**t)
+    u = m / (np.sqrt(v) + eps) + wd * w
+    r = 1.0
+    if not skipped and not hp.get("exclude_from_adaptation", False) and (wd != 0 or hp.get("always_adapt")):
+        wn, un = _norm(w), _norm(u)
+        r = wn / un if (wn > 0 and un > 0) else 1.0
+        if hp.get("min_coeff") is not None:
+            r = max(r, hp["min_coeff"])
+        if hp.get("max_coeff") is not None:
+            r = min(r, hp["max_coeff"])
+        if hp.get("lambc"):
+            r = min(r, 1.0)
+    return w - lr * r * u
+
+
 RULES: dict[str, Callable] = {
     "keras_sgd": keras_sgd, "momentum": tf_momentum, "adam": adam, "adagrad": adagrad,
-    "rmsprop": tf_rmsprop, "ftrl": ftrl, "lars": lars,
+    "rmsprop": tf_rmsprop, "ftrl": ftrl, "lars": lars, "lamb": lamb,
 }
 
 
@@ -141,8 +169,8 @@ class Reference:
 
     ``hp`` holds the rule's hyperparameters; ``base`` the base options: ``lr`` (number or ``step -> lr``),
     ``weight_decay`` (decoupled, Keras), ``decay_mask`` (per tensor), ``clipnorm`` / ``clipvalue`` /
-    ``global_clipnorm``, ``use_ema``, ``ema_momentum``, ``ema_overwrite_frequency``; ``per_tensor`` optional
-    per-tensor hyperparameter overrides (e.g. LARS skip flags).
+    ``global_clipnorm``, ``use_ema``, ``ema_momentum``, ``ema_overwrite_frequency``, ``ema_warmup``;
+    ``per_tensor`` optional per-tensor hyperparameter overrides (e.g. LARS skip flags).
     """
 
     def __init__(self, rule: str, ws: Sequence[Arr], hp: dict | None = None, base: dict | None = None,
@@ -189,6 +217,8 @@ class Reference:
             self.ws[i] = self.rule(w, gs[i], self.states[i], lr, t, hp)
         if b.get("use_ema"):
             mu = 0.0 if self.iterations == 0 else b.get("ema_momentum", 0.99)
+            if b.get("ema_warmup") and self.iterations:  # TF ExponentialMovingAverage(num_updates=k)
+                mu = min(mu, (1 + self.iterations) / (10 + self.iterations))
             self.avgs = [mu * a + (1 - mu) * w for a, w in zip(self.avgs, self.ws)]
             f = b.get("ema_overwrite_frequency")
             if f and (self.iterations + 1) % f == 0:

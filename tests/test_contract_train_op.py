@@ -44,7 +44,7 @@ ROWS = [
     *[TrainRow(f"{name}-fp32-dynamic", name, p, loss_scaling="dynamic")
       for name, p in [("SGD", {"momentum": 0.9}), ("Momentum", {"momentum": 0.9}), ("Adam", {}),
                       ("AdamW", {"weight_decay": 0.01}), ("Adagrad", {}), ("RMSProp", {}), ("Ftrl", {}),
-                      ("LARS", {"eeta": 0.01})]],
+                      ("LARS", {"eeta": 0.01}), ("LAMB", {"weight_decay": 0.01})]],
     TrainRow("Momentum-fp32-Backoff", "Momentum", {"momentum": 0.9}, loss_scaling="Backoff"),
     TrainRow("Momentum-fp32-LogMax", "Momentum", {"momentum": 0.9}, loss_scaling="LogMax"),
     TrainRow("Momentum-bf16", "Momentum", {"momentum": 0.9}, dtype=torch.bfloat16),
@@ -55,6 +55,9 @@ ROWS = [
     TrainRow("LARS-bf16", "LARS", {"eeta": 0.01}, dtype=torch.bfloat16),
     TrainRow("AdamW-fp16-dynamic", "AdamW", {"weight_decay": 0.01}, dtype=torch.float16,
              loss_scaling="dynamic"),
+    TrainRow("LAMB-mixed-Backoff-accumulate-clip", "LAMB",
+             {"weight_decay": 0.01, "max_coeff": 5.0, "global_grad_norm_clip": 2.0}, dtype="mixed",
+             loss_scaling="Backoff", iter_size=2),
     TrainRow("Momentum-mixed-LogMax-accumulate", "Momentum", {"momentum": 0.9}, dtype="mixed",
              loss_scaling="LogMax", iter_size=2),
 ]

@@ -4,7 +4,8 @@ Everything public is importable from here. The modules are small and named for w
 ``clipping`` (global-norm and per-tensor clipping), ``lr_policies`` / ``schedules`` (OpenSeq2Seq learning-rate
 policies), ``loss_scale`` (fixed, dynamic, Backoff and LogMax scalers), ``optimizer`` (the Keras-style base),
 ``sgd`` / ``momentum`` / ``adam`` / ``adagrad`` / ``rmsprop`` / ``ftrl`` / ``lars`` (optimizers, one file
-each), ``registry`` (optimizers by name), the wrappers
+each), ``registry`` (optimizers by name), ``param_rules`` (param groups by name, layer-wise decay,
+``create_optimizer``), the wrappers
 (``variable_clipping``, ``loss_scale_optimizer``, ``mixed_precision``, ``larc``) and ``train``
 (``optimize_loss``). All per-parameter arithmetic lives in the private ``_multi_tensor`` layer.
 """
@@ -13,7 +14,7 @@ __version__ = "0.2.0"
 
 # The public face, by layer: foundations (multi-tensor math, clipping, schedules, loss scaling), optimizers,
 # wrappers over any optimizer, and the one-call training step.
-from . import distributed
+from . import distributed, recipes
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .clipping import (
@@ -28,6 +29,7 @@ from .clipping import (
 )
 from .flat import FlatParameters, flat_parameters
 from .ftrl import Ftrl
+from .lamb import LAMB
 from .larc import LARC
 from .lars import LARS
 from .loss_scale import (
@@ -55,6 +57,7 @@ from .lr_policies import (
 from .mixed_precision import MixedPrecisionOptimizerWrapper, convert_model_to_half
 from .momentum import Momentum
 from .optimizer import Optimizer
+from .param_rules import ParamGroups, create_optimizer, param_groups
 from .registry import OPTIMIZER_CLS_NAMES, get_optimizer
 from .regularization import (
     add_regularizer,
@@ -82,8 +85,10 @@ __all__ = [
     "LossScale", "FixedLossScale", "DynamicLossScale", "BackoffScaler", "LogMaxScaler", "AutomaticLossScaler",
     "LossScaleAtMinimumWarning", "get_loss_scale",
     # optimizers
-    "Optimizer", "SGD", "LARS", "Ftrl", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp",
+    "Optimizer", "SGD", "LARS", "LAMB", "Ftrl", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp",
     "OPTIMIZER_CLS_NAMES", "get_optimizer",
+    # parameter rules by name, layer-wise decay, the optimizer front door
+    "param_groups", "ParamGroups", "create_optimizer",
     # wrappers
     "VariableClippingOptimizer", "LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer",
     "MixedPrecisionOptimizerWrapper", "convert_model_to_half", "LARC",
@@ -92,6 +97,6 @@ __all__ = [
     # training
     "optimize_loss", "TrainOp", "StepResult", "OPTIMIZER_SUMMARIES", "get_regularization_loss",
     "add_regularizer", "clear_regularizers", "l1_regularizer", "l2_regularizer",
-    # distributed helpers (module)
-    "distributed",
+    # distributed helpers and training recipes (modules)
+    "distributed", "recipes",
 ]

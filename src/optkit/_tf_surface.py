@@ -215,6 +215,7 @@ class TFSurface:
             use_ema=self.use_ema,
             ema_momentum=self.ema_momentum,
             ema_overwrite_frequency=self.ema_overwrite_frequency,
+            ema_warmup=self.ema_warmup,
             jit_compile=self.jit_compile,
         )
         cfg.update(self._hyper_config())

@@ -85,6 +85,14 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         clipnorm / clipvalue / global_clipnorm: gradient clipping; at most one may be set.
         use_ema, ema_momentum, ema_overwrite_frequency: exponential moving average of the weights
             (Keras 3: the first applied step copies the weights; ``finalize_variable_values()`` swaps in).
+        ema_warmup: the EMA decay of the update after ``k`` applied ones is ``min(ema_momentum,
+            (1 + k)/(10 + k))`` (``tf.train.ExponentialMovingAverage(num_updates=k)``'s warm-up), so early
+            averages are not dominated by the initial weights.
+        ema_buffers: an ``nn.Module`` (its floating-point buffers, e.g. BatchNorm running statistics) or
+            ``(name, tensor)`` pairs whose values are averaged with the same decay after every applied step;
+            :meth:`ema_weights` and :meth:`finalize_variable_values` swap them too, and their averages are
+            in :meth:`state_dict` (``"ema_buffers"``). Needs ``use_ema=True``; not part of
+            :meth:`get_config` (it names live tensors: give it to ``from_config`` again).
         jit_compile: compile the grouped update with ``torch.compile`` (falls back to eager with a warning).
         mesh: a ``DeviceMesh`` all DTensor parameters must live on (scalar state is kept on its device type).
         name: the optimizer's name (defaults to the class name).
@@ -118,6 +126,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         use_ema: bool = False,
         ema_momentum: float = 0.99,
         ema_overwrite_frequency: int | None = None,
+        ema_warmup: bool = False,
+        ema_buffers: Any = None,
         jit_compile: bool = False,
         mesh: Any = None,
         name: str | None = None,
@@ -147,6 +157,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         check_number("ema_momentum", ema_momentum, low=0.0, high=1.0)
         if ema_overwrite_frequency is not None:
             check_number("ema_overwrite_frequency", ema_overwrite_frequency, low=1, integer=True)
+        if not isinstance(ema_warmup, bool):
+            raise TypeError(f"`ema_warmup` must be a bool, got {ema_warmup!r}")
+        ema_buffer_list = self._collect_ema_buffers(ema_buffers, use_ema)
         if not isinstance(jit_compile, bool):
             raise TypeError(f"`jit_compile` must be a bool, got {jit_compile!r}")
         if name is not None and not isinstance(name, str):
@@ -169,6 +182,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self.use_ema = use_ema
         self.ema_momentum = float(ema_momentum)
         self.ema_overwrite_frequency = ema_overwrite_frequency
+        self.ema_warmup = ema_warmup
+        self._ema_buffers = ema_buffer_list  # [(name, buffer)]: floating buffers averaged with the weights
+        self._ema_buffer_avgs = [b.detach().clone(memory_format=torch.preserve_format)
+                                 for _, b in ema_buffer_list]
         self.jit_compile = jit_compile
         self.mesh = mesh
         self.amsgrad = amsgrad
@@ -373,7 +390,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
     def _current_lr(self, group: dict) -> Tensor:
         """The learning rate of this step as a 0-d fp32 tensor on the state device (fp64 when the group holds
-        fp64 parameters)."""
+        fp64 parameters): the group's ``lr`` (or the schedule's value, written to ``lr``) times the group's
+        ``lr_scale`` when it has one (layer-wise decay, :func:`optkit.param_groups`)."""
         fn = self._learning_rate
         if isinstance(fn, (float, Tensor)):
             lr = group["lr"]
@@ -384,10 +402,16 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             lr = fn()
             group["lr"] = lr
         dtype = torch.float64 if self._has_fp64(group) else torch.float32
-        if isinstance(lr, Tensor):
-            return lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
-        out = torch.tensor(float(lr), dtype=dtype, device=self._state_device)
-        out.host_value = float(lr)  # the number itself, for kernels that take a Python float (no device read)
+        scale = group.get("lr_scale", 1.0)  # layer-wise decay (optkit.param_groups)
+        if isinstance(lr, Tensor) or isinstance(scale, Tensor):
+            if isinstance(lr, Tensor):
+                out = lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
+            else:
+                out = torch.tensor(float(lr), dtype=dtype, device=self._state_device)
+            return out if not isinstance(scale, Tensor) and scale == 1.0 else out * scale
+        value = float(lr) * float(scale)
+        out = torch.tensor(value, dtype=dtype, device=self._state_device)
+        out.host_value = value  # the number itself, for kernels that take a Python float (no device read)
         return out
 
     def _has_fp64(self, group: dict) -> bool:
@@ -877,10 +901,46 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------ EMA
 
+    @staticmethod
+    def _collect_ema_buffers(source: Any, use_ema: bool) -> list[tuple[str, Tensor]]:
+        """``ema_buffers`` as ``[(name, buffer)]``: a module's floating-point buffers, or the given pairs."""
+        if source is None:
+            return []
+        if not use_ema:
+            raise ValueError("`ema_buffers` needs `use_ema=True`")
+        if isinstance(source, torch.nn.Module):
+            pairs = [(n, b) for n, b in source.named_buffers() if b.is_floating_point()]
+        elif isinstance(source, Tensor) or isinstance(source, (str, bytes)):
+            raise TypeError("`ema_buffers` must be an nn.Module or (name, tensor) pairs")
+        else:
+            pairs = list(source)
+            for item in pairs:
+                if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                        and isinstance(item[1], Tensor) and item[1].is_floating_point()):
+                    raise TypeError(f"`ema_buffers` entries must be (name, floating-point tensor) pairs, "
+                                    f"got {item!r}")
+        names = [n for n, _ in pairs]
+        if len(set(names)) != len(names):
+            raise ValueError("`ema_buffers`: duplicate names")
+        return pairs
+
+    def state_dict(self) -> dict:
+        """torch's state dict, plus ``"ema_buffers"`` (name -> average) when buffers are averaged."""
+        sd = super().state_dict()
+        if self._ema_buffers:
+            sd = {**sd, "ema_buffers": {n: a.detach().clone() for (n, _), a in
+                                        zip(self._ema_buffers, self._ema_buffer_avgs)}}
+        return sd
+
     def _ema_weight(self, applied: Tensor | None) -> Tensor:
         hp = torch.float64 if self._state_device.type in ("cpu", "cuda") else torch.float32
         first = (self._iterations == 0).to(hp)
-        w = first + (1.0 - first) * (1.0 - self.ema_momentum)
+        if self.ema_warmup:  # min(μ, (1 + k)/(10 + k)) with k = updates applied before this one
+            k = self._iterations.to(hp)
+            mu = torch.clamp((1.0 + k) / (10.0 + k), max=self.ema_momentum)
+            w = first + (1.0 - first) * (1.0 - mu)
+        else:
+            w = first + (1.0 - first) * (1.0 - self.ema_momentum)
         return w if applied is None else w * applied
 
     def _ema_group(self, group: dict, indices: list[int], applied: Tensor | None) -> None:
@@ -889,6 +949,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         mt.lerp_([mt.local(a) for a in avgs], [mt.local(p) for p in ps], self._ema_weight(applied))
 
     def _after_update(self, found_inf: Tensor | None, applied: Tensor | None) -> None:
+        if self._ema_buffers:
+            mt.lerp_([mt.local(a) for a in self._ema_buffer_avgs],
+                     [mt.local(b) for _, b in self._ema_buffers], self._ema_weight(applied))
         f = self.ema_overwrite_frequency
         if self.use_ema and f:
             if self._host_exact:
@@ -907,7 +970,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
     def _overwrite_with_averages(self, weight: Tensor | None) -> None:
         ps = [p for g in self.param_groups for p in g["params"]]
-        avgs = [self.state[p]["average"] for p in ps]
+        avgs = [self.state[p]["average"] for p in ps] + self._ema_buffer_avgs
+        ps += [b for _, b in self._ema_buffers]
         lp, la = [mt.local(p) for p in ps], [mt.local(a) for a in avgs]
         if weight is None:
             torch._foreach_copy_(lp, la)
@@ -924,6 +988,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         ps = self._with_averages(var_list, "finalize_variable_values")
         with torch.no_grad():
             torch._foreach_copy_([mt.local(p) for p in ps], [mt.local(self.state[p]["average"]) for p in ps])
+            if var_list is None and self._ema_buffers:
+                torch._foreach_copy_([mt.local(b) for _, b in self._ema_buffers],
+                                     [mt.local(a) for a in self._ema_buffer_avgs])
 
     def _with_averages(self, var_list: Sequence[Tensor] | None, where: str) -> list[Tensor]:
         ps = self._all_params() if var_list is None else list(var_list)
@@ -938,13 +1005,17 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         exit, also after an exception, the training weights come back bit for bit. For evaluation and
         checkpoints of the averaged model in the middle of training; ``step()`` inside the block raises.
 
-        Costs one copy of the parameters. ``ValueError`` without ``use_ema=True``."""
+        Costs one copy of the parameters. The ``ema_buffers`` are swapped as well (without ``var_list``).
+        ``ValueError`` without ``use_ema=True``."""
         if not self.use_ema:
             raise ValueError("ema_weights(): the optimizer keeps no moving averages (use_ema=False)")
         if self._ema_swapped:
             raise RuntimeError("ema_weights(): already inside an ema_weights() block")
         ps = [mt.local(p) for p in self._with_averages(var_list, "ema_weights")]
         avgs = [mt.local(self.state[p]["average"]) for p in self._with_averages(var_list, "ema_weights")]
+        if var_list is None:  # the registered buffers (BatchNorm statistics) too
+            ps += [mt.local(b) for _, b in self._ema_buffers]
+            avgs += [mt.local(a) for a in self._ema_buffer_avgs]
         with torch.no_grad():
             saved = [p.detach().clone(memory_format=torch.preserve_format) for p in ps]
             torch._foreach_copy_(ps, avgs)
@@ -1026,6 +1097,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             result = pre_hook(self, sd)
             if result is not None:
                 sd = result
+        sd = dict(sd)
+        buffer_avgs = self._check_ema_buffers(sd.pop("ema_buffers", None))
         step = validate_state_dict(self, sd)
         # own copies: torch would alias the given tensors (``Tensor.to`` returns the same tensor when nothing
         # changes), so two optimizers loaded from one live state dict would update one buffer
@@ -1058,11 +1131,36 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                         st[key] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(v)
         self._host_iterations = int(self._iterations)
         self._host_exact = True
+        if buffer_avgs is not None:
+            with torch.no_grad():
+                for a, v in zip(self._ema_buffer_avgs, buffer_avgs):
+                    a.copy_(v)
         if isinstance(self._learning_rate, (float, Tensor)) and self.param_groups:
             lr0 = self.param_groups[0]["lr"]
             self._learning_rate = lr0 if isinstance(lr0, Tensor) else float(lr0)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_ema_buffers(self, saved: Any) -> list[Tensor] | None:
+        """The saved buffer averages in this optimizer's order, checked (``ValueError`` naming the buffer);
+        None when there are none to load (a state saved without buffers leaves the averages as they are)."""
+        if saved is None:
+            return None
+        if not self._ema_buffers:
+            raise ValueError("load_state_dict: the state holds 'ema_buffers' but this optimizer averages no "
+                             "buffers (pass ema_buffers=...)")
+        if not isinstance(saved, dict) or set(saved) != {n for n, _ in self._ema_buffers}:
+            got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            want = sorted(n for n, _ in self._ema_buffers)
+            raise ValueError(f"load_state_dict: 'ema_buffers' must hold {want}, got {got}")
+        out = []
+        for n, b in self._ema_buffers:
+            v = saved[n]
+            if not isinstance(v, Tensor) or tuple(v.shape) != tuple(b.shape) or not v.is_floating_point():
+                raise ValueError(f"load_state_dict: the average of buffer {n!r} must be a floating-point "
+                                 f"tensor of shape {tuple(b.shape)}")
+            out.append(v)
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, config={self.get_config()!r})"

@@ -14,6 +14,7 @@ exists from construction), called as ``cls(params, learning_rate=..., **optimize
 | RMSProp | :class:`optkit.RMSProp` (TF rule) | ``RMSPropOptimizer`` |
 | Ftrl | :class:`optkit.Ftrl` | ``FtrlOptimizer`` |
 | LARS | :class:`optkit.LARS` | ``contrib.opt.LARSOptimizer`` |
+| LAMB | :class:`optkit.LAMB` (You et al. 2019, Algorithm 2) | — (TF Addons ``LAMB``, Keras 3 ``Lamb``) |
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .ftrl import Ftrl
+from .lamb import LAMB
 from .lars import LARS
 from .momentum import Momentum
 from .rmsprop import RMSProp
@@ -39,6 +41,7 @@ OPTIMIZER_CLS_NAMES: dict[str, type[torch.optim.Optimizer]] = {
     "RMSProp": RMSProp,
     "Ftrl": Ftrl,
     "LARS": LARS,
+    "LAMB": LAMB,
 }
 
 

@@ -8,7 +8,9 @@
   before training starts. Its config is ``{"policy": name, **params}``.
 * :func:`build_schedule`: one entry point for a name, a config dict, a policy function or a schedule.
 * :class:`ScheduleLR`: a ``torch.optim.lr_scheduler.LRScheduler`` that sets each param group's ``lr`` from a
-  schedule, as a closed form of the step (so resuming never drifts; see pytorch/pytorch#162591).
+  schedule, as a closed form of the step (so resuming never drifts; see pytorch/pytorch#162591). A group's
+  ``lr_scale`` (layer-wise decay, :func:`optkit.param_groups`) multiplies its learning rate: optkit
+  optimizers apply it themselves, for other optimizers ``ScheduleLR`` does.
 
 Step counting: the step is the number of *applied* updates, as in OpenSeq2Seq (``spec/openseq2seq.md`` §3.7).
 Call ``scheduler.step()`` once after every optimizer update that was applied, and not after skipped ones
@@ -180,12 +182,24 @@ def build_schedule(
     )
 
 
+def _applies_lr_scale(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` (through any optkit wrappers) multiplies a group's ``lr_scale`` in itself."""
+    from ._wrapper import OptimizerWrapper
+    from .optimizer import Optimizer as OptkitOptimizer
+
+    while isinstance(optimizer, OptimizerWrapper):
+        optimizer = optimizer.optimizer
+    return isinstance(optimizer, OptkitOptimizer)
+
+
 class ScheduleLR(LRScheduler):
     """Drive a ``torch.optim`` optimizer's learning rate from a schedule.
 
     After construction and after every ``step()``, with ``t = last_step``:
 
-    * ``mode="absolute"`` (default): every param group gets ``lr = schedule(t)``;
+    * ``mode="absolute"`` (default): every param group gets ``lr = schedule(t)`` (times the group's
+      ``lr_scale`` for optimizers that do not apply it themselves: everything but optkit optimizers and
+      wrappers around them);
     * ``mode="multiplier"``: group ``g`` gets ``lr = initial_lr_g·schedule(t)`` (``LambdaLR``'s form; build
       the schedule with ``learning_rate=1.0`` to use a policy as a per-group multiplier).
 
@@ -218,6 +232,7 @@ class ScheduleLR(LRScheduler):
             raise ValueError(f"ScheduleLR: last_step must be >= -1, got {last_step!r}")
         self.schedule = schedule
         self.mode = mode
+        self._scales_itself = _applies_lr_scale(optimizer)
         super().__init__(optimizer, last_epoch=int(last_step))
 
     @property
@@ -228,7 +243,10 @@ class ScheduleLR(LRScheduler):
     def _closed_form(self) -> list[float | Tensor]:
         lr = self.schedule(self.last_epoch)
         if self.mode == "absolute":
-            return [lr for _ in self.optimizer.param_groups]
+            if self._scales_itself:  # optkit optimizers multiply the group's lr_scale in themselves
+                return [lr for _ in self.optimizer.param_groups]
+            return [lr if g.get("lr_scale", 1.0) == 1.0 else lr * g["lr_scale"]
+                    for g in self.optimizer.param_groups]
         return [base * lr for base in self.base_lrs]
 
     def get_lr(self) -> list[float | Tensor]:

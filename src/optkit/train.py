@@ -110,7 +110,8 @@ _STATE_KEYS = ("optimizer", "scaler", "global_step", "host_step", "host_exact", 
 class StepResult(NamedTuple):
     """What one call of the train op did. Every field is a tensor on the device (no host sync).
 
-    ``loss``: this micro-batch's loss (fp32, unscaled, detached). ``applied``: 0-d bool, True when this call
+    ``loss``: this micro-batch's loss (fp32, unscaled, detached; ``loss_sum / num_items`` when the loss
+    function returns that pair). ``applied``: 0-d bool, True when this call
     ended with an applied update (False for accumulation micro-steps and skipped updates). ``global_step``:
     applied updates so far (0-d int64). ``lr``: the learning rate of the update of this window (0-d fp32).
     ``loss_scale``: the scale this micro-batch's backward used. ``grad_norm``: the global norm of the
@@ -241,13 +242,23 @@ def optimize_loss(
     process_group: Any = None,
     bucket_numel: int = 1 << 22,
     pipeline_group: Any = None,
+    rules: Sequence[tuple[Any, Mapping[str, Any]]] | None = None,
+    layer_decay: float | None = None,
+    num_layers: int | None = None,
+    no_decay_1d: bool = True,
+    layer_regex: str | None = None,
 ) -> TrainOp:
     """Build the train op for ``loss`` (OpenSeq2Seq ``optimize_loss``; see the module docstring for the
     per-update order and the differences from the original).
 
     Args:
         loss: callable ``loss(*inputs) -> scalar tensor`` (e.g. ``fp32(model loss) +
-            get_regularization_loss()``); ``train_op(*inputs)`` calls it once per micro-step.
+            get_regularization_loss()``); ``train_op(*inputs)`` calls it once per micro-step. It may return
+            ``(loss_sum, num_items)`` instead (token-weighted accumulation, as Hugging Face since
+            transformers#34242): the update then uses ``Σ loss_sum / Σ num_items`` over the window's
+            micro-batches and the ranks, so micro-batches with more items (tokens) weigh more and a partial
+            window stays exact; ``num_items`` (a number or 0-d tensor, summed with one extra scalar
+            all-reduce per update when distributed) must be given on every call.
         optimizer: a registry name (``OPTIMIZER_CLS_NAMES``) or an optimizer class; built as
             ``cls(params, learning_rate=lr, **optimizer_params)`` (``lr=`` for torch classes).
         optimizer_params: constructor arguments (not mutated).
@@ -276,6 +287,12 @@ def optimize_loss(
             a true value makes the call accumulate only and a false value updates with the micro-batches
             accumulated so far (``train_op(..., skip_update=...)`` overrides it per call).
         model: the model (its parameters and names; DDP detection).
+        rules, layer_decay, num_layers, no_decay_1d, layer_regex: param groups by name
+            (:func:`optkit.param_groups`: per-group ``lr_scale``, ``weight_decay``,
+            ``exclude_from_adaptation``, ``clip``; BEiT layer-wise decay), built as
+            :func:`optkit.create_optimizer` does. Grouping happens when ``rules`` (``[]`` for no rules) or
+            ``layer_decay`` is given; then ``no_decay_1d`` (default True) takes weight decay
+            off biases and normalisation scales.
 
     Raises ``ValueError``/``TypeError`` naming the argument; nothing is built when an argument is bad.
     """
@@ -313,6 +330,15 @@ def optimize_loss(
     scaler = _build_scaler(loss_scaling, loss_scaling_params)
     logger = SummaryLogger(summary_writer, summary_list, summary_every)
     named = _named_params(var_list, model, loss)
+    groups = None
+    if rules is not None or layer_decay is not None:
+        from .param_rules import DEFAULT_LAYER_REGEX, param_groups
+
+        groups = param_groups(named, rules, no_decay_1d=no_decay_1d, layer_decay=layer_decay,
+                              num_layers=num_layers,
+                              layer_regex=DEFAULT_LAYER_REGEX if layer_regex is None else layer_regex)
+    elif num_layers is not None or layer_regex is not None:
+        raise ValueError("`num_layers` and `layer_regex` only apply with `layer_decay`")
     if on_horovod:
         import torch.distributed as dist
 
@@ -324,7 +350,8 @@ def optimize_loss(
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("`pipeline_group` needs an initialised torch.distributed process group")
     return TrainOp(loss, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
-                   int(iter_size), skip_update_ph, model, process_group, bucket_numel, pipeline_group)
+                   int(iter_size), skip_update_ph, model, process_group, bucket_numel, pipeline_group,
+                   groups=groups)
 
 
 def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
@@ -368,7 +395,8 @@ class TrainOp:
     """
 
     def __init__(self, loss_fn, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
-                 iter_size, skip_update_ph, model, process_group, bucket_numel, pipeline_group=None) -> None:
+                 iter_size, skip_update_ph, model, process_group, bucket_numel, pipeline_group=None,
+                 groups=None) -> None:
         self._loss_fn = loss_fn
         self._lr_fn = lr_fn
         self.dtype = dtype
@@ -402,10 +430,17 @@ class TrainOp:
         lr0 = self._current_lr if self._optkit else float(self._lr_now)
 
         def build(ps: list) -> torch.optim.Optimizer:
-            opt = cls(ps, **{key: lr0}, **opt_kwargs)
+            if groups is not None:  # param groups by name (optkit.create_optimizer's construction)
+                from .param_rules import build_optimizer
+
+                opt = build_optimizer(cls, ps, lr0, **opt_kwargs)
+            else:
+                opt = cls(ps, **{key: lr0}, **opt_kwargs)
             return opt if larc is None else LARC(opt, **larc)
 
         opt_params: list = list(zip(self.names, self.params)) if self._optkit else list(self.params)
+        if groups is not None:
+            opt_params = list(groups)
         if dtype == "mixed":
             self.optimizer = MixedPrecisionOptimizerWrapper.wrap(build, opt_params, loss_scale=None)
         else:
@@ -460,6 +495,8 @@ class TrainOp:
         # every rank must take the same summary decisions when they need collectives (writer on rank 0 only)
         logger.collective = self._dtensor or (mt._pp(self._pp) is not None)
         self._micro = 0
+        self._token_weighted: bool | None = None  # decided by the first call's return value
+        self._items = torch.zeros((), dtype=torch.float64, device=device)  # Σ num_items of the open window
         if self._diverted:
             _set_diverted(half_params, True)
 
@@ -498,7 +535,8 @@ class TrainOp:
             for g in self.optimizer.param_groups:
                 if isinstance(value, Tensor) and not (self._optkit_inst or g.get("fused")):
                     value = float(value)  # non-fused torch kernels take a float lr (a host read)
-                g["lr"] = value
+                scale = g.get("lr_scale", 1.0)  # torch optimizers do not apply a group's lr_scale
+                g["lr"] = value if scale == 1.0 else value * scale
 
     # ---- one micro-step -----------------------------------------------------------------------------------
 
@@ -510,9 +548,7 @@ class TrainOp:
         if self._fsdp_sync is not None:
             self._fsdp_sync(update)
         with ctx:
-            loss = self._loss_fn(*inputs, **kw_inputs)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise ValueError("`loss` must return a scalar tensor")
+            loss = self._token_split(self._loss_fn(*inputs, **kw_inputs))
             loss32 = loss.reshape(())
             if loss32.dtype in _HALF:
                 loss32 = loss32.float()
@@ -530,9 +566,42 @@ class TrainOp:
                 mt.reduce_partial_grads_(self.params)
             self._mp.accumulate_grads()  # the window's half gradients are summed in fp32
         self._micro += 1
+        shown = loss32.detach()
+        if self._token_weighted:  # report the micro-batch's mean per item
+            li = self._last_items.to(device=shown.device, dtype=torch.float32)
+            shown = shown / torch.where(li > 0, li, torch.ones_like(li))
         if not update:
-            return StepResult(loss32.detach(), self._false, self._step.clone(), self._lr_t, scale, None)
-        return self._update(loss32.detach(), scale)
+            return StepResult(shown, self._false, self._step.clone(), self._lr_t, scale, None)
+        return self._update(shown, scale)
+
+    def _token_split(self, out: Any) -> Tensor:
+        """The loss to back-propagate: ``out`` itself, or ``loss_sum`` of a ``(loss_sum, num_items)`` pair
+        (``num_items`` is added to the window's count, on the device: no host sync)."""
+        pair = isinstance(out, tuple)
+        if self._token_weighted is None:
+            self._token_weighted = pair
+        elif pair != self._token_weighted:
+            raise ValueError("`loss` returned (loss_sum, num_items) on some calls and a scalar on others; "
+                             "token-weighted accumulation needs the pair on every call")
+        if pair:
+            if len(out) != 2:
+                raise ValueError(f"`loss` must return a scalar tensor or (loss_sum, num_items), got a tuple "
+                                 f"of {len(out)}")
+            out, items = out
+            if isinstance(items, Tensor):
+                if items.numel() != 1:
+                    raise ValueError(f"num_items must be a number or a one-element tensor, got shape "
+                                     f"{tuple(items.shape)}")
+                items = items.detach().reshape(()).to(device=self._items.device, dtype=torch.float64)
+            elif isinstance(items, bool) or not isinstance(items, numbers.Real) or not items >= 0:
+                raise ValueError(f"num_items must be a number >= 0 or a tensor, got {items!r}")
+            else:
+                items = torch.tensor(float(items), dtype=torch.float64, device=self._items.device)
+            self._items.add_(items)
+            self._last_items = items
+        if not isinstance(out, Tensor) or out.numel() != 1:
+            raise ValueError("`loss` must return a scalar tensor" + (" as loss_sum" if pair else ""))
+        return out
 
     def _is_update(self, skip_update: bool | None) -> bool:
         flag = skip_update
@@ -573,7 +642,10 @@ class TrainOp:
 
         count = n * self._world
         denom: Tensor | None = None if self._unit_scale else scale
-        if count != 1:
+        if self._token_weighted:  # Σ loss_sum / Σ num_items over the window and the ranks
+            items = self._window_items()
+            denom = items.to(scale.device) if denom is None else denom * items.to(scale.device)
+        elif count != 1:
             denom = torch.full((), float(count), device=scale.device) if denom is None else denom * count
         if self._diverted:
             self._add_diverted_grads(denom)
@@ -636,6 +708,35 @@ class TrainOp:
             self.params[i].grad = None
         self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
+
+    def _window_items(self) -> Tensor:
+        """The divisor of token-weighted accumulation, 0-d fp32: ``Σ num_items`` over the window, summed over
+        the data-parallel ranks (one scalar all-reduce) and divided by the number of ranks whose gradients
+        DDP or FSDP2 averaged (their mean times W is the sum). A window without items divides by 1 (its
+        loss sum, and so its gradient, is 0). Resets the window's count."""
+        items, self._items = self._items, torch.zeros_like(self._items)
+        group, averaged = self._items_group()
+        if group is not False:
+            import torch.distributed as dist
+
+            dist.all_reduce(items, op=dist.ReduceOp.SUM, group=group)
+            if averaged:
+                items = items / dist.get_world_size(group)
+        return torch.where(items > 0, items, torch.ones_like(items)).to(torch.float32)
+
+    def _items_group(self) -> tuple[Any, bool]:
+        """(process group for the count, whether that group's gradients arrive averaged); ``False`` as the
+        group when nothing is distributed."""
+        if self._reduce:  # our own SUM all-reduce (on_horovod, or DDP + "mixed" accumulation)
+            return self._group, self._dtensor
+        if self._ddp is not None:
+            return self._ddp.process_group, True
+        if self._dtensor:  # FSDP2 averages over its data-parallel group
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                return self._group, True
+        return False, False
 
     def _clear_grads(self) -> None:
         """The updated tensors' gradients after an update: None, except views into flat buffers
@@ -791,6 +892,7 @@ class TrainOp:
             "micro": self._micro,
             "accumulators": acc,
             "summary_attempts": self.summaries.attempts,
+            "items": self._items.clone(),
         }
         per_rank, group = self._window_group()
         if self._micro and per_rank:
@@ -798,6 +900,9 @@ class TrainOp:
             if gathered is not None:
                 out["accumulators"], out["accumulators_present"] = gathered
                 out["accumulators_world_size"] = int(gathered[1].shape[1])
+            rows = self._gather_items(group)
+            if rows is not None:
+                out["items"] = rows
         return out
 
     def _gather_accumulators(self, acc: list[Tensor | None], group: Any) -> tuple[list, Tensor] | None:
@@ -854,12 +959,14 @@ class TrainOp:
             if a is not None and tuple(a.shape) != tuple(q.shape):
                 raise ValueError(f"load_state_dict: accumulator shape {tuple(a.shape)} != {tuple(q.shape)}")
         copy.deepcopy(self.scaler).load_state_dict(state_dict["scaler"])  # validate before any change
+        items = self._saved_items(state_dict.get("items"), saved_world)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.scaler.load_state_dict(state_dict["scaler"])
         self._step.copy_(state_dict["global_step"])
         self._host_step = int(state_dict["host_step"])
         self._host_exact = bool(state_dict["host_exact"])
         self._micro = int(state_dict["micro"])
+        self._items.copy_(items)
         self.summaries.attempts = int(state_dict["summary_attempts"])
         pos = {id(q): j for j, q in enumerate(self.masters)}
         if self._mp is not None:
@@ -872,6 +979,34 @@ class TrainOp:
             q.grad = None if a is None else a.clone().to(q.dtype)
         self._lr_now = self._lr_fn(self._host_step if self._host_exact else self._step)
         self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
+
+    def _gather_items(self, group: Any) -> Tensor | None:
+        """Every rank's window count (token-weighted accumulation) on the group's first rank as a [W]
+        tensor; None on the other ranks."""
+        import torch.distributed as dist
+
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        dst = dist.get_global_rank(group, 0) if group is not None else 0
+        mine = self._items.reshape(1).clone()
+        rows = [torch.empty_like(mine) for _ in range(world)] if me == 0 else None
+        dist.gather(mine, rows, dst=dst, group=group)
+        return torch.cat(rows) if me == 0 else None
+
+    def _saved_items(self, saved: Any, world: int | None) -> Tensor:
+        """The window count to restore (checked): a 0-d tensor, or this rank's entry of a per-rank [W]
+        tensor; 0 for states saved before token-weighted accumulation."""
+        if saved is None:
+            return torch.zeros_like(self._items)
+        if not isinstance(saved, Tensor) or not saved.is_floating_point() or \
+                saved.numel() != (1 if world is None or saved.dim() == 0 else world):
+            raise ValueError("load_state_dict: 'items' must be a floating-point tensor (one entry per rank "
+                             "inside a data-parallel window)")
+        if world is not None and saved.dim() == 1:
+            _, group = self._window_group()
+            import torch.distributed as dist
+
+            saved = saved[dist.get_rank(group)]
+        return saved.reshape(()).to(self._items.device, torch.float64)
 
     def _own_accumulators(self, acc: Sequence[Any], world: int, present: Any) -> list[Tensor | None]:
         """This rank's row of accumulators saved for ``world`` ranks (validated)."""

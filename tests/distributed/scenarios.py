@@ -65,6 +65,13 @@ def _lars(model: nn.Module) -> Any:
     return lars(model.named_parameters(), learning_rate=0.5, momentum=0.9, weight_decay=0.01, eeta=0.1)
 
 
+def _lamb(model: nn.Module) -> Any:
+    lamb = _maybe("lamb", "LAMB")
+    # small blocks: chunked local shards, norms summed per tensor, then over the mesh
+    return lamb(model.named_parameters(), learning_rate=0.05, weight_decay=0.01, use_ema=True,
+                ema_warmup=True, block_numel=64)
+
+
 def _larc(model: nn.Module) -> Any:
     larc = _maybe("larc", "LARC")
     return larc(SGD(model.named_parameters(), learning_rate=0.5, momentum=0.9), larc_eta=0.02)
@@ -103,6 +110,7 @@ OPTIMIZERS: dict[str, tuple[Callable, str | None, str | None]] = {
     "sgd_ema": (_sgd(learning_rate=0.1, momentum=0.5, use_ema=True, ema_momentum=0.8,
                      ema_overwrite_frequency=2), None, None),
     "lars": (_lars, "lars", "LARS"),
+    "lamb": (_lamb, "lamb", "LAMB"),
     "larc": (_larc, "larc", "LARC"),
     "loss_scale_optimizer": (_loss_scale_opt, "loss_scale_optimizer", "LossScaleOptimizer"),
     "variable_clipping": (_variable_clipping, "variable_clipping", "VariableClippingOptimizer"),

@@ -1,0 +1,149 @@
+"""LAMB: optkit.LAMB against timm's ``Lamb`` and a plain foreach LAMB, on the three parameter sets.
+
+Every variant runs the same rule: Adam moments (β 0.9/0.999, ε 1e-6, bias correction), weight decay 0.01
+inside the direction, the per-tensor trust ratio ‖w‖/‖u‖ on every tensor, lr 0.01, no gradient
+pre-normalisation (timm ``max_grad_norm=None``). Variants:
+
+* ``timm Lamb foreach=True`` (the reference; timm's ``lamb.py`` loaded from its file in site-packages without
+  importing ``timm``, which needs torchvision) and ``foreach=False`` on the small sets;
+* ``foreach LAMB (plain torch)``: a straightforward chain of ``torch._foreach_*`` ops (moments, direction,
+  norms, trust ratios, update), the form most ports take — the stand-in when timm is not installed;
+* ``optkit LAMB`` eager (two blocked passes through the fused-kernel gate) and with ``jit_compile=True``
+  (skipped on ``many_small``, where compile time grows with the tensor count).
+
+Minimal traffic of any two-pass LAMB: 40 B/param (pass 1 reads w, g, m, v and writes m, v: 24; pass 2
+reads w, m, v and writes w: 16), so "× floor" = ms / (params·40 B / floor GB/s). Targets (eager, quiet
+machine): within 1.5× of the floor on resnet50 and one_big, and faster than timm. Every step starts from the
+same gradients (restored, untimed). Run ``python -m bench.bench_lamb`` (``OPTKIT_BENCH_QUICK=1`` for a
+smoke run).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+import types
+
+import torch
+
+from bench import _harness as H
+from optkit import LAMB
+
+LR, WD, BETAS, EPS = 0.01, 0.01, (0.9, 0.999), 1e-6
+BYTES = 40
+
+
+def load_timm_lamb():
+    """timm's ``Lamb`` class from ``timm/optim/lamb.py`` (without importing ``timm``), or None."""
+    spec = importlib.util.find_spec("timm")
+    if spec is None or spec.origin is None:
+        return None
+    optim_dir = os.path.join(os.path.dirname(spec.origin), "optim")
+    if not os.path.exists(os.path.join(optim_dir, "lamb.py")):
+        return None
+    pkg_name = "_optkit_bench_timm_optim_lamb"
+    if pkg_name + ".lamb" not in sys.modules:
+        pkg = types.ModuleType(pkg_name)
+        pkg.__path__ = [optim_dir]
+        sys.modules[pkg_name] = pkg
+        lspec = importlib.util.spec_from_file_location(pkg_name + ".lamb", os.path.join(optim_dir, "lamb.py"))
+        mod = importlib.util.module_from_spec(lspec)
+        sys.modules[pkg_name + ".lamb"] = mod
+        try:
+            lspec.loader.exec_module(mod)
+        except Exception as err:  # an incompatible timm: no timm rows
+            del sys.modules[pkg_name + ".lamb"]
+            H.log(f"bench_lamb: timm's lamb.py did not load ({type(err).__name__}: {err})")
+            return None
+    return sys.modules[pkg_name + ".lamb"].Lamb
+
+
+class ForeachLamb:
+    """LAMB as a plain chain of foreach ops (one full pass over memory per op on CPU)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        b1, b2 = BETAS
+        ps, gs = self.params, [p.grad for p in self.params]
+        torch._foreach_lerp_(self.m, gs, 1 - b1)
+        torch._foreach_mul_(self.v, b2)
+        torch._foreach_addcmul_(self.v, gs, gs, value=1 - b2)
+        denom = torch._foreach_sqrt(self.v)
+        torch._foreach_div_(denom, (1 - b2**self.t) ** 0.5)
+        torch._foreach_add_(denom, EPS)
+        upd = torch._foreach_div(self.m, denom)
+        torch._foreach_div_(upd, 1 - b1**self.t)
+        torch._foreach_add_(upd, ps, alpha=WD)
+        wn = torch.stack(torch._foreach_norm(ps))
+        un = torch.stack(torch._foreach_norm(upd))
+        r = torch.where((wn > 0) & (un > 0), wn / un, torch.ones_like(wn))
+        torch._foreach_mul_(upd, list((-LR * r).unbind()))
+        torch._foreach_add_(ps, upd)
+
+
+def _variant(name, set_name, build):
+    params = H.make_params(set_name, seed=0)
+    grads = [p.grad for p in params]
+    ref = [g.clone() for g in grads]
+
+    def setup() -> None:
+        torch._foreach_copy_(grads, ref)
+
+    return H.Variant(name, build(params), setup), params
+
+
+def bench_lamb(set_name: str, floor: float, timm_lamb) -> str:
+    specs = []
+    if timm_lamb is not None:
+        tkw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=None)
+        specs.append(("timm Lamb foreach=True", lambda ps: timm_lamb(ps, foreach=True, **tkw).step))
+        if set_name != "many_small" or H.QUICK:
+            specs.append(("timm Lamb foreach=False", lambda ps: timm_lamb(ps, foreach=False, **tkw).step))
+    specs.append(("foreach LAMB (plain torch)", lambda ps: ForeachLamb(ps).step))
+    okw = dict(beta1=BETAS[0], beta2=BETAS[1], epsilon=EPS, weight_decay=WD)
+    specs.append(("optkit LAMB (eager)", lambda ps: LAMB(ps, LR, **okw).step))
+    if set_name != "many_small":
+        specs.append(("optkit LAMB jit_compile=True", lambda ps: LAMB(ps, LR, jit_compile=True, **okw).step))
+    variants, notes = [], []
+    for name, build in specs:
+        v, params = _variant(name, set_name, build)
+        if "jit" in name:
+            v.setup()
+            t0 = time.perf_counter()
+            v.step()  # compiles (untimed)
+            notes.append(f"`{name}` first call (compile) {time.perf_counter() - t0:.1f} s.")
+        variants.append(v)
+    total = H.n_params([p.shape for p in params])
+    rows = H.compare(variants, n_params=total, bytes_per_param=BYTES, floor=floor)
+    floor_ms = total * BYTES / (floor * 1e6)
+    notes.append(f"Floor time for {BYTES} B/param: {floor_ms:.2f} ms; × floor: "
+                 + ", ".join(f"{r.variant} {r.ms / floor_ms:.2f}×" for r in rows) + ".")
+    if timm_lamb is None:
+        notes.append("timm is not installed: no timm rows (`pip install --no-deps timm`); the plain foreach "
+                     "LAMB is the reference.")
+    title = (f"LAMB β 0.9/0.999, ε 1e-6, wd 0.01, set `{set_name}` ({len(params)} tensors, {total:,} params)")
+    return H.markdown_table(rows, title=title, note=" ".join(notes))
+
+
+def main() -> str:
+    H.log("bench_lamb: floor ...")
+    floor = H.floor_gbps()
+    timm_lamb = load_timm_lamb()
+    parts = [H.header("LAMB: optkit.LAMB vs timm Lamb vs a plain foreach LAMB", floor)]
+    for set_name in H.SET_NAMES:
+        H.log(f"bench_lamb: {set_name} ...")
+        parts.append(bench_lamb(set_name, floor, timm_lamb))
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(main())

@@ -1,0 +1,617 @@
+"""LAMB: layer-wise adaptive moments for large batches (registry name ``"LAMB"``).
+
+You, Li, Reddi, Hseu, Kumar, Bhojanapalli, Song, Demmel, Keutzer, Hsieh: "Large Batch Optimization for Deep
+Learning: Training BERT in 76 minutes" (arXiv:1904.00962), Algorithm 2. With ``g`` the processed gradient
+(unscaled, clipped), ``t`` the number of this update (``iterations + 1``: skipped steps do not count),
+``lr`` the current learning rate and ``‖·‖`` the L2 norm of a whole tensor::
+
+    m ← β1·m + (1 − β1)·g
+    v ← β2·v + (1 − β2)·g²
+    m̂ = m / (1 − β1^t),  v̂ = v / (1 − β2^t)            (bias_correction=False: m̂ = m, v̂ = v)
+    u = m̂ / (√v̂ + ε) + wd·w                             (decoupled weight decay inside the direction)
+    r = ‖w‖ / ‖u‖   if ‖w‖ > 0 and ‖u‖ > 0, else 1       (per tensor: the layer-wise trust ratio)
+    r ← clamp(r, min_coeff, max_coeff)                   (DeepSpeed's clamp; None: no bound)
+    r ← min(r, 1)                                        (lambc=True: timm's LAMBC)
+    w ← w − lr·r·u
+
+Which tensors adapt (timm's ``Lamb`` rule, ``always_adapt``): the trust ratio applies to a tensor whose
+weight decay is non-zero, or to every tensor with ``always_adapt=True``; the others take ``r = 1`` (a plain
+Adam step with ``u = m̂/(√v̂ + ε)``). A tensor excluded from weight decay (``exclude_from_weight_decay``, a
+group with ``weight_decay`` 0) is therefore also excluded from adaptation unless ``always_adapt``. With the
+defaults (``weight_decay=0.0``, ``always_adapt=False``) no tensor adapts: pass a weight decay (timm's default
+is 0.01) or ``always_adapt=True`` (Keras 3 ``Lamb``, the paper) to get LAMB. A name in ``skip_list``
+(substring, as LARS) or, with ``exclude_1d=True``, a tensor with ``ndim <= 1`` gets neither weight decay nor
+adaptation; so does every tensor of a param group with ``"exclude_from_adaptation": True`` (adaptation only,
+its decay is kept; :func:`optkit.param_groups` writes that key).
+
+NVLAMB's pre-normalisation by the global gradient norm (apex ``FusedLAMB(max_grad_norm=c)``, timm
+``Lamb(max_grad_norm=c)``): ``g ← g / max(1, ‖g‖_global / c)`` over all parameters before the moments
+is ``g·c / max(‖g‖_global, c)``, exactly the base class's ``global_clipnorm``; ``global_grad_norm_clip=c``
+sets it (mutually exclusive with the other clip options). timm's ``Lamb`` enables it by default
+(``c = 1.0``); optkit does not (the paper has no clip).
+
+Implementation (two sweeps over memory, no host sync, no per-parameter Python arithmetic). The trust ratio
+needs the norm of ``u`` over the whole tensor before any weight changes, so a step is two passes:
+
+1. :meth:`LAMB._prepare`, block by block over the base's cache-sized chunks: torch's fused Adam kernel
+   (through the gate of :mod:`optkit._fused`) updates ``m`` and ``v`` in place (``found_inf`` skips it) and
+   writes the Adam direction into an in-cache scratch chunk (``lr = −1`` on a zeroed buffer); ``wd·w`` is
+   added and ``‖u‖``, ``‖w‖`` are taken on the chunk while it is in cache. Chunk sums of squares are summed
+   per tensor with one ``index_add_`` (and across the mesh for DTensors); trust ratios and the per-tensor
+   factors are formed on stacked vectors.
+2. :meth:`LAMB._update` (the base's blocked pass) rebuilds the direction in cache from the new moments:
+   ``w ← w·(1 − s·wd) − c·m/(√v + e)`` with ``s = lr·r``, ``c = s·√(1−β2^t)/(1−β1^t)``,
+   ``e = ε·√(1−β2^t)``. On CPU that is ``√v + e`` into a scratch chunk and one ``addcdiv`` with per-tensor
+   scalars (a CPU tensor, multiplied by 0 on a skipped step, which leaves ``w`` exactly as it was); on other
+   devices the step ``d`` is formed in scratch and torch's fused SGD kernel applies ``w ← w − d`` with
+   ``found_inf``.
+
+Main memory sees: read ``w, g, m, v`` and write ``m, v`` (pass 1, 24 B/param in fp32), read ``w, m, v`` and
+write ``w`` (pass 2, 16 B/param): 40 B/param, the floor of any two-pass LAMB (+4 under loss scaling or a
+global clip, whose factor the fused kernel applies to ``g`` in place, as torch's fused kernels do).
+Half-precision parameters keep half moments, updated in pass 2 by the fused Adam kernel (fp32 arithmetic,
+rounded once) after pass 1 ran it on copies: the applied direction is then the one whose norm set the trust
+ratio (rebuilding it from rounded half moments would not be); their pass 2 runs on fp32 staged copies.
+Sparse gradients are densified (duplicates summed).
+
+State: ``exp_avg`` and ``exp_avg_sq`` (torch/timm names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _fused
+from . import _multi_tensor as mt
+from .optimizer import Optimizer, check_number
+
+__all__ = ["LAMB"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _lamb_pointwise(hyper, w, g, slots, lr, k, aux):
+    """Out-of-place pass 2 (``jit_compile``, ``torch.compile`` tracing, devices without a fused kernel):
+    ``w ← w − c·m/(√v + e) − s·wd·w`` with the moments :meth:`LAMB._prepare` already updated, or, for a
+    ``fresh`` (half-precision) tensor, with the moments updated here from ``g`` (unscaled in pass 1, so
+    ``k`` is not applied again); ``aux = (c, s·wd, e, s, fresh)``."""
+    beta1, beta2 = hyper
+    m, v = slots
+    c, swd, e, _, fresh = aux
+    if fresh:
+        m, v = _moments(g, m, v, beta1, beta2)
+    return w - m / (v.sqrt() + e) * c - w * swd, [m, v]
+
+
+def _moments(g: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
+    """The new moments, out of place (``m + (1−β1)(g − m)`` as torch's ``lerp``)."""
+    return m + (g - m) * (1.0 - beta1), v * beta2 + g * g * (1.0 - beta2)
+
+
+def _scratch_view(pool: Tensor, offset: int, like: Tensor) -> Tensor:
+    """A view of ``pool`` from ``offset`` with ``like``'s shape and, when ``like`` is dense, its strides (so
+    the fused kernels see matching layouts)."""
+    n = like.numel()
+    if not like.is_contiguous() and _fused.is_dense(like):
+        return pool.as_strided(like.shape, like.stride(), offset)
+    return pool[offset:offset + n].view(like.shape)
+
+
+class _Static:
+    """Per-group facts that change only with the parameter set and the options (cached)."""
+
+    __slots__ = ("adapt_of", "n_adapt", "index", "decayed", "wd_vec", "any_decayed", "wd")
+
+
+class _BlockInfo:
+    """Per block of a plan: the scratch chunks, and which chunks adapt (positions, their tensors' positions
+    among the adapting tensors, the decayed ones and their weight decay as 0-d tensors)."""
+
+    __slots__ = ("scratch", "sel", "own", "dec", "wd_t", "halves")
+
+
+class LAMB(Optimizer):
+    """LAMB (module doc), with the options of timm ``Lamb``, DeepSpeed ``FusedLamb`` and apex ``FusedLAMB``.
+
+    Args:
+        params: tensors, ``model.named_parameters()`` (needed for ``skip_list``) or param groups (e.g. from
+            :func:`optkit.param_groups`).
+        learning_rate: number, 0-d tensor, schedule or callable (default 0.001).
+        beta1, beta2: moment decay rates (``0 <= beta < 1``; defaults 0.9, 0.999).
+        epsilon: added to ``√v̂`` (``> 0``; default 1e-6, as timm and apex; Keras uses 1e-7).
+        weight_decay: ``wd`` in ``u = m̂/(√v̂+ε) + wd·w`` (``>= 0``, default 0.0), honouring
+            :meth:`exclude_from_weight_decay`. Not the base class's Keras decay.
+        bias_correction: divide the moments by ``1 − β^t`` (default True).
+        always_adapt: apply the trust ratio also to tensors without weight decay (default False: timm's rule).
+        max_coeff, min_coeff: clamp the trust ratio into ``[min_coeff, max_coeff]`` (DeepSpeed; None: no
+            bound).
+        lambc: clip the trust ratio at 1 (timm ``trust_clip``, the LAMBC variant).
+        exclude_1d: no adaptation and no weight decay for tensors with ``ndim <= 1`` (biases, norm scales).
+        skip_list: strings; a tensor whose name contains one gets no adaptation and no weight decay.
+        global_grad_norm_clip: NVLAMB's ``g ← g / max(1, ‖g‖_global / c)`` before the moments (apex
+            ``max_grad_norm``); the base class's ``global_clipnorm`` under its LAMB name.
+        **kwargs: base options (clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, ...,
+            jit_compile, mesh, name).
+
+    Raises ``ValueError``/``TypeError`` naming the argument (nothing is created).
+    """
+
+    slot_names = ("exp_avg", "exp_avg_sq")
+    _decoupled_weight_decay = False  # weight_decay enters u (module doc)
+    _always_block = True
+    _prepare_reads_grads = True
+    #: pass 2 on CPU as ``addcdiv`` with per-tensor scalars (a CPU tensor: no device sync); elsewhere the
+    #: chain ends in the fused SGD kernel with ``found_inf`` (False runs that chain on CPU too, for tests)
+    _cpu_addcdiv = True
+
+    def __init__(
+        self,
+        params: Any,
+        learning_rate: Any = 0.001,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        epsilon: float = 1e-6,
+        weight_decay: float = 0.0,
+        *,
+        bias_correction: bool = True,
+        always_adapt: bool = False,
+        max_coeff: float | None = None,
+        min_coeff: float | None = None,
+        lambc: bool = False,
+        exclude_1d: bool = False,
+        skip_list: Sequence[str] | None = None,
+        global_grad_norm_clip: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        check_number("beta1", beta1, low=0.0, high=1.0)
+        check_number("beta2", beta2, low=0.0, high=1.0)
+        if beta1 >= 1.0 or beta2 >= 1.0:
+            raise ValueError(f"`beta1` and `beta2` must be < 1, got {beta1!r}, {beta2!r}")
+        check_number("epsilon", epsilon, low=0.0, low_open=True)
+        check_number("weight_decay", weight_decay, low=0.0)
+        for flag, value in (("bias_correction", bias_correction), ("always_adapt", always_adapt),
+                            ("lambc", lambc), ("exclude_1d", exclude_1d)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{flag}` must be a bool, got {value!r}")
+        check_number("max_coeff", max_coeff, low=0.0, low_open=True, allow_none=True)
+        check_number("min_coeff", min_coeff, low=0.0, allow_none=True)
+        if max_coeff is not None and min_coeff is not None and min_coeff > max_coeff:
+            raise ValueError(f"`min_coeff` ({min_coeff!r}) must be <= `max_coeff` ({max_coeff!r})")
+        if skip_list is not None:
+            if isinstance(skip_list, str) or not all(isinstance(x, str) for x in skip_list):
+                raise TypeError(f"`skip_list` must be a list of strings, got {skip_list!r}")
+            skip_list = list(skip_list)
+        check_number("global_grad_norm_clip", global_grad_norm_clip, low=0.0, low_open=True, allow_none=True)
+        if global_grad_norm_clip is not None:
+            others = [n for n in ("clipnorm", "clipvalue", "global_clipnorm") if kwargs.get(n) is not None]
+            if others:
+                raise ValueError(f"`global_grad_norm_clip` (NVLAMB's pre-normalisation, the base class's "
+                                 f"global_clipnorm) cannot be combined with {others}")
+            kwargs["global_clipnorm"] = float(global_grad_norm_clip)
+        self._global_grad_norm_clip = None if global_grad_norm_clip is None else float(global_grad_norm_clip)
+        self._static_cache: dict[int, tuple] = {}
+        self._block_cache: dict[int, tuple] = {}
+        self._skip: Tensor | None = None
+        super().__init__(
+            params, learning_rate, weight_decay=float(weight_decay), beta1=float(beta1), beta2=float(beta2),
+            epsilon=float(epsilon), bias_correction=bias_correction, always_adapt=always_adapt,
+            max_coeff=None if max_coeff is None else float(max_coeff),
+            min_coeff=None if min_coeff is None else float(min_coeff), lambc=lambc, exclude_1d=exclude_1d,
+            skip_list=skip_list, **kwargs,
+        )
+        if not self._named and any(g["skip_list"] for g in self.param_groups):
+            raise ValueError(
+                "LAMB: `skip_list` matches parameter names, but the parameters came without names (they "
+                "would all be called param_<i> and nothing would be skipped); pass model.named_parameters()"
+            )
+
+    # ------------------------------------------------------------------------------------------------ config
+
+    def _hyper_config(self) -> dict:
+        d = self.defaults
+        return {
+            "beta1": d["beta1"], "beta2": d["beta2"], "epsilon": d["epsilon"],
+            "bias_correction": d["bias_correction"], "always_adapt": d["always_adapt"],
+            "max_coeff": d["max_coeff"], "min_coeff": d["min_coeff"], "lambc": d["lambc"],
+            "exclude_1d": d["exclude_1d"],
+            "skip_list": None if d["skip_list"] is None else list(d["skip_list"]),
+            "global_grad_norm_clip": self._global_grad_norm_clip,
+        }
+
+    def get_config(self) -> dict:
+        cfg = super().get_config()
+        if self._global_grad_norm_clip is not None:
+            cfg["global_clipnorm"] = None  # stated once, under its LAMB name
+        return cfg
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_static_cache"] = {}
+        state["_block_cache"] = {}  # scratch buffers and views of the cached plans
+        return state
+
+    def _pointwise_hyper(self, group: dict) -> tuple:
+        return (float(group["beta1"]), float(group["beta2"]))
+
+    _pointwise = staticmethod(_lamb_pointwise)
+
+    # ------------------------------------------------------------------------------------------------ rule
+
+    def _apply(self, grad_scale, found_inf, *args, **kwargs):
+        """The base pipeline, with the skip flag kept for :meth:`_prepare` (which updates the moments)."""
+        self._skip = None if found_inf is None else found_inf.detach().to(
+            device=self._state_device, dtype=torch.float32).reshape(())
+        try:
+            return super()._apply(grad_scale, found_inf, *args, **kwargs)
+        finally:
+            self._skip = None
+
+    def _skipped(self, group: dict, name: str, p: Tensor) -> bool:
+        if group["exclude_1d"] and p.ndim <= 1:
+            return True
+        skip_list = group["skip_list"]
+        return skip_list is not None and any(s in name for s in skip_list)
+
+    def _static(self, group: dict, plan: Any, params: list[Tensor], dev, dtype) -> _Static:
+        """Which tensors adapt and decay, and the weight-decay vector (cached per group; the key is built at
+        C speed)."""
+        skip_list = group["skip_list"]
+        key = (tuple(plan.names), tuple(plan.use_wd), None if skip_list is None else tuple(skip_list),
+               group["exclude_1d"], bool(group.get("exclude_from_adaptation", False)), group["always_adapt"],
+               float(group["weight_decay"]), dev, dtype)
+        hit = self._static_cache.get(id(group))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        wd = float(group["weight_decay"])
+        no_adapt = bool(group.get("exclude_from_adaptation", False))
+        st = _Static()
+        skipped = [self._skipped(group, nm, p) for nm, p in zip(plan.names, params)]
+        st.decayed = [wd > 0.0 and u and not s for u, s in zip(plan.use_wd, skipped)]
+        adapt = [not s and not no_adapt and (d or group["always_adapt"]) for s, d in zip(skipped, st.decayed)]
+        st.adapt_of = []
+        n_adapt = 0
+        for a in adapt:
+            st.adapt_of.append(n_adapt if a else -1)
+            n_adapt += a
+        st.n_adapt = n_adapt
+        st.index = torch.tensor([i for i, a in enumerate(adapt) if a], dtype=torch.long, device=dev)
+        st.wd_vec = torch.tensor([wd if d else 0.0 for d in st.decayed], dtype=dtype, device=dev)
+        st.any_decayed = any(st.decayed)
+        st.wd = wd
+        self._static_cache[id(group)] = (key, st)
+        return st
+
+    def _block_infos(self, group: dict, plan: Any, st: _Static) -> dict[int, _BlockInfo] | None:
+        """Per-block scratch and selections of a CPU plan (cached with the plan); None for plans without
+        blocks (``update_step``, tracing) or off the CPU (scratch is then allocated per step)."""
+        blocks = getattr(plan, "blocks", None)
+        if not blocks or blocks[0].params[0].device.type != "cpu":
+            return None
+        hit = self._block_cache.get(id(group))
+        if hit is not None and hit[0] is plan and hit[1] is st:
+            return hit[2]
+        sizes: dict[tuple, int] = {}
+        for blk in blocks:
+            for key in {(c.device, c.dtype) for c in blk.params}:
+                need = sum(c.numel() for c in blk.params if (c.device, c.dtype) == key)
+                sizes[key] = max(sizes.get(key, 0), need)
+        pools = {key: torch.empty(n, dtype=key[1], device=key[0]) for key, n in sizes.items()}
+        infos: dict[int, _BlockInfo] = {}
+        for blk in blocks:
+            info = _BlockInfo()
+            offsets = dict.fromkeys(pools, 0)
+            info.scratch = []
+            for c in blk.params:
+                key = (c.device, c.dtype)
+                info.scratch.append(_scratch_view(pools[key], offsets[key], c))
+                offsets[key] += c.numel()
+            info.sel = [j for j, o in enumerate(blk.owners) if st.adapt_of[o] >= 0]
+            info.own = [st.adapt_of[blk.owners[j]] for j in info.sel]
+            info.dec = [j for j in info.sel if st.decayed[blk.owners[j]]]
+            info.wd_t = [torch.tensor(st.wd, dtype=mt.acc_dtype(blk.params[j].dtype)) for j in info.dec]
+            info.halves = [j for j, c in enumerate(blk.params) if c.dtype in _HALF]
+            infos[id(blk)] = info
+        self._block_cache[id(group)] = (plan, st, infos)
+        return infos
+
+    def _chunks(self, plan: Any, params: list[Tensor], grads: list[Tensor]):
+        """``(block, owners, w, g, m, v)`` chunk lists: the plan's blocks, or the whole local tensors."""
+        loc = mt.local
+        blocks = getattr(plan, "blocks", None)
+        if blocks is None:
+            slots = plan.slots
+            yield (None, list(range(len(params))), [loc(p) for p in params], [loc(g) for g in grads],
+                   [loc(t) for t in slots["exp_avg"]], [loc(t) for t in slots["exp_avg_sq"]])
+            return
+        glocal = grads if not plan.any_dtensor else [loc(g) for g in grads]
+        for blk in blocks:
+            if blk.split is None:
+                bg = [glocal[o] for o in blk.owners]
+            else:
+                bg = [glocal[o] if rng is None else glocal[o].view(-1)[rng[0]:rng[1]]
+                      for o, rng in zip(blk.owners, blk.split)]
+            yield blk, blk.owners, blk.params, bg, blk.slots["exp_avg"], blk.slots["exp_avg_sq"]
+
+    def _prepare(self, group, plan, params, grads, lr, k) -> list:
+        """Pass 1 (module doc): update the moments (skipped with ``found_inf``), take ``‖w‖`` and ``‖u‖`` of
+        the adapting tensors, and return per tensor ``(c, s·wd, e, s, fresh)`` with ``s = lr·r``,
+        ``c = s·√(1−β2^t)/(1−β1^t)`` and ``e = ε·√(1−β2^t)`` (0-d tensors); ``fresh`` (half-precision
+        tensors) means the moments are left for pass 2 (see :meth:`_pass1`)."""
+        n = len(params)
+        dev = mt.local(params[0]).device
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        st = self._static(group, plan, params, dev, dtype)
+        beta1, beta2, eps = float(group["beta1"]), float(group["beta2"]), float(group["epsilon"])
+        if group["bias_correction"]:
+            t = (self._iterations + 1).to(torch.float32)
+        else:  # β^inf = 0: the fused kernel's bias corrections become 1
+            t = torch.full((), float("inf"), dtype=torch.float32, device=self._state_device)
+        hyper = (beta1, beta2, eps, t, k, self._skip)
+        tracing = torch.compiler.is_compiling()
+        infos = None if tracing else self._block_infos(group, plan, st)
+        acc: tuple[list, list, list] = ([], [], [])  # ‖w‖ and ‖u‖ of adapting chunks, their tensors
+        for blk, own, ws, gs, ms, vs in self._chunks(plan, params, grads):
+            info = None if infos is None else infos[id(blk)]
+            self._pass1(blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc)
+        t_d = t.to(device=dev, dtype=dtype)
+        bc1 = 1.0 - torch.pow(beta1, t_d)
+        bc2_sqrt = (1.0 - torch.pow(beta2, t_d)).sqrt()
+        lr = lr.to(device=dev, dtype=dtype)
+        if st.n_adapt:
+            trust = self._trust(group, st, *acc, params, dev, dtype)
+            s = lr * trust if st.n_adapt == n else torch.ones(n, dtype=dtype, device=dev).index_copy_(
+                0, st.index, trust) * lr
+        else:
+            s = lr.expand(n)
+        c = (s * (bc2_sqrt / bc1)).unbind()
+        swd = (s * st.wd_vec).unbind()
+        e = eps * bc2_sqrt
+        return [(ci, wi, e, si, p.dtype in _HALF) for ci, wi, si, p in zip(c, swd, s.unbind(), params)]
+
+    def _pass1(self, blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc) -> None:
+        """Pass 1 on one chunk list. float32/float64 chunks: the fused Adam kernel updates ``m, v`` in place
+        and writes the direction into scratch. Half-precision chunks keep their moments for pass 2 (the
+        kernel on copies): the kernel forms the direction from the unrounded fp32 moments, and pass 2 must
+        use the same ones or ``‖u‖`` would not be the norm of the applied direction (a ``v`` that rounds to
+        0 in half precision would blow the update up); their gradients are unscaled here, once."""
+        n = len(ws)
+        if info is not None:
+            scratch, sel, own_pos, dec, wd_t, halves = (info.scratch, info.sel, info.own, info.dec, info.wd_t,
+                                                        info.halves)
+        else:
+            scratch = None if tracing else [torch.empty_like(w, memory_format=torch.preserve_format)
+                                            for w in ws]
+            sel = [j for j, o in enumerate(own) if st.adapt_of[o] >= 0]
+            own_pos = [st.adapt_of[own[j]] for j in sel]
+            dec = [j for j in sel if st.decayed[own[j]]]
+            wd_t = [torch.tensor(st.wd, dtype=mt.acc_dtype(ws[j].dtype), device=ws[j].device) for j in dec]
+            halves = [j for j, w in enumerate(ws) if w.dtype in _HALF]
+        k = hyper[4]
+        if k is not None and halves:  # unscaled in place once (fp32 product, rounded once)
+            hg = [gs[j] for j in halves]
+            for (device, _), (_, (grp,)) in mt.group_by_device_dtype(hg).items():
+                torch._foreach_mul_(grp, k.to(device=device, dtype=torch.float32))
+        sel_of = dict(zip(sel, own_pos))
+        wd_of = dict(zip(dec, wd_t))
+        if len(halves) == n or not halves:
+            subsets = [(list(range(n)), bool(halves))]
+        else:
+            hs = set(halves)
+            subsets = [([j for j in range(n) if j not in hs], False), (halves, True)]
+        for pos, fresh in subsets:
+            whole = len(pos) == n
+            sub = [ws, gs, ms, vs] if whole else [[x[j] for j in pos] for x in (ws, gs, ms, vs)]
+            p_sel = [q for q, j in enumerate(pos) if j in sel_of]
+            p_own = [sel_of[pos[q]] for q in p_sel]
+            p_dec = {q: wd_of[pos[q]] for q in p_sel if pos[q] in wd_of}
+            if tracing:
+                self._pass1_math(*sub, range(len(pos)), st, hyper, fresh, p_sel, p_own, p_dec, acc)
+                continue
+            d = scratch if whole else [scratch[j] for j in pos]
+            self._block = blk  # the gate's per-block fast path (layouts and dtype known)
+            try:
+                self._pass1_fused(d, *sub, st, hyper, fresh, p_sel, p_own, p_dec, acc)
+            finally:
+                self._block = None
+
+    def _pass1_fused(self, scratch, ws, gs, ms, vs, st, hyper, fresh, sel, own_pos, dec, acc) -> None:
+        """:meth:`_pass1` through the fused-kernel gate (``dec``: chunk position -> weight decay tensor)."""
+        beta1, beta2, eps, t, k, skip = hyper
+        n = len(ws)
+        lists = (scratch, gs, ms, vs, ws)
+        written = (0,) if fresh else (0, 2, 3)
+        sel_set = set(sel)
+        for device, dtype, mode, ix, (d, g, m, v, w) in self._kernel_parts("adam", lists, written):
+            if mode == "fallback":
+                self._pass1_math(w, g, m, v, ix, st, hyper, fresh, sel, own_pos, dec, acc)
+                continue
+            fi = None if skip is None else skip.to(device)
+            scale = None
+            if k is not None and not fresh:
+                if dtype == torch.float64:  # the kernel's grad_scale is float32: unscale in float64
+                    torch._foreach_mul_(g, k.to(device=device, dtype=dtype))
+                else:
+                    scale = torch.reciprocal(k.to(device=device, dtype=torch.float32))
+            if fresh and m[0].dtype in _HALF:  # native half lists are the moments themselves: use copies
+                m, v = [x.clone() for x in m], [x.clone() for x in v]
+            torch._foreach_zero_(d)
+            t_ = t.to(device)
+            torch._fused_adam_(d, g, m, v, [], [t_] * len(d), lr=-1.0, beta1=beta1, beta2=beta2,
+                               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
+                               found_inf=None if fresh else fi)  # d = m̂/(√v̂ + ε) with the new moments
+            if len(ix) == n:
+                q_sel = sel
+            else:
+                q_sel = [q for q, i in enumerate(ix) if i in sel_set]
+            if not q_sel:
+                continue
+            src = ix if len(ix) != n else None
+            q_dec = [q for q in q_sel if (q if src is None else src[q]) in dec]
+            if q_dec:  # u = d + wd·w
+                torch._foreach_addcmul_([d[q] for q in q_dec], [w[q] for q in q_dec],
+                                        [dec[q if src is None else src[q]].to(device=device,
+                                                                              dtype=mt.acc_dtype(dtype))
+                                         for q in q_dec])
+            a = mt.acc_dtype(dtype)
+            u_sel = [d[q] for q in q_sel]
+            w_sel = [w[q] for q in q_sel]
+            if a == dtype:
+                acc[1].extend(torch._foreach_norm(u_sel))
+                acc[0].extend(torch._foreach_norm(w_sel))
+            else:
+                acc[1].extend(torch._foreach_norm(u_sel, 2, dtype=a))
+                acc[0].extend(torch._foreach_norm(w_sel, 2, dtype=a))
+            own_of = dict(zip(sel, own_pos))
+            acc[2].extend(own_of[q if src is None else src[q]] for q in q_sel)
+
+    @staticmethod
+    def _pass1_math(ws, gs, ms, vs, ix, st, hyper, fresh, sel, own_pos, dec, acc) -> None:
+        """:meth:`_pass1` as out-of-place math (tracing; devices without the fused Adam kernel); chunk
+        ``j`` of the lists is at position ``ix[j]`` of the chunk list ``sel``/``dec`` refer to."""
+        beta1, beta2, eps, t, k, skip = hyper
+        adapting = dict(zip(sel, own_pos))
+        for j, i in enumerate(ix):
+            w, g, m, v = ws[j], gs[j], ms[j], vs[j]
+            half = w.dtype in _HALF
+            wf, gf, mf, vf = (x.float() for x in (w, g, m, v)) if half else (w, g, m, v)
+            if k is not None and not fresh:
+                gf = gf * k.to(device=gf.device, dtype=gf.dtype)
+            m2, v2 = _moments(gf, mf, vf, beta1, beta2)
+            if not fresh:
+                if skip is not None:
+                    s = skip.to(gf.device) > 0.5
+                    m2, v2 = torch.where(s, mf, m2), torch.where(s, vf, v2)
+                m.copy_(m2)
+                v.copy_(v2)
+            if i not in adapting:
+                continue
+            tt = t.to(device=gf.device, dtype=gf.dtype)
+            bc1 = 1.0 - torch.pow(beta1, tt)
+            bc2_sqrt = (1.0 - torch.pow(beta2, tt)).sqrt()
+            u = m2 / (v2.sqrt() + eps * bc2_sqrt) * (bc2_sqrt / bc1)
+            if i in dec:
+                u = u + wf * st.wd
+            acc[1].append(torch.linalg.vector_norm(u))
+            acc[0].append(torch.linalg.vector_norm(wf))
+            acc[2].append(adapting[i])
+
+    def _trust(self, group, st, w_parts, u_parts, owners, params, dev, dtype) -> Tensor:
+        """Trust ratios of the adapting tensors from their chunk norms (sums of squares summed per tensor,
+        across the mesh for DTensors)."""
+        if len({(x.device, x.dtype) for x in w_parts}) == 1:
+            wv = torch.stack(w_parts).to(device=dev, dtype=dtype)
+            uv = torch.stack(u_parts).to(device=dev, dtype=dtype)
+        else:
+            wv = torch.stack([x.to(device=dev, dtype=dtype) for x in w_parts])
+            uv = torch.stack([x.to(device=dev, dtype=dtype) for x in u_parts])
+        m = st.n_adapt
+        if len(owners) == m and owners == list(range(m)):
+            w_sq, u_sq = wv * wv, uv * uv
+        else:
+            index = mt._index_tensor(owners, dev)
+            w_sq = torch.zeros(m, dtype=dtype, device=dev).index_add_(0, index, wv * wv)
+            u_sq = torch.zeros(m, dtype=dtype, device=dev).index_add_(0, index, uv * uv)
+        if not mt._all_plain(params) and any(mt.is_dtensor(p) for p in params):
+            import torch.distributed as dist
+
+            adapting = [p for p, a in zip(params, st.adapt_of) if a >= 0]
+            plans = [mt._plan(mt._mesh_reduce_dims(p)) for p in adapting]
+            if any(plans):
+                both = torch.cat([w_sq, u_sq])
+                mt._reduce_vector_(both, plans + plans, dist.ReduceOp.SUM)
+                w_sq, u_sq = both[:m], both[m:]
+        w_n, u_n = w_sq.sqrt(), u_sq.sqrt()
+        r = torch.where((w_n > 0) & (u_n > 0), w_n / u_n, torch.ones_like(w_n))
+        if group["min_coeff"] is not None or group["max_coeff"] is not None:
+            r = r.clamp(min=group["min_coeff"], max=group["max_coeff"])
+        if group["lambc"]:
+            r = r.clamp(max=1.0)
+        return r
+
+    def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
+        """Pass 2 (module doc) on one block: ``d = c·m/(√v + e) + s·wd·w`` in cache (half-precision
+        chunks: the fused Adam kernel updates their moments and gives ``m̂/(√v̂ + ε)``, then
+        ``d = s·(that) + s·wd·w``), and ``w ← w − d`` by the fused SGD kernel with ``found_inf``."""
+        m_l, v_l = slots["exp_avg"], slots["exp_avg_sq"]
+        blk = self._block
+        hit = self._block_cache.get(id(group))
+        info = None if (blk is None or hit is None) else hit[2].get(id(blk))
+        if info is not None and len(info.scratch) == len(params):
+            scratch = info.scratch
+        else:
+            scratch = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
+        fresh = [j for j, a in enumerate(aux) if a[4]]
+        done: set[int] = set()
+        if fresh:
+            done = self._fresh_moments(group, fresh, params, grads, scratch, m_l, v_l, lr, found_inf, aux)
+        any_wd = float(group["weight_decay"]) > 0.0
+        e = aux[0][2]
+        lists = (params, scratch, m_l, v_l)
+        for device, dtype, mode, ix, (p, d, m, v) in self._kernel_parts("sgd", lists, (0,)):
+            part_aux = aux if len(ix) == len(params) else [aux[i] for i in ix]
+            if done and ix[0] in done:
+                continue  # updated by the pointwise rule already
+            fi = None if found_inf is None else found_inf.to(device)
+            if mode == "fallback":
+                self._pointwise_fallback(group, p, [grads[i] for i in ix], [m, v], lr, None, fi, part_aux)
+                continue
+            acc = mt.acc_dtype(dtype)
+            if device.type == "cpu" and self._cpu_addcdiv and not part_aux[0][4]:
+                # four in-cache kernels: d = √v + e; w ← w·(1 − s·wd·a); w ← w − (c·a)·m/d, with a = 0 on a
+                # skipped step (m, v and d are finite then, so w is left exactly as it was)
+                torch._foreach_copy_(d, v)
+                torch._foreach_sqrt_(d)
+                torch._foreach_add_(d, e.to(device=device, dtype=acc))
+                applied = None if fi is None else 1.0 - fi
+                if any_wd:
+                    keep = [1.0 - a[1] for a in part_aux] if applied is None else \
+                        [1.0 - a[1] * applied for a in part_aux]
+                    torch._foreach_mul_(p, keep)
+                neg_c = torch.stack([a[0] for a in part_aux]).neg_()
+                if applied is not None:
+                    neg_c = neg_c * applied
+                torch._foreach_addcdiv_(p, m, d, neg_c.to(torch.float64))
+                continue
+            if part_aux[0][4]:  # d holds m̂/(√v̂ + ε) from the fused Adam kernel
+                torch._foreach_mul_(d, [a[3] for a in part_aux])
+            else:
+                torch._foreach_copy_(d, v)
+                torch._foreach_sqrt_(d)
+                torch._foreach_add_(d, e.to(device=device, dtype=acc))
+                torch._foreach_reciprocal_(d)
+                torch._foreach_mul_(d, m)
+                torch._foreach_mul_(d, [a[0] for a in part_aux])  # c·m/(√v + e)
+            if any_wd:
+                torch._foreach_addcmul_(d, p, [a[1] for a in part_aux])  # + s·wd·w
+            torch._fused_sgd_(p, d, [], weight_decay=0.0, momentum=0.0, lr=1.0, dampening=0.0, nesterov=False,
+                              maximize=False, is_first_step=False, grad_scale=None, found_inf=fi)
+
+    def _fresh_moments(self, group, fresh, params, grads, scratch, m_l, v_l, lr, found_inf, aux) -> set[int]:
+        """Half-precision chunks of pass 2: the fused Adam kernel updates ``m, v`` (``found_inf`` skips it)
+        and writes ``m̂/(√v̂ + ε)`` into the scratch chunks. Returns the chunk positions that a device without
+        the kernel updated completely through the pointwise rule."""
+        beta1, beta2, eps = float(group["beta1"]), float(group["beta2"]), float(group["epsilon"])
+        if group["bias_correction"]:
+            t = (self._iterations + 1).to(torch.float32)
+        else:
+            t = torch.full((), float("inf"), dtype=torch.float32, device=self._state_device)
+        whole = len(fresh) == len(params)
+        pick = (lambda x: x) if whole else (lambda x: [x[j] for j in fresh])
+        lists = (pick(scratch), pick(grads), pick(m_l), pick(v_l), pick(params))
+        done: set[int] = set()
+        for device, _, mode, ix, (d, g, m, v, w) in self._kernel_parts("adam", lists, (0, 2, 3)):
+            fi = None if found_inf is None else found_inf.to(device)
+            if mode == "fallback":
+                self._pointwise_fallback(group, w, g, [m, v], lr, None, fi, [aux[fresh[i]] for i in ix])
+                done.update(fresh[i] for i in ix)
+                continue
+            torch._foreach_zero_(d)
+            t_ = t.to(device)
+            torch._fused_adam_(d, g, m, v, [], [t_] * len(d), lr=-1.0, beta1=beta1, beta2=beta2,
+                               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=None,
+                               found_inf=fi)
+        return done

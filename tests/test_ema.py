@@ -1,0 +1,212 @@
+"""EMA warm-up (``ema_warmup``) and EMA of buffers (``ema_buffers``) in the optimizer base, against float64
+references of the formulas: Keras 3's EMA (the first applied update copies) with the decay of the update
+after ``k`` applied ones ``min(ema_momentum, (1 + k)/(10 + k))`` (``tf.train.ExponentialMovingAverage`` with
+``num_updates``), and the same average over BatchNorm running statistics (timm ``ModelEmaV3`` averages
+buffers with the weights)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import optkit
+
+F64 = torch.float64
+
+
+def _ema_reference(values, momentum, warmup):
+    """Averages after each applied update of the weight sequence ``values`` (float64)."""
+    avg, out = None, []
+    for k, w in enumerate(values):
+        if k == 0:
+            avg = w.copy()
+        else:
+            mu = min(momentum, (1 + k) / (10 + k)) if warmup else momentum
+            avg = mu * avg + (1 - mu) * w
+        out.append(avg.copy())
+    return out
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_warmup_decay_matches_reference(warmup):
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal((4, 3))
+    p = torch.tensor(w0, requires_grad=True)
+    opt = optkit.SGD([p], learning_rate=0.1, momentum=0.5, use_ema=True, ema_momentum=0.9,
+                     ema_warmup=warmup)
+    seen = []
+    for _ in range(30):
+        p.grad = torch.tensor(rng.standard_normal((4, 3)))
+        opt.step()
+        seen.append(p.detach().numpy().copy())
+    ref = _ema_reference(seen, 0.9, warmup)[-1]
+    np.testing.assert_allclose(opt.get_slot(p, "average").numpy(), ref, rtol=1e-13, atol=1e-14)
+    other = _ema_reference(seen, 0.9, not warmup)[-1]
+    assert np.abs(ref - other).max() > 1e-4  # the warm-up changes the average
+
+
+def test_warmup_counts_applied_updates_only():
+    """A skipped step (``found_inf``) neither moves the averages nor advances the warm-up."""
+    rng = np.random.default_rng(1)
+    grads = [torch.tensor(rng.standard_normal(5)) for _ in range(6)]
+
+    def run(skip_at):
+        p = torch.zeros(5, dtype=F64, requires_grad=True)
+        opt = optkit.SGD([p], learning_rate=0.1, use_ema=True, ema_momentum=0.99, ema_warmup=True)
+        for k, g in enumerate(grads):
+            if k == skip_at:
+                p.grad = torch.full((5,), float("nan"), dtype=F64)
+                opt.found_inf = torch.ones(())
+                opt.step()
+                del opt.found_inf
+            p.grad = g.clone()
+            opt.step()
+        return p.detach(), opt.get_slot(p, "average")
+
+    a, avg_a = run(None)
+    b, avg_b = run(3)
+    assert torch.equal(a, b) and torch.equal(avg_a, avg_b)
+
+
+def test_warmup_config_and_validation():
+    p = torch.zeros(3, requires_grad=True)
+    opt = optkit.Adam([p], 0.01, use_ema=True, ema_warmup=True)
+    cfg = opt.get_config()
+    assert cfg["ema_warmup"] is True
+    assert optkit.Adam.from_config(cfg, [torch.zeros(3, requires_grad=True)]).ema_warmup is True
+    with pytest.raises(TypeError, match="ema_warmup"):
+        optkit.Adam([p], 0.01, use_ema=True, ema_warmup=1)
+
+
+# ------------------------------------------------------------------------------------------------ buffers
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+def _train(model, opt, steps, seed=0, start=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(16, 3, generator=g, dtype=F64) * 2 + 1 for _ in range(start + steps)]
+    seen = []
+    for x in xs[start:]:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        seen.append({n: b.detach().numpy().copy() for n, b in model.named_buffers() if b.is_floating_point()})
+    return seen
+
+
+def _net():
+    torch.manual_seed(0)
+    return Net().double()
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_buffer_averages_match_reference(warmup):
+    model = _net()
+    opt = optkit.SGD(model.named_parameters(), learning_rate=0.05, use_ema=True, ema_momentum=0.8,
+                     ema_warmup=warmup, ema_buffers=model)
+    seen = _train(model, opt, 12)
+    sd = opt.state_dict()
+    assert sorted(sd["ema_buffers"]) == ["bn.running_mean", "bn.running_var"]  # num_batches_tracked: int
+    for name in ("bn.running_mean", "bn.running_var"):
+        ref = _ema_reference([s[name] for s in seen], 0.8, warmup)[-1]
+        np.testing.assert_allclose(sd["ema_buffers"][name].numpy(), ref, rtol=1e-13, atol=1e-15)
+
+
+def test_ema_weights_and_finalize_swap_buffers():
+    model = _net()
+    opt = optkit.SGD(model.named_parameters(), learning_rate=0.05, use_ema=True, ema_momentum=0.8,
+                     ema_buffers=model)
+    _train(model, opt, 5)
+    live = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    avgs = opt.state_dict()["ema_buffers"]
+    with opt.ema_weights():
+        assert torch.equal(model.bn.running_mean, avgs["bn.running_mean"])
+        assert torch.equal(model.fc.weight, opt.get_slot(model.fc.weight, "average"))
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, live[n]), n
+    opt.finalize_variable_values()
+    assert torch.equal(model.bn.running_var, avgs["bn.running_var"])
+
+
+def test_buffer_averages_round_trip_and_continue_bit_identically():
+    model = _net()
+    opt = optkit.SGD(model.named_parameters(), learning_rate=0.05, momentum=0.9, use_ema=True,
+                     ema_momentum=0.9, ema_warmup=True, ema_buffers=model)
+    _train(model, opt, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model2 = _net()
+    model2.load_state_dict(saved["model"])
+    opt2 = optkit.SGD(model2.named_parameters(), learning_rate=0.05, momentum=0.9, use_ema=True,
+                      ema_momentum=0.9, ema_warmup=True, ema_buffers=model2)
+    opt2.load_state_dict(saved["opt"])
+    _train(model, opt, 3, start=3)
+    _train(model2, opt2, 3, start=3)
+    for a, b in zip(opt.state_dict()["ema_buffers"].values(), opt2.state_dict()["ema_buffers"].values()):
+        assert torch.equal(a, b)
+    for (n, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert torch.equal(a, b), n
+    # deepcopy of (model, optimizer) keeps the buffers linked to the copied model
+    model3, opt3 = copy.deepcopy((model, opt))
+    _train(model3, opt3, 1, start=6)
+    _train(model, opt, 1, start=6)
+    assert torch.equal(opt3.state_dict()["ema_buffers"]["bn.running_mean"],
+                       opt.state_dict()["ema_buffers"]["bn.running_mean"])
+
+
+def test_bad_buffer_states_and_arguments_are_refused():
+    model = _net()
+    opt = optkit.SGD(model.named_parameters(), learning_rate=0.05, use_ema=True, ema_buffers=model)
+    _train(model, opt, 1)
+    before = opt.state_dict()
+    for bad, match in [({"bn.running_mean": torch.zeros(4, dtype=F64)}, "must hold"),
+                       ({"bn.running_mean": torch.zeros(3, dtype=F64),
+                         "bn.running_var": torch.zeros(4, dtype=F64)}, "bn.running_mean")]:
+        sd = copy.deepcopy(before)
+        sd["ema_buffers"] = bad
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+        after = opt.state_dict()
+        for k, v in before["ema_buffers"].items():
+            assert torch.equal(after["ema_buffers"][k], v)
+    plain = optkit.SGD(_net().named_parameters(), learning_rate=0.05, use_ema=True)
+    with pytest.raises(ValueError, match="averages no buffers"):
+        plain.load_state_dict(before)
+    with pytest.raises(ValueError, match="use_ema"):
+        optkit.SGD(model.parameters(), learning_rate=0.1, ema_buffers=model)
+    with pytest.raises(TypeError, match="ema_buffers"):
+        optkit.SGD(model.parameters(), learning_rate=0.1, use_ema=True, ema_buffers=[model.bn.running_mean])
+    with pytest.raises(TypeError, match="ema_buffers"):
+        optkit.SGD(model.parameters(), learning_rate=0.1, use_ema=True,
+                   ema_buffers=[("n", model.bn.num_batches_tracked)])
+
+
+def test_buffers_through_a_loss_scale_wrapper():
+    """The wrapper's state dict nests the inner optimizer's, buffer averages included; ``ema_weights``
+    passes through."""
+    model = _net()
+    inner = optkit.SGD(model.named_parameters(), learning_rate=0.05, use_ema=True, ema_buffers=model)
+    opt = optkit.LossScaleOptimizer(inner, 1.0)
+    x = torch.randn(8, 3, dtype=F64)
+    opt.scale_loss(model(x).sum()).backward()
+    opt.step()
+    assert "ema_buffers" in inner.state_dict()
+    with opt.ema_weights():
+        assert torch.equal(model.bn.running_mean, inner.state_dict()["ema_buffers"]["bn.running_mean"])

@@ -1,0 +1,455 @@
+"""optkit.LAMB against a float64 NumPy reference of You et al. 2019 Algorithm 2 (``reference_rules.lamb``),
+Keras 3 and timm golden values, and timm's ``Lamb`` itself when its file is installed.
+
+Upstream sources of the golden values:
+
+* Keras 3, ``keras/src/optimizers/lamb_test.py`` (repository ``keras-team/keras``): ``test_single_step`` and
+  ``test_correctness_with_golden``. Keras's ``Lamb`` always adapts, has no weight decay inside the direction
+  and uses ``epsilon=1e-7``: optkit's ``LAMB(always_adapt=True, epsilon=1e-7)``.
+* timm, ``timm/optim/lamb.py`` (repository ``huggingface/pytorch-image-models``, release 1.0.31). timm's test
+  suite (``tests/test_optim.py``, ``test_lamb``) checks descent only (``_test_rosenbrock``, ``_test_model``,
+  ported below); the numeric values in :data:`TIMM_GOLDEN` were produced by that release's ``Lamb`` on the
+  float64 problem of :func:`_timm_problem` and are compared with optkit's equivalent configuration (and, when
+  timm's ``lamb.py`` is present, with a live run of it).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import optkit
+from reference_rules import Reference
+
+F64 = torch.float64
+
+
+def _ref_run(ws, grads_seq, lr, hp, base=None, per_tensor=None):
+    ref = Reference("lamb", ws, hp, {"lr": lr, **(base or {})}, per_tensor)
+    for gs in grads_seq:
+        ref.step(gs)
+    return ref.ws
+
+
+def _opt_run(ws, grads_seq, dtype=F64, names=None, **kw):
+    ts = [torch.tensor(w, dtype=dtype, requires_grad=True) for w in ws]
+    params = ts if names is None else list(zip(names, ts))
+    opt = optkit.LAMB(params, **kw)
+    for gs in grads_seq:
+        for t, g in zip(ts, gs):
+            t.grad = torch.tensor(g, dtype=dtype)
+        opt.step()
+    return [t.detach().double().numpy() for t in ts], opt
+
+
+def _problem(seed, shapes=((5, 4), (4,), (3, 2, 2)), steps=4, w_scale=0.5):
+    rng = np.random.default_rng(seed)
+    ws = [rng.standard_normal(s) * w_scale for s in shapes]
+    grads = [[rng.standard_normal(s) for s in shapes] for _ in range(steps)]
+    return ws, grads
+
+
+# ------------------------------------------------------------------------------------------------ reference
+
+CASES = {
+    "paper": dict(weight_decay=0.01),
+    "no-bias-correction": dict(weight_decay=0.01, bias_correction=False, beta1=0.8, beta2=0.99),
+    "always-adapt-no-wd": dict(always_adapt=True),
+    "clamp": dict(weight_decay=0.01, min_coeff=0.9, max_coeff=1.1),
+    "lambc": dict(weight_decay=0.01, lambc=True),
+    "adam-like": dict(),  # weight_decay 0 and always_adapt False: no tensor adapts (timm's rule)
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_reference(case):
+    """Seeded float64 weights and gradients, four steps, every option set; weights of scale 0.5 and 3 so
+    that the trust ratio falls on both sides of 1 (the clamp and LAMBC bind)."""
+    kw = CASES[case]
+    for w_scale in (0.5, 3.0):
+        ws, grads = _problem(1, w_scale=w_scale)
+        got, _ = _opt_run(ws, grads, learning_rate=0.05, **kw)
+        ref = _ref_run(ws, grads, 0.05, kw)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g, r, rtol=1e-11, atol=1e-12)
+
+
+def test_options_change_the_result():
+    """The clamp and LAMBC are not no-ops on the reference problem (guards the test above)."""
+    ws, grads = _problem(1, w_scale=3.0)
+    base = _ref_run(ws, grads, 0.05, CASES["paper"])
+    for case in ("clamp", "lambc", "adam-like"):
+        other = _ref_run(ws, grads, 0.05, CASES[case])
+        assert max(np.abs(a - b).max() for a, b in zip(base, other)) > 1e-3, case
+
+
+def test_skip_list_exclude_1d_and_weight_decay_exclusions():
+    """``skip_list`` (by name) and ``exclude_1d``: no decay, no adaptation; ``exclude_from_weight_decay``: no
+    decay, hence (timm's rule) no adaptation; ``always_adapt`` re-enables adaptation for the latter only."""
+    names = ["enc.weight", "enc.bias", "conv.weight"]
+    ws, grads = _problem(2)
+    for kw, per in [
+        (dict(skip_list=["bias"]), [{}, {"_skipped": True}, {}]),
+        (dict(exclude_1d=True), [{}, {"_skipped": True}, {}]),
+        (dict(skip_list=["conv"], always_adapt=True), [{}, {}, {"_skipped": True}]),
+    ]:
+        got, _ = _opt_run(ws, grads, names=names, learning_rate=0.05, weight_decay=0.1, **kw)
+        ref = _ref_run(ws, grads, 0.05, {"weight_decay": 0.1, **kw}, per_tensor=per)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g, r, rtol=1e-11, atol=1e-12)
+    for always in (False, True):
+        ts = [torch.tensor(w, requires_grad=True) for w in ws]
+        opt = optkit.LAMB(list(zip(names, ts)), 0.05, weight_decay=0.1, always_adapt=always)
+        opt.exclude_from_weight_decay(var_names=["enc"])
+        for gs in grads:
+            for t, g in zip(ts, gs):
+                t.grad = torch.tensor(g)
+            opt.step()
+        ref = _ref_run(ws, grads, 0.05, {"weight_decay": 0.1, "always_adapt": always},
+                       per_tensor=[{"_decayed": False}, {"_decayed": False}, {}])
+        for t, r in zip(ts, ref):
+            np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-11, atol=1e-12)
+
+
+def test_exclude_from_adaptation_group_key_and_group_weight_decay():
+    """A param group may carry ``"exclude_from_adaptation": True`` (what :func:`optkit.param_groups`
+    writes) and its own ``weight_decay``."""
+    ws, grads = _problem(3)
+    ts = [torch.tensor(w, requires_grad=True) for w in ws]
+    groups = [{"params": [ts[0]]}, {"params": [ts[1]], "weight_decay": 0.0},
+              {"params": [ts[2]], "exclude_from_adaptation": True}]
+    opt = optkit.LAMB(groups, 0.05, weight_decay=0.02)
+    for gs in grads:
+        for t, g in zip(ts, gs):
+            t.grad = torch.tensor(g)
+        opt.step()
+    refs = [_ref_run([ws[0]], [[g[0]] for g in grads], 0.05, {"weight_decay": 0.02}),
+            _ref_run([ws[1]], [[g[1]] for g in grads], 0.05, {"weight_decay": 0.0}),
+            _ref_run([ws[2]], [[g[2]] for g in grads], 0.05,
+                     {"weight_decay": 0.02, "exclude_from_adaptation": True})]
+    for t, r in zip(ts, refs):
+        np.testing.assert_allclose(t.detach().numpy(), r[0], rtol=1e-11, atol=1e-12)
+
+
+def test_zero_norms_give_ratio_one():
+    """A zero weight or a zero update takes ``r = 1`` (no division by zero)."""
+    ws = [np.zeros((3, 2)), np.ones(4)]
+    grads = [[np.ones((3, 2)), np.zeros(4)]] * 2
+    got, _ = _opt_run(ws, grads, learning_rate=0.1, always_adapt=True)
+    ref = _ref_run(ws, grads, 0.1, {"always_adapt": True})
+    for g, r in zip(got, ref):
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
+
+
+def test_global_grad_norm_clip_is_nvlamb_prenormalisation():
+    """``global_grad_norm_clip=c``: ``g / max(1, ‖g‖_global / c)`` over all tensors before the moments."""
+    ws, grads = _problem(4)
+    c = 1.5
+    got, opt = _opt_run(ws, grads, learning_rate=0.05, weight_decay=0.01, global_grad_norm_clip=c)
+    pre = []
+    for gs in grads:
+        n = np.sqrt(sum(np.sum(g * g) for g in gs))
+        pre.append([g / max(1.0, n / c) for g in gs])
+    ref = _ref_run(ws, pre, 0.05, {"weight_decay": 0.01})
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-11, atol=1e-12)
+    cfg = opt.get_config()
+    assert cfg["global_grad_norm_clip"] == c and cfg["global_clipnorm"] is None
+    again = optkit.LAMB.from_config(cfg, [torch.zeros(2, requires_grad=True)])
+    assert again.get_config() == cfg
+
+
+def test_chunked_large_tensors_and_mixed_blocks():
+    """Tensors larger than ``block_numel`` are cut into chunks (norms summed per tensor), small ones packed:
+    the same result as the reference."""
+    ws, grads = _problem(5, shapes=((300, 70), (17,), (50, 3)), steps=3)
+    got, _ = _opt_run(ws, grads, learning_rate=0.05, weight_decay=0.01, block_numel=1000)
+    ref = _ref_run(ws, grads, 0.05, {"weight_decay": 0.01})
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_update_norm_is_lr_times_weight_norm(dtype):
+    """Half-precision moments: the applied direction is the one whose norm gave the trust ratio, so an
+    adapted tensor moves by exactly ``lr·‖w‖`` (``‖lr·r·u‖`` with ``r = ‖w‖/‖u‖``), also where ``v`` rounds
+    to 0 in half precision (small gradients on a large tensor, cut into chunks)."""
+    torch.manual_seed(0)
+    w = (torch.randn(700, 300) * 0.5).to(dtype).requires_grad_()
+    w0 = w.detach().double().clone()
+    opt = optkit.LAMB([w], 0.05, weight_decay=0.01, block_numel=50_000)
+    for _ in range(2):
+        w.grad = (torch.randn(700, 300) * 0.01).to(dtype)
+        before = w.detach().double().clone()
+        opt.step()
+        moved = float((w.detach().double() - before).norm())
+        np.testing.assert_allclose(moved, 0.05 * float(before.norm()), rtol=2e-2)
+    assert float((w.detach().double() - w0).norm()) > 0
+
+
+# ------------------------------------------------------------------------------------------------ Keras 3
+
+
+def test_keras_single_step():
+    """keras/src/optimizers/lamb_test.py ``test_single_step``: lr 0.5, one step."""
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    opt = optkit.LAMB([w], learning_rate=0.5, epsilon=1e-7, always_adapt=True)
+    opt.apply_gradients([(torch.tensor([1.0, 6.0, 7.0, 2.0]), w)])
+    np.testing.assert_allclose(w.detach().numpy(), [-0.3693, 0.6306, 1.6306, 2.6306], rtol=1e-4, atol=1e-4)
+
+
+def test_keras_correctness_with_golden():
+    """keras/src/optimizers/lamb_test.py ``test_correctness_with_golden``: default lr 0.001, ones(10), a first
+    gradient of 0.01 then 0.1 … 1.0."""
+    x = torch.ones(10, requires_grad=True)
+    opt = optkit.LAMB([x], epsilon=1e-7, always_adapt=True)
+    grads = torch.arange(0.1, 1.1, 0.1)
+    golden = np.tile([[0.999], [0.9982], [0.9974], [0.9965], [0.9955]], (1, 10))
+    opt.apply_gradients([(torch.full((10,), 0.01), x)])
+    for i in range(5):
+        np.testing.assert_allclose(x.detach().numpy(), golden[i], rtol=5e-4, atol=5e-4)
+        opt.apply_gradients([(grads, x)])
+
+
+# ------------------------------------------------------------------------------------------------ timm
+
+
+def _timm_problem():
+    w = torch.tensor([[0.5, -1.0, 1.5], [2.0, -0.25, 0.75]], dtype=F64, requires_grad=True)
+    b = torch.tensor([0.1, -0.2], dtype=F64, requires_grad=True)
+    grads = [(torch.tensor([[0.3, -0.1 * k, 0.2], [-0.4, 0.5, 0.1 * k]], dtype=F64),
+              torch.tensor([1.0 + k, -2.0], dtype=F64)) for k in range(3)]
+    return w, b, grads
+
+
+#: timm 1.0.31 ``Lamb`` over groups ``[{w}, {b, weight_decay: 0}]`` (defaults: weight_decay 0.01, eps 1e-6,
+#: max_grad_norm 1.0), three steps of :func:`_timm_problem`; keys: (timm kwargs, optkit kwargs).
+TIMM_GOLDEN = [
+    (dict(lr=0.1), dict(weight_decay=0.01, global_grad_norm_clip=1.0),
+     [[0.1075841090723152, -0.7943934660256999, 1.1036274123938985],
+      [2.3825207855366513, -0.6394484525218798, 0.5453830606578615]],
+     [-0.1975675137659465, 0.09572422507643989]),
+    (dict(lr=0.1, max_grad_norm=None, trust_clip=True, weight_decay=0.1), dict(weight_decay=0.1, lambc=True),
+     [[0.18814049003003397, -0.8137738747176789, 1.1584399850425755],
+      [2.2376072574768555, -0.5395841559811873, 0.571199124717679]],
+     [-0.19231811962368325, 0.0999998500000742]),
+    (dict(lr=0.1, max_grad_norm=None, always_adapt=True, bias_correction=False),
+     dict(weight_decay=0.01, always_adapt=True, bias_correction=False),
+     [[0.10610235485328089, -0.8018590875968276, 1.1051184911719554],
+      [2.3914059561044607, -0.6431605491339324, 0.5521090573114371]],
+     [0.05742754489736521, -0.15636327248461804]),
+]
+
+
+def _load_timm_lamb():
+    spec = importlib.util.find_spec("timm")
+    if spec is None or spec.origin is None:
+        return None
+    d = os.path.join(os.path.dirname(spec.origin), "optim")
+    if not os.path.exists(os.path.join(d, "lamb.py")):
+        return None
+    name = "_optkit_test_timm_optim_lamb"
+    if name + ".lamb" not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [d]
+        sys.modules[name] = pkg
+        lspec = importlib.util.spec_from_file_location(name + ".lamb", os.path.join(d, "lamb.py"))
+        mod = importlib.util.module_from_spec(lspec)
+        sys.modules[name + ".lamb"] = mod
+        try:
+            lspec.loader.exec_module(mod)
+        except Exception:  # pragma: no cover - an incompatible timm
+            del sys.modules[name + ".lamb"]
+            return None
+    return sys.modules[name + ".lamb"].Lamb
+
+
+@pytest.mark.parametrize("i", range(len(TIMM_GOLDEN)))
+def test_timm_golden_values(i):
+    timm_kw, optkit_kw, w_gold, b_gold = TIMM_GOLDEN[i]
+    w, b, grads = _timm_problem()
+    lr = timm_kw["lr"]
+    opt = optkit.LAMB([{"params": [w]}, {"params": [b], "weight_decay": 0.0}], lr, **optkit_kw)
+    for gw, gb in grads:
+        w.grad, b.grad = gw.clone(), gb.clone()
+        opt.step()
+    np.testing.assert_allclose(w.detach().numpy(), w_gold, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(b.detach().numpy(), b_gold, rtol=1e-12, atol=1e-14)
+    Lamb = _load_timm_lamb()
+    if Lamb is None:
+        return
+    tw, tb, _ = _timm_problem()
+    topt = Lamb([{"params": [tw]}, {"params": [tb], "weight_decay": 0.0}], **timm_kw)
+    for gw, gb in grads:
+        tw.grad, tb.grad = gw.clone(), gb.clone()
+        topt.step()
+    np.testing.assert_allclose(tw.detach().numpy(), w_gold, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(tb.detach().numpy(), b_gold, rtol=1e-12, atol=1e-14)
+
+
+def test_timm_lamb_live_on_random_problem():
+    """A live float64 comparison with timm's ``Lamb`` (weight decay 0.05, max_grad_norm 2.0) over five
+    steps of seeded random gradients, when timm's file is available."""
+    Lamb = _load_timm_lamb()
+    if Lamb is None:
+        pytest.skip("timm's lamb.py is not installed")
+    ws, grads = _problem(6, steps=5)
+    tts = [torch.tensor(w, requires_grad=True) for w in ws]
+    topt = Lamb(tts, lr=0.02, weight_decay=0.05, max_grad_norm=2.0)
+    got, _ = _opt_run(ws, grads, learning_rate=0.02, weight_decay=0.05, global_grad_norm_clip=2.0)
+    for gs in grads:
+        for t, g in zip(tts, gs):
+            t.grad = torch.tensor(g)
+        topt.step()
+    for g, t in zip(got, tts):
+        np.testing.assert_allclose(g, t.detach().numpy(), rtol=1e-11, atol=1e-13)
+
+
+def test_timm_model_descends():
+    """timm tests/test_optim.py ``test_lamb`` → ``_test_model``: Linear(2, 3) → Sigmoid → Linear(3, 1) →
+    Sigmoid with timm's fixed weights, loss = sum of outputs, lr 1e-3 (timm's factory default weight decay
+    and max_grad_norm): 20 strictly decreasing losses."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1),
+                                torch.nn.Sigmoid()).double()
+    weights = {"0.weight": [[-0.2109, -0.4976], [-0.1413, -0.3420], [-0.2524, 0.6976]],
+               "0.bias": [-0.1085, -0.2979, 0.6892], "2.weight": [[-0.0508, -0.3941, -0.2843]],
+               "2.bias": [-0.0711]}
+    model.load_state_dict({k: torch.tensor(v, dtype=F64) for k, v in weights.items()})
+    inp = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], dtype=F64).reshape(3, 2)
+    opt = optkit.create_optimizer(model, "LAMB", lr=1e-3, weight_decay=0.01, global_grad_norm_clip=1.0)
+    prev = float("inf")
+    for _ in range(20):
+        opt.zero_grad()
+        loss = model(inp).sum()
+        loss.backward()
+        assert loss.item() < prev
+        prev = loss.item()
+        opt.step()
+
+
+def test_timm_rosenbrock():
+    """timm ``_test_rosenbrock`` (lr 1e-3, 2000 steps from [1.5, 1.5], always adapting): the distance to
+    the minimum [1, 1] must not grow."""
+    p = torch.nn.Parameter(torch.tensor([1.5, 1.5], dtype=F64))
+    opt = optkit.LAMB([p], 1e-3, always_adapt=True)
+    start = float(p.detach().dist(torch.ones(2, dtype=F64)))
+    for _ in range(2000):
+        x, y = p.detach().tolist()
+        p.grad = torch.tensor([-400 * x * (y - x * x) - 2 * (1 - x), 200 * (y - x * x)], dtype=F64)
+        opt.step()
+    assert float(p.detach().dist(torch.ones(2, dtype=F64))) <= start
+
+
+# ------------------------------------------------------------------------------------------------ paths
+
+
+def test_jit_compile_and_compiled_step_match_eager():
+    """``jit_compile=True`` (the pointwise rule) and ``torch.compile(opt.step)`` give the eager result."""
+    ws, grads = _problem(7, steps=3)
+    eager, _ = _opt_run(ws, grads, dtype=torch.float32, learning_rate=0.05, weight_decay=0.01)
+    jit, _ = _opt_run(ws, grads, dtype=torch.float32, learning_rate=0.05, weight_decay=0.01, jit_compile=True)
+    for a, b in zip(eager, jit):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    ts = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in ws]
+    opt = optkit.LAMB(ts, 0.05, weight_decay=0.01)
+    step = torch.compile(opt.step, backend="eager")
+    for gs in grads:
+        for t, g in zip(ts, gs):
+            t.grad = torch.tensor(g, dtype=torch.float32)
+        step()
+    for a, t in zip(eager, ts):
+        np.testing.assert_allclose(a, t.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_device_chain_with_fused_sgd(dtype, monkeypatch):
+    """Pass 2 as run off the CPU (the chain ending in the fused SGD kernel with ``found_inf``), forced on
+    the CPU: the CPU path's result, and a skipped step changes nothing."""
+    ws, grads = _problem(10, steps=3)
+    cpu, _ = _opt_run(ws, grads, dtype=dtype, learning_rate=0.05, weight_decay=0.01)
+    monkeypatch.setattr(optkit.LAMB, "_cpu_addcdiv", False)
+    dev, opt = _opt_run(ws, grads, dtype=dtype, learning_rate=0.05, weight_decay=0.01)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6 if dtype == torch.float32 else 2e-3
+    for a, b in zip(cpu, dev):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in ps] + [t.clone() for p in ps for t in opt.state[p].values()]
+    for p in ps:
+        p.grad = torch.full_like(p, float("nan"))
+    opt.found_inf = torch.ones(())
+    opt.step()
+    after = [p.detach().clone() for p in ps] + [t.clone() for p in ps for t in opt.state[p].values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_update_step_single_variable():
+    """Keras ``update_step``: the rule on one variable (no clipping, no counter)."""
+    ws, grads = _problem(8, shapes=((4, 3),), steps=1)
+    t = torch.tensor(ws[0], requires_grad=True)
+    opt = optkit.LAMB([t], 0.05, weight_decay=0.01)
+    opt.update_step(torch.tensor(grads[0][0]), t)
+    ref = _ref_run(ws, grads, 0.05, {"weight_decay": 0.01})
+    np.testing.assert_allclose(t.detach().numpy(), ref[0], rtol=1e-11, atol=1e-12)
+
+
+def test_deepcopy_drops_scratch_and_continues():
+    ws, grads = _problem(9)
+    ts = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in ws]
+    opt = optkit.LAMB(ts, 0.05, weight_decay=0.01)
+    for t, g in zip(ts, grads[0]):
+        t.grad = torch.tensor(g, dtype=torch.float32)
+    opt.step()
+    ts2, opt2 = copy.deepcopy((ts, opt))
+    assert opt2._block_cache == {}
+    for pair_ts, o in ((ts, opt), (ts2, opt2)):
+        for t, g in zip(pair_ts, grads[1]):
+            t.grad = torch.tensor(g, dtype=torch.float32)
+        o.step()
+    for a, b in zip(ts, ts2):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(beta1=1.0), ValueError, "beta1"),
+    (dict(beta2=-0.1), ValueError, "beta2"),
+    (dict(epsilon=0.0), ValueError, "epsilon"),
+    (dict(weight_decay=-1.0), ValueError, "weight_decay"),
+    (dict(bias_correction=1), TypeError, "bias_correction"),
+    (dict(always_adapt="yes"), TypeError, "always_adapt"),
+    (dict(lambc=None), TypeError, "lambc"),
+    (dict(max_coeff=0.0), ValueError, "max_coeff"),
+    (dict(min_coeff=-1.0), ValueError, "min_coeff"),
+    (dict(min_coeff=2.0, max_coeff=1.0), ValueError, "min_coeff"),
+    (dict(skip_list="bias"), TypeError, "skip_list"),
+    (dict(global_grad_norm_clip=0.0), ValueError, "global_grad_norm_clip"),
+    (dict(global_grad_norm_clip=1.0, clipnorm=1.0), ValueError, "global_grad_norm_clip"),
+    (dict(trust_coeff=1.0), ValueError, "trust_coeff"),
+])
+def test_bad_arguments_raise_naming_them(kw, err, match):
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(err, match=match):
+        optkit.LAMB([p], 0.01, **kw)
+
+
+def test_skip_list_needs_names():
+    with pytest.raises(ValueError, match="named_parameters"):
+        optkit.LAMB([torch.zeros(3, requires_grad=True)], 0.01, skip_list=["bias"])
+
+
+def test_registry_and_config_round_trip():
+    assert optkit.get_optimizer("lamb") is optkit.LAMB
+    opt = optkit.LAMB([torch.zeros(3, requires_grad=True)], 0.01, beta1=0.8, weight_decay=0.1, lambc=True,
+                      max_coeff=3.0, min_coeff=0.1, exclude_1d=True, bias_correction=False)
+    cfg = opt.get_config()
+    assert optkit.LAMB.from_config(cfg, [torch.zeros(3, requires_grad=True)]).get_config() == cfg
