@@ -430,12 +430,7 @@ class LAMB(Optimizer):
                 self._pass1_math(w, g, m, v, ix, st, hyper, fresh, sel, own_pos, dec, acc)
                 continue
             fi = None if skip is None else skip.to(device)
-            scale = None
-            if k is not None and not fresh:
-                if dtype == torch.float64:  # the kernel's grad_scale is float32: unscale in float64
-                    torch._foreach_mul_(g, k.to(device=device, dtype=dtype))
-                else:
-                    scale = torch.reciprocal(k.to(device=device, dtype=torch.float32))
+            scale = None if fresh else _fused.unscale_arg(k, g, device, dtype)
             if fresh and m[0].dtype in _HALF:  # native half lists are the moments themselves: use copies
                 m, v = [x.clone() for x in m], [x.clone() for x in v]
             torch._foreach_zero_(d)

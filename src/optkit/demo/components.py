@@ -35,6 +35,8 @@ __all__ = [
     "build_schedule_for",
     "build_train_op",
     "check_components",
+    "apply_recipe",
+    "recipe_kwargs",
 ]
 
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -117,6 +119,51 @@ def trained_parameters(cfg: TrainConfig, model: nn.Module) -> list[tuple[str, Te
     return trained
 
 
+def _recipe_shape(cfg: TrainConfig) -> tuple[int, int, int]:
+    """``(global batch per update, epochs, updates per epoch)`` the recipe is sized with: the run's planned
+    updates cut into epochs of the training split (the last one partial under ``--max-steps``)."""
+    from .data import train_size
+
+    per_epoch = max(1, math.ceil(train_size(cfg.test_fraction) / cfg.batch_size) // cfg.iter_size)
+    return cfg.batch_size * cfg.iter_size, math.ceil(planned_steps(cfg)[1] / per_epoch), per_epoch
+
+
+def recipe_kwargs(cfg: TrainConfig, model: nn.Module) -> dict[str, Any]:
+    """``optimize_loss`` keyword arguments of ``cfg.recipe`` for ``model`` (``{}`` without a recipe)."""
+    if cfg.recipe is None:
+        return {}
+    from optkit.recipes import mlperf_resnet50_lars_kwargs
+
+    return mlperf_resnet50_lars_kwargs(model, *_recipe_shape(cfg))
+
+
+def apply_recipe(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
+    """``cfg`` with its recipe spelled canonically and written out into ``optimizer``, ``optimizer_params``,
+    ``lr_policy`` and ``lr_policy_params`` (so that ``--print-config``, the run's summary and
+    ``metrics.json`` show what trains), and one message per problem (a run too short for the recipe's
+    warm-up). Idempotent: a resumed run's saved configuration expands to itself."""
+    if cfg.recipe is None:
+        return cfg, []
+    recipe = cfg.recipe.strip().lower()
+    cfg = dataclasses.replace(cfg, recipe=recipe)
+    try:
+        kw = recipe_kwargs(cfg, nn.Module())
+    except ValueError as err:
+        batch, epochs, per_epoch = _recipe_shape(cfg)
+        return cfg, [
+            f"--recipe: {recipe} does not fit a run of {epochs} epoch(s) of {per_epoch} update(s) at batch "
+            f"{batch}: {_first_line(err)}"
+        ]
+    policy = kw["learning_rate_decay_fn"].get_config()
+    return dataclasses.replace(
+        cfg,
+        optimizer=kw["optimizer"],
+        optimizer_params=dict(kw["optimizer_params"]),
+        lr_policy=policy.pop("policy"),
+        lr_policy_params=policy,
+    ), []
+
+
 def build_train_op(
     cfg: TrainConfig,
     model: nn.Module,
@@ -132,6 +179,13 @@ def build_train_op(
         return nn.functional.cross_entropy(model(x).float(), y)
 
     scaling = cfg.loss_scaling
+    grouping: dict[str, Any] = {}
+    if cfg.recipe is not None:
+        grouping["rules"] = recipe_kwargs(cfg, model)["rules"]
+    if cfg.no_decay_1d:
+        grouping.setdefault("rules", [])
+    if grouping:
+        grouping["no_decay_1d"] = cfg.no_decay_1d
     return optimize_loss(
         loss,
         cfg.optimizer,
@@ -152,6 +206,7 @@ def build_train_op(
         bucket_numel=cfg.bucket_numel,
         summary_writer=summary_writer,
         summary_every=cfg.log_every,
+        **grouping,
     )
 
 
@@ -192,11 +247,12 @@ def _registry_key(name: str, keys: Any) -> str | None:
 
 def canonical(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
     """``cfg`` with its names spelled as the registries spell them (names are matched without regard to
-    letter case, as :func:`optkit.get_optimizer` does), and one message per unknown name."""
+    letter case, as :func:`optkit.get_optimizer` does) and its recipe written out (:func:`apply_recipe`),
+    and one message per unknown name or misfit recipe."""
     from optkit.lr_policies import LR_POLICIES
     from optkit.registry import OPTIMIZER_CLS_NAMES
 
-    errors: list[str] = []
+    cfg, errors = apply_recipe(cfg)
     changes: dict[str, Any] = {}
     optimizer = _registry_key(cfg.optimizer, OPTIMIZER_CLS_NAMES)
     if optimizer is None:

@@ -85,10 +85,22 @@ class TrainConfig:
     """Everything ``optkit train`` does, with the defaults of the embedded demo run."""
 
     # -- what optimize_loss gets ----------------------------------------------------------------------------
+    recipe: str | None = _opt(
+        None,
+        "a documented training recipe from optkit.recipes, which sets --optimizer, --optimizer-param, "
+        "--lr-policy and --lr-policy-param (the other options apply as given). mlperf-lars: the MLPerf "
+        "ResNet-50 LARS recipe (LARS in its TF 1.15 form, eeta 0.001, momentum 0.9, weight decay 1e-4, no "
+        "trust ratio and no decay on biases and normalisation parameters, poly-2 decay to 1e-4 after 5 "
+        "warm-up epochs, base learning rate 10 below a batch of 16k); 'none' for no recipe",
+        "optimize_loss",
+        choices=("mlperf-lars",),
+        metavar="NAME|none",
+        nullable=True,
+    )
     optimizer: str = _opt(
         "LARS",
         "optimizer name from optkit's registry (OPTIMIZER_CLS_NAMES: SGD, Momentum, Adam, AdamW, Adagrad, "
-        "RMSProp, Ftrl, LARS; any letter case)",
+        "RMSProp, Ftrl, LARS, LAMB; any letter case)",
         "optimize_loss",
     )
     optimizer_params: dict = _opt(
@@ -98,6 +110,12 @@ class TrainConfig:
         "optimize_loss",
         metavar="KEY=VALUE",
         flag="--optimizer-param",
+    )
+    no_decay_1d: bool = _opt(
+        False,
+        "group the parameters by name (optkit.param_groups) and take weight decay off the 1-D ones "
+        "(biases, normalisation scales), as optimize_loss(rules=[], no_decay_1d=True)",
+        "optimize_loss",
     )
     ema_momentum: float | None = _opt(
         0.98,
@@ -468,6 +486,11 @@ def _check_names(cfg: TrainConfig, errors: list[str]) -> None:
     for name in ("optimizer", "lr_policy", "dtype", "half_dtype"):
         if not isinstance(getattr(cfg, name), str):
             errors.append(f"{_label(name)} must be a name (a string), got {_short(getattr(cfg, name))}")
+    recipes = FIELDS["recipe"].metadata["choices"]
+    recipe = cfg.recipe.strip().lower() if isinstance(cfg.recipe, str) else cfg.recipe
+    if recipe is not None and recipe not in recipes:
+        allowed = ", ".join(recipes)
+        errors.append(f"{_label('recipe')} must be one of {allowed} or none, got {_short(cfg.recipe)}")
     for name in ("dtype", "half_dtype"):
         allowed = FIELDS[name].metadata["choices"]
         value = getattr(cfg, name)
@@ -491,7 +514,7 @@ def _check_names(cfg: TrainConfig, errors: list[str]) -> None:
 
 
 def _check_containers(cfg: TrainConfig, errors: list[str]) -> None:
-    for name in ("progress", "tensorboard", "plot"):
+    for name in ("progress", "tensorboard", "plot", "no_decay_1d"):
         if not isinstance(getattr(cfg, name), bool):
             errors.append(f"{_label(name)} must be true or false, got {_short(getattr(cfg, name))}")
     for name in DICT_FIELDS:

@@ -57,6 +57,7 @@ def _same_scaling(a: Any, b: Any) -> bool:
 
 
 FIXED_ON_RESUME: dict[str, tuple[str, Any]] = {
+    "recipe": ("--recipe", same_name),
     "optimizer": ("--optimizer", same_name),
     "dtype": ("--dtype", same_name),
     "half_dtype": ("--half-dtype", same_name),
