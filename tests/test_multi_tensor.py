@@ -208,6 +208,41 @@ def test_non_finite_flags(rng, dtype):
         assert math.isnan(mt.max_abs(t2).item()) == math.isnan(bad)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_expanded", [False, True])
+def test_non_finite_check_leaves_values_and_takes_every_layout(rng, dtype, with_expanded):
+    """The check runs torch's AMP kernel with an inverse scale of 1 (it rewrites the values): every value,
+    -0.0 included, stays bit-identical; transposed, sliced and channels-last tensors are checked; an expanded
+    tensor (elements sharing memory: the kernel refuses it) falls back to the per-tensor max-abs; the flag of
+    ``global_norm_and_found_inf`` agrees, and its norm is the float64 reference."""
+    odd = [make(rng, (6, 5), dtype).t(), make(rng, (4, 8), dtype)[:, ::2],
+           make(rng, (2, 3, 4, 5), dtype).to(memory_format=torch.channels_last),
+           torch.tensor([-0.0, 1.5], dtype=dtype)]
+    base = make_list(rng, dtype) + odd
+
+    def tensors(bad_at=None, bad=0.0):
+        ts = [t.clone(memory_format=torch.preserve_format) for t in base]
+        if with_expanded:
+            ts.append(torch.full((1,), bad if bad_at == len(base) else 2.0, dtype=dtype).expand(7))
+        if bad_at is not None and bad_at < len(base):
+            ts[bad_at][(0,) * ts[bad_at].dim()] = bad
+        return ts
+
+    ts = tensors()
+    before = [t.clone() for t in ts]
+    ref = math.sqrt(sum(float((t.double() ** 2).sum()) for t in ts))
+    assert mt.any_non_finite(ts).item() == 0.0
+    norm, found = mt.global_norm_and_found_inf(ts)
+    assert found.item() == 0.0 and abs(norm.item() - ref) <= 1e-5 * ref
+    for a, b in zip(ts, before):
+        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    for at in (1, len(base) - 4, len(base) - 1, len(base) if with_expanded else 0):
+        for bad in (math.inf, -math.inf, math.nan):
+            t2 = tensors(at, bad)
+            assert mt.any_non_finite(t2).item() == 1.0, (at, bad)
+            assert mt.global_norm_and_found_inf(t2)[1].item() == 1.0, (at, bad)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # in-place kernels
 

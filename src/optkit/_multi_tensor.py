@@ -686,6 +686,36 @@ def max_abs(tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET
     return _pipeline_reduce(out, dist.ReduceOp.MAX, group)
 
 
+_AMP_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _local_non_finite(vals: list[Tensor]) -> Tensor | None:
+    """0-d fp32 flag, 1.0 when an element of the local dense values ``vals`` is NaN or ±inf, through torch's
+    AMP check kernel (``_amp_foreach_non_finite_check_and_unscale_`` with an inverse scale of 1: the values
+    are rewritten unchanged, ``x·1 = x`` exactly in every float dtype), one kernel call per (device, dtype)
+    group instead of a reduction per tensor: on CPU it moves the same bytes as a max-abs pass on large
+    tensors and costs ~0.5 µs instead of ~10 µs of dispatch per small tensor.
+
+    None when the kernel cannot take the values: a group not on the CPU (the only device tested here) or not
+    floating point, under ``torch.compile``, or a tensor the kernel refuses (one whose elements share memory,
+    such as an expanded tensor: it raises before writing that tensor, and the values it already rewrote are
+    unchanged); callers then take the per-tensor max-abs.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    groups = group_by_device_dtype(vals)
+    if any(device.type != "cpu" or dtype not in _AMP_CHECK_DTYPES for device, dtype in groups):
+        return None
+    found = torch.zeros((), dtype=torch.float32)
+    one = torch.ones((), dtype=torch.float32)
+    try:
+        for _, (_, (group,)) in groups.items():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+    except RuntimeError:
+        return None
+    return found
+
+
 def any_non_finite(tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET) -> Tensor:
     """0-d fp32 flag: 1.0 if any element of any tensor is NaN or ±inf, else 0.0 (read-only pass).
 
@@ -697,8 +727,10 @@ def any_non_finite(tensors: Sequence[Tensor | None], *, pipeline_group: object =
     ts = present(tensors)
     if not ts:
         return reduce_flag_(torch.zeros((), dtype=torch.float32), ts, pipeline_group=group)
-    worst = _local_norms(ts, math.inf)
-    flag = (~torch.isfinite(_stack(worst, torch.float64).amax())).to(torch.float32)
+    flag = _local_non_finite(_values_list(ts))
+    if flag is None:
+        worst = _local_norms(ts, math.inf)
+        flag = (~torch.isfinite(_stack(worst, torch.float64).amax())).to(torch.float32)
     return reduce_flag_(flag, ts, pipeline_group=group)
 
 
@@ -724,7 +756,12 @@ def global_norm_and_found_inf(
     l2 = _local_norms(ts, 2.0)
     dtype, _ = _common_result(l2)
     sq = _stack(l2, torch.float64)
-    z = _stack(_local_norms(ts, math.inf), torch.float64) * 0.0
+    flag = _local_non_finite(ts) if _all_plain(ts) else None  # plain tensors: no mesh sums below
+    if flag is None:
+        z = _stack(_local_norms(ts, math.inf), torch.float64) * 0.0
+    else:  # NaN in one entry when some element is non-finite, as the per-tensor 0·max|t| would give
+        z = torch.zeros(len(ts), dtype=torch.float64, device=sq.device)
+        z[0] = torch.where(flag > 0, math.nan, 0.0)
     v = torch.cat([sq * sq, z])
     if not _all_plain(ts):
         plans = [_plan(_mesh_reduce_dims(t)) for t in ts]
