@@ -1,4 +1,4 @@
-"""LAMB: optkit.LAMB against timm's ``Lamb`` and a plain foreach LAMB, on the three parameter sets.
+"""LAMB: optkit.LAMB against timm's ``Lamb`` and a plain foreach LAMB, on the four parameter sets.
 
 Every variant runs the same rule: Adam moments (β 0.9/0.999, ε 1e-6, bias correction), weight decay 0.01
 inside the direction, the per-tensor trust ratio ‖w‖/‖u‖ on every tensor, lr 0.01, no gradient
@@ -8,8 +8,9 @@ pre-normalisation (timm ``max_grad_norm=None``). Variants:
   importing ``timm``, which needs torchvision) and ``foreach=False`` on the small sets;
 * ``foreach LAMB (plain torch)``: a straightforward chain of ``torch._foreach_*`` ops (moments, direction,
   norms, trust ratios, update), the form most ports take — the stand-in when timm is not installed;
-* ``optkit LAMB`` eager (two blocked passes through the fused-kernel gate) and with ``jit_compile=True``
-  (skipped on ``many_small``, where compile time grows with the tensor count).
+* ``optkit LAMB`` eager (two blocked passes through the fused-kernel gate), and with ``jit_compile=True``
+  on the sets of few tensors or over flat buffers (``optkit.flat_parameters``) on ``many_small`` and
+  ``tiny_10k`` (compiling traces one graph input per tensor: minutes for 10k tensors).
 
 Minimal traffic of any two-pass LAMB: 40 B/param (pass 1 reads w, g, m, v and writes m, v: 24; pass 2
 reads w, m, v and writes w: 16), so "× floor" = ms / (params·40 B / floor GB/s). Targets (eager, quiet
@@ -29,7 +30,7 @@ import types
 import torch
 
 from bench import _harness as H
-from optkit import LAMB
+from optkit import LAMB, flat_parameters
 
 LR, WD, BETAS, EPS = 0.01, 0.01, (0.9, 0.999), 1e-6
 BYTES = 40
@@ -90,8 +91,15 @@ class ForeachLamb:
         torch._foreach_add_(ps, upd)
 
 
-def _variant(name, set_name, build):
+#: sets with many tensors: flat buffers matter there, and jit_compile would trace one graph input per tensor
+#: for many minutes
+MANY = ("many_small", "tiny_10k")
+
+
+def _variant(name, set_name, build, flat=False):
     params = H.make_params(set_name, seed=0)
+    if flat:
+        flat_parameters(params)
     grads = [p.grad for p in params]
     ref = [g.clone() for g in grads]
 
@@ -111,11 +119,13 @@ def bench_lamb(set_name: str, floor: float, timm_lamb) -> str:
     specs.append(("foreach LAMB (plain torch)", lambda ps: ForeachLamb(ps).step))
     okw = dict(beta1=BETAS[0], beta2=BETAS[1], epsilon=EPS, weight_decay=WD)
     specs.append(("optkit LAMB (eager)", lambda ps: LAMB(ps, LR, **okw).step))
-    if set_name != "many_small":
+    if set_name in MANY:
+        specs.append(("optkit LAMB flat", lambda ps: LAMB(ps, LR, **okw).step))
+    else:
         specs.append(("optkit LAMB jit_compile=True", lambda ps: LAMB(ps, LR, jit_compile=True, **okw).step))
     variants, notes = [], []
     for name, build in specs:
-        v, params = _variant(name, set_name, build)
+        v, params = _variant(name, set_name, build, flat=name.endswith("flat"))
         if "jit" in name:
             v.setup()
             t0 = time.perf_counter()
