@@ -344,19 +344,35 @@ def header(title: str, floor: float) -> str:
     )
 
 
-def load_timm_lars():
-    """timm's ``Lars`` class from ``timm/optim/lars.py`` (without importing ``timm``), or None."""
+def load_timm_optim(module: str, cls: str):
+    """``timm.optim.<module>.<cls>`` loaded from its file (``import timm`` needs torchvision, which does not
+    import beside the CPU torch), or None when timm is missing or the file does not load (no timm rows)."""
     spec = importlib.util.find_spec("timm")
     if spec is None or spec.origin is None:
         return None
     optim_dir = os.path.join(os.path.dirname(spec.origin), "optim")
+    path = os.path.join(optim_dir, f"{module}.py")
+    if not os.path.exists(path):
+        return None
     pkg_name = "_optkit_bench_timm_optim"
-    if pkg_name + ".lars" not in sys.modules:
-        pkg = types.ModuleType(pkg_name)
-        pkg.__path__ = [optim_dir]
-        sys.modules[pkg_name] = pkg
-        lspec = importlib.util.spec_from_file_location(pkg_name + ".lars", os.path.join(optim_dir, "lars.py"))
+    full = f"{pkg_name}.{module}"
+    if full not in sys.modules:
+        if pkg_name not in sys.modules:
+            pkg = types.ModuleType(pkg_name)
+            pkg.__path__ = [optim_dir]
+            sys.modules[pkg_name] = pkg
+        lspec = importlib.util.spec_from_file_location(full, path)
         mod = importlib.util.module_from_spec(lspec)
-        sys.modules[pkg_name + ".lars"] = mod
-        lspec.loader.exec_module(mod)
-    return sys.modules[pkg_name + ".lars"].Lars
+        sys.modules[full] = mod
+        try:
+            lspec.loader.exec_module(mod)
+        except Exception as err:  # noqa: BLE001 - an incompatible timm
+            del sys.modules[full]
+            log(f"timm's {module}.py did not load ({type(err).__name__}: {err})")
+            return None
+    return getattr(sys.modules[full], cls, None)
+
+
+def load_timm_lars():
+    """timm's ``Lars`` class (see :func:`load_timm_optim`), or None."""
+    return load_timm_optim("lars", "Lars")

@@ -21,11 +21,7 @@ smoke run).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 import time
-import types
 
 import torch
 
@@ -34,31 +30,6 @@ from optkit import LAMB, flat_parameters
 
 LR, WD, BETAS, EPS = 0.01, 0.01, (0.9, 0.999), 1e-6
 BYTES = 40
-
-
-def load_timm_lamb():
-    """timm's ``Lamb`` class from ``timm/optim/lamb.py`` (without importing ``timm``), or None."""
-    spec = importlib.util.find_spec("timm")
-    if spec is None or spec.origin is None:
-        return None
-    optim_dir = os.path.join(os.path.dirname(spec.origin), "optim")
-    if not os.path.exists(os.path.join(optim_dir, "lamb.py")):
-        return None
-    pkg_name = "_optkit_bench_timm_optim_lamb"
-    if pkg_name + ".lamb" not in sys.modules:
-        pkg = types.ModuleType(pkg_name)
-        pkg.__path__ = [optim_dir]
-        sys.modules[pkg_name] = pkg
-        lspec = importlib.util.spec_from_file_location(pkg_name + ".lamb", os.path.join(optim_dir, "lamb.py"))
-        mod = importlib.util.module_from_spec(lspec)
-        sys.modules[pkg_name + ".lamb"] = mod
-        try:
-            lspec.loader.exec_module(mod)
-        except Exception as err:  # an incompatible timm: no timm rows
-            del sys.modules[pkg_name + ".lamb"]
-            H.log(f"bench_lamb: timm's lamb.py did not load ({type(err).__name__}: {err})")
-            return None
-    return sys.modules[pkg_name + ".lamb"].Lamb
 
 
 class ForeachLamb:
@@ -147,7 +118,7 @@ def bench_lamb(set_name: str, floor: float, timm_lamb) -> str:
 def main() -> str:
     H.log("bench_lamb: floor ...")
     floor = H.floor_gbps()
-    timm_lamb = load_timm_lamb()
+    timm_lamb = H.load_timm_optim("lamb", "Lamb")
     parts = [H.header("LAMB: optkit.LAMB vs timm Lamb vs a plain foreach LAMB", floor)]
     for set_name in H.SET_NAMES:
         H.log(f"bench_lamb: {set_name} ...")

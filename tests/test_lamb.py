@@ -16,10 +16,6 @@ Upstream sources of the golden values:
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -27,6 +23,7 @@ import torch
 
 import optkit
 from reference_rules import Reference
+from timm_optim import load_timm_optim
 
 F64 = torch.float64
 
@@ -249,29 +246,6 @@ TIMM_GOLDEN = [
 ]
 
 
-def _load_timm_lamb():
-    spec = importlib.util.find_spec("timm")
-    if spec is None or spec.origin is None:
-        return None
-    d = os.path.join(os.path.dirname(spec.origin), "optim")
-    if not os.path.exists(os.path.join(d, "lamb.py")):
-        return None
-    name = "_optkit_test_timm_optim_lamb"
-    if name + ".lamb" not in sys.modules:
-        pkg = types.ModuleType(name)
-        pkg.__path__ = [d]
-        sys.modules[name] = pkg
-        lspec = importlib.util.spec_from_file_location(name + ".lamb", os.path.join(d, "lamb.py"))
-        mod = importlib.util.module_from_spec(lspec)
-        sys.modules[name + ".lamb"] = mod
-        try:
-            lspec.loader.exec_module(mod)
-        except Exception:  # pragma: no cover - an incompatible timm
-            del sys.modules[name + ".lamb"]
-            return None
-    return sys.modules[name + ".lamb"].Lamb
-
-
 @pytest.mark.parametrize("i", range(len(TIMM_GOLDEN)))
 def test_timm_golden_values(i):
     timm_kw, optkit_kw, w_gold, b_gold = TIMM_GOLDEN[i]
@@ -283,7 +257,7 @@ def test_timm_golden_values(i):
         opt.step()
     np.testing.assert_allclose(w.detach().numpy(), w_gold, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(b.detach().numpy(), b_gold, rtol=1e-12, atol=1e-14)
-    Lamb = _load_timm_lamb()
+    Lamb = load_timm_optim("lamb", "Lamb")
     if Lamb is None:
         return
     tw, tb, _ = _timm_problem()
@@ -298,7 +272,7 @@ def test_timm_golden_values(i):
 def test_timm_lamb_live_on_random_problem():
     """A live float64 comparison with timm's ``Lamb`` (weight decay 0.05, max_grad_norm 2.0) over five
     steps of seeded random gradients, when timm's file is available."""
-    Lamb = _load_timm_lamb()
+    Lamb = load_timm_optim("lamb", "Lamb")
     if Lamb is None:
         pytest.skip("timm's lamb.py is not installed")
     ws, grads = _problem(6, steps=5)

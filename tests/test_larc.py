@@ -3,11 +3,6 @@ apex/timm variant (against timm's Lars when installed), strict parameter checks,
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-import types
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +10,7 @@ import torch
 from optkit import LARC
 from optkit._validation import ParameterTypeError
 from optkit.sgd import SGD
+from timm_optim import load_timm_optim
 
 
 def _w(x, dtype=torch.float32):
@@ -156,23 +152,6 @@ def test_exclude_predicate_by_name_and_rank():
     np.testing.assert_allclose(model.bias.detach().numpy(), 1 - 0.1 * 0.5, rtol=1e-6)
 
 
-def _load_timm_lars():
-    spec = importlib.util.find_spec("timm")
-    if spec is None or spec.origin is None:
-        return None
-    d = os.path.join(os.path.dirname(spec.origin), "optim")
-    name = "_optkit_test_timm_optim"
-    if name + ".lars" not in sys.modules:
-        pkg = types.ModuleType(name)
-        pkg.__path__ = [d]
-        sys.modules[name] = pkg
-        lspec = importlib.util.spec_from_file_location(name + ".lars", os.path.join(d, "lars.py"))
-        mod = importlib.util.module_from_spec(lspec)
-        sys.modules[name + ".lars"] = mod
-        lspec.loader.exec_module(mod)
-    return sys.modules[name + ".lars"].Lars
-
-
 def np_timm_ratio(w, g, lr, tc, wd, eps=1e-8):
     wn, gn = np.linalg.norm(w), np.linalg.norm(g)
     r = tc * wn / (gn + wn * wd + eps) if wn > 0 and gn > 0 else 1.0
@@ -187,7 +166,7 @@ def test_wd_in_denominator_matches_timm_formula(rng):
                wd_in_denominator=1e-2)
     ref_w = [w.copy() for w in ws]
     ref_m = [np.zeros_like(w) for w in ws]
-    Lars = _load_timm_lars()
+    Lars = load_timm_optim("lars", "Lars")
     tps = [torch.tensor(w, requires_grad=True) for w in ws]
     topt = None
     if Lars is not None:
