@@ -46,6 +46,12 @@ needs the norm of ``u`` over the whole tensor before any weight changes, so a st
    devices the step ``d`` is formed in scratch and torch's fused SGD kernel applies ``w ← w − d`` with
    ``found_inf``.
 
+Over flat buffers (:func:`optkit.flat_parameters`, float32/float64 on the CPU) both passes run on the
+buffer's row runs instead (consecutive parameters of one size are the rows of a ``(count, size)`` matrix,
+cut into cache-sized row chunks): one fused Adam call, two row norms and a handful of in-cache ops per chunk,
+with the per-tensor factors as ``(rows, 1)`` columns, so the host work no longer grows with the number of
+parameters (:meth:`LAMB._prepare_rows`, :meth:`LAMB._update_rows`).
+
 Main memory sees: read ``w, g, m, v`` and write ``m, v`` (pass 1, 24 B/param in fp32), read ``w, m, v`` and
 write ``w`` (pass 2, 16 B/param): 40 B/param, the floor of any two-pass LAMB (+4 under loss scaling or a
 global clip, whose factor the fused kernel applies to ``g`` in place, as torch's fused kernels do).
@@ -67,6 +73,7 @@ from torch import Tensor
 
 from . import _fused
 from . import _multi_tensor as mt
+from ._plan import RunAux
 from .optimizer import Optimizer, check_number
 
 __all__ = ["LAMB"]
@@ -104,7 +111,7 @@ def _scratch_view(pool: Tensor, offset: int, like: Tensor) -> Tensor:
 class _Static:
     """Per-group facts that change only with the parameter set and the options (cached)."""
 
-    __slots__ = ("adapt_of", "n_adapt", "index", "decayed", "wd_vec", "any_decayed", "wd")
+    __slots__ = ("adapt_of", "n_adapt", "index", "mask", "decayed", "wd_vec", "any_decayed", "wd")
 
 
 class _BlockInfo:
@@ -195,6 +202,7 @@ class LAMB(Optimizer):
         self._global_grad_norm_clip = None if global_grad_norm_clip is None else float(global_grad_norm_clip)
         self._static_cache: dict[int, tuple] = {}
         self._block_cache: dict[int, tuple] = {}
+        self._row_pool: dict[int, tuple] = {}
         self._skip: Tensor | None = None
         super().__init__(
             params, learning_rate, weight_decay=float(weight_decay), beta1=float(beta1), beta2=float(beta2),
@@ -232,6 +240,7 @@ class LAMB(Optimizer):
         state = super().__getstate__()
         state["_static_cache"] = {}
         state["_block_cache"] = {}  # scratch buffers and views of the cached plans
+        state["_row_pool"] = {}
         return state
 
     def _pointwise_hyper(self, group: dict) -> tuple:
@@ -279,6 +288,7 @@ class LAMB(Optimizer):
             n_adapt += a
         st.n_adapt = n_adapt
         st.index = torch.tensor([i for i, a in enumerate(adapt) if a], dtype=torch.long, device=dev)
+        st.mask = torch.tensor(adapt, dtype=torch.bool, device=dev)
         st.wd_vec = torch.tensor([wd if d else 0.0 for d in st.decayed], dtype=dtype, device=dev)
         st.any_decayed = any(st.decayed)
         st.wd = wd
@@ -351,6 +361,8 @@ class LAMB(Optimizer):
         else:  # β^inf = 0: the fused kernel's bias corrections become 1
             t = torch.full((), float("inf"), dtype=torch.float32, device=self._state_device)
         hyper = (beta1, beta2, eps, t, k, self._skip)
+        if plan.flat_active and self._rows_ok(plan.flat):
+            return self._prepare_rows(group, plan.flat, st, hyper, lr, dev, dtype)
         tracing = torch.compiler.is_compiling()
         infos = None if tracing else self._block_infos(group, plan, st)
         acc: tuple[list, list, list] = ([], [], [])  # ‖w‖ and ‖u‖ of adapting chunks, their tensors
@@ -371,6 +383,84 @@ class LAMB(Optimizer):
         swd = (s * st.wd_vec).unbind()
         e = eps * bc2_sqrt
         return [(ci, wi, e, si, p.dtype in _HALF) for ci, wi, si, p in zip(c, swd, s.unbind(), params)]
+
+    # ------------------------------------------------------------------------------ flat buffers: row runs
+
+    @staticmethod
+    def _rows_ok(flat: Any) -> bool:
+        """Whether a flat part takes the row-run path: float32/float64 on the CPU (half-precision buffers keep
+        the per-tensor path, whose moments handling they need; the path is tested on the CPU only)."""
+        w = flat.row_blocks[0].params[0] if flat.row_blocks else None
+        return (w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
+                and _fused.native_dtype_ok("adam", w.device, w.dtype))
+
+    def _row_scratch(self, group: dict, flat: Any, block: Any) -> Tensor:
+        """A scratch matrix shaped like ``block``'s rows: views of one pool of the largest row chunk's size,
+        cached with the flat part (pass 1 and pass 2 use it one block at a time)."""
+        hit = self._row_pool.get(id(group))
+        if hit is None or hit[0] is not flat:
+            n = max(b.params[0].numel() for b in flat.row_blocks)
+            w = flat.row_blocks[0].params[0]
+            hit = (flat, torch.empty(n, dtype=w.dtype, device=w.device))
+            self._row_pool[id(group)] = hit
+        rows = block.params[0]
+        return hit[1][:rows.numel()].view(rows.shape)
+
+    def _prepare_rows(self, group, flat, st, hyper, lr, dev, dtype) -> RunAux:
+        """Pass 1 over a flat buffer's row runs (:class:`optkit._plan.FlatPart`: consecutive parameters of one
+        size form a ``(count, size)`` matrix): the fused Adam kernel runs once per row chunk, ``‖w‖`` and
+        ``‖u‖`` are row norms, and the factors are ``(rows, 1)`` columns, so a step costs O(#chunks) kernel
+        calls instead of O(#parameters). Same rule and factors as :meth:`_prepare`."""
+        beta1, beta2, eps, t, k, skip = hyper
+        wd_col = st.wd_vec.unsqueeze(1) if st.any_decayed else None
+        w_parts, u_parts = [], []
+        for blk, g, (lo, hi) in zip(flat.row_blocks, flat.row_grads, flat.chunk_segments):
+            w, m, v = blk.params[0], blk.slots["exp_avg"][0], blk.slots["exp_avg_sq"][0]
+            d = self._row_scratch(group, flat, blk)
+            scale = _fused.unscale_arg(k, [g], w.device, w.dtype)
+            d.zero_()
+            torch._fused_adam_([d], [g], [m], [v], [], [t.to(w.device)], lr=-1.0, beta1=beta1, beta2=beta2,
+                               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
+                               found_inf=None if skip is None else skip.to(w.device))
+            if wd_col is not None:  # u = m̂/(√v̂ + ε) + wd·w
+                d.addcmul_(w, wd_col[lo:hi].to(w.dtype))
+            w_parts.append(torch.linalg.vector_norm(w, dim=1, dtype=dtype))
+            u_parts.append(torch.linalg.vector_norm(d, dim=1, dtype=dtype))
+        n = len(st.decayed)
+        t_d = t.to(device=dev, dtype=dtype)
+        bc1 = 1.0 - torch.pow(beta1, t_d)
+        bc2_sqrt = (1.0 - torch.pow(beta2, t_d)).sqrt()
+        lr = lr.to(device=dev, dtype=dtype)
+        if st.n_adapt:
+            w_n, u_n = torch.cat(w_parts), torch.cat(u_parts)
+            r = torch.where((w_n > 0) & (u_n > 0), w_n / u_n, torch.ones_like(w_n))
+            r = self._clamp_trust(group, r)
+            if st.n_adapt != n:
+                r = torch.where(st.mask, r, torch.ones_like(r))
+            s = lr * r
+        else:
+            s = lr.expand(n)
+        c = (s * (bc2_sqrt / bc1)).unsqueeze(1)
+        swd = (s * st.wd_vec).unsqueeze(1)
+        e = eps * bc2_sqrt
+        return RunAux([(c[lo:hi], swd[lo:hi], e, None, False) for lo, hi in flat.chunk_segments])
+
+    def _update_rows(self, group, params, slots, found_inf, item) -> None:
+        """Pass 2 on one row chunk: ``w ← w·(1 − s·wd) − c·m/(√v + e)`` with ``(rows, 1)`` factor columns,
+        times 0 on a skipped step (``m, v`` are finite then and ``w`` stays exactly as it was)."""
+        w, m, v = params[0], slots["exp_avg"][0], slots["exp_avg_sq"][0]
+        c, swd, e, _, _ = item
+        d = self._row_scratch(group, self._row_pool[id(group)][0], self._block)
+        torch.sqrt(v, out=d)
+        d.add_(e.to(w.dtype))
+        torch.div(m, d, out=d)
+        applied = None if found_inf is None else 1.0 - found_inf.to(device=w.device, dtype=c.dtype)
+        if applied is not None:
+            c, swd = c * applied, swd * applied
+        d.mul_(c.to(w.dtype))
+        if float(group["weight_decay"]) > 0.0:
+            w.mul_((1.0 - swd).to(w.dtype))
+        w.sub_(d)
 
     def _pass1(self, blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc) -> None:
         """Pass 1 on one chunk list. float32/float64 chunks: the fused Adam kernel updates ``m, v`` in place
@@ -521,6 +611,11 @@ class LAMB(Optimizer):
                 w_sq, u_sq = both[:m], both[m:]
         w_n, u_n = w_sq.sqrt(), u_sq.sqrt()
         r = torch.where((w_n > 0) & (u_n > 0), w_n / u_n, torch.ones_like(w_n))
+        return self._clamp_trust(group, r)
+
+    @staticmethod
+    def _clamp_trust(group: dict, r: Tensor) -> Tensor:
+        """DeepSpeed's ``min_coeff``/``max_coeff`` clamp, then LAMBC's ``min(r, 1)``."""
         if group["min_coeff"] is not None or group["max_coeff"] is not None:
             r = r.clamp(min=group["min_coeff"], max=group["max_coeff"])
         if group["lambc"]:
@@ -531,6 +626,9 @@ class LAMB(Optimizer):
         """Pass 2 (module doc) on one block: ``d = c·m/(√v + e) + s·wd·w`` in cache (half-precision
         chunks: the fused Adam kernel updates their moments and gives ``m̂/(√v̂ + ε)``, then
         ``d = s·(that) + s·wd·w``), and ``w ← w − d`` by the fused SGD kernel with ``found_inf``."""
+        if aux and isinstance(aux[0][0], Tensor) and aux[0][0].dim() == 2:  # a row chunk of a flat buffer
+            self._update_rows(group, params, slots, found_inf, aux[0])
+            return
         m_l, v_l = slots["exp_avg"], slots["exp_avg_sq"]
         blk = self._block
         hit = self._block_cache.get(id(group))
