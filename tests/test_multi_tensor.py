@@ -208,6 +208,33 @@ def test_non_finite_flags(rng, dtype):
         assert math.isnan(mt.max_abs(t2).item()) == math.isnan(bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_large_tensor_norms_are_row_norms_and_exact(rng, dtype):
+    """Contiguous tensors of ``ROW_NORM_MIN`` elements or more take the row-norm path (norm of 1024-element
+    row norms plus the tail); mixed with small and non-contiguous ones, every norm is the float64 reference
+    to a few ulps (the two-level sum is more accurate than one long fp32 accumulation), in input order, and
+    NaN/inf propagate."""
+    n = mt.ROW_NORM_MIN
+    ts = [make(rng, (n,), dtype), make(rng, (7,), dtype), make(rng, (n + 5,), dtype),
+          make(rng, (3, n // 3 + 1), dtype).t(), make(rng, (1 << 20,), dtype) * 3, make(rng, (2, 3), dtype)]
+    got = mt.norms(ts)
+    tol = {torch.float32: 1e-6, torch.float64: 1e-13, torch.bfloat16: 1e-6}[dtype]
+    for i, (g, t) in enumerate(zip(got, ts)):
+        ref = float(np.sqrt(np.sum(np64(t) ** 2)))
+        # rows: 0, 2, 4; torch's kernel (up to ~1e-5 off in fp32 accumulation) for the small and strided ones
+        assert abs(g.item() - ref) <= (tol if i in (0, 2, 4) else max(tol, 2e-5)) * ref, i
+    assert got[0].dtype == mt.acc_dtype(dtype)
+    total = float(np.sqrt(sum(np.sum(np64(t) ** 2) for t in ts)))
+    np.testing.assert_allclose(mt.global_norm(ts).item(), total, rtol=max(tol, 2e-5))
+    for bad in (math.inf, math.nan):
+        t2 = [t.clone() for t in ts]
+        t2[2][n + 3] = bad  # in the tail
+        t2[4][5000] = bad  # in a row
+        res = mt.norms(t2)
+        for i in (2, 4):
+            assert math.isnan(res[i].item()) if math.isnan(bad) else res[i].item() == math.inf
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_expanded", [False, True])
 def test_non_finite_check_leaves_values_and_takes_every_layout(rng, dtype, with_expanded):

