@@ -350,6 +350,27 @@ def _fresh_copy(params):
 
 
 @pytest.mark.parametrize("row_id", ROW_IDS)
+def test_flat_buffers_with_parameters_over_a_block(row_id):
+    """Over flat buffers whose parameters are mostly larger than a block (``block_numel`` 4 here), the
+    per-tensor blocked pass runs on the buffer's views (LARS and LAMB leave their row runs, which would not
+    cut a large parameter) and matches the per-tensor layout."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    params = make_params(dtype, "flat")
+    opt = row.build(params, LR)
+    inner = innermost(opt)
+    if not isinstance(inner, optkit.Optimizer):
+        pytest.skip("a torch.optim inner optimizer has no plans")
+    inner.block_numel = 4
+    train(row, dtype, "flat", steps=2, params=params, opt=opt)
+    plain_params, _ = train(row, dtype, steps=2)
+    for (n, p), (_, q) in zip(params, plain_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=n)
+    flats = [plan.flat for plan in inner._plans.values() if getattr(plan, "flat", None) is not None]
+    assert all(not f.rows_pay for f in flats)
+
+
+@pytest.mark.parametrize("row_id", ROW_IDS)
 def test_flat_buffers_are_exercised_and_round_trip(row_id):
     """Flat parameter buffers (``optkit.flat_parameters``): the step matches the per-tensor one, a state
     saved by a flat optimizer continues in a per-tensor one and back, and for optimizers the flat plan is the

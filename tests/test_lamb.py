@@ -82,8 +82,9 @@ def test_matches_float64_reference(case):
 def test_flat_buffers_take_row_runs_and_match_the_reference(case):
     """Over flat buffers (``optkit.flat_parameters``) LAMB steps row runs (consecutive parameters of one size
     as the rows of a matrix: row norms, per-row factor columns), also when a run is cut across cache chunks
-    (``block_numel``) and with a per-name exclusion inside a run; the result is the float64 reference, a
-    skipped step (``found_inf``) changes nothing, and the state dict is the per-tensor one."""
+    (``block_numel``) and with a per-name exclusion inside a run, or the per-tensor pass when most elements
+    are in parameters over a block; the result is the float64 reference, a skipped step (``found_inf``)
+    changes nothing, and the state dict is the per-tensor one."""
     shapes = [(6,), (6,), (6,), (2, 3), (3, 2, 2), (3, 4), (4,), (4,), (1,)]
     names = [f"l{i}.weight" if len(s) > 1 else f"l{i}.bias" for i, s in enumerate(shapes)]
     names[1] = "l1.scale"
@@ -91,7 +92,7 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(case):
     kw = {**CASES[case], "skip_list": ["scale"]}
     per = [{"_skipped": True} if "scale" in n else {} for n in names]
     ref = _ref_run(ws, grads, 0.05, {k: v for k, v in kw.items() if k != "skip_list"}, per_tensor=per)
-    for block_numel in (1 << 20, 8):
+    for block_numel in (1 << 20, 16, 8):  # one chunk; runs cut across chunks; most elements over a block
         ts = [torch.tensor(w, dtype=F64, requires_grad=True) for w in ws]
         for t in ts:
             t.grad = torch.zeros_like(t)
@@ -110,8 +111,11 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(case):
                                                     if torch.is_tensor(v)]
                 assert all(torch.equal(a, b) for a, b in zip(after, before))
             opt.step()
-        assert opt._row_pool, "the row-run path was not taken"
-        assert len(list(opt._plans.values())[0].flat.row_blocks) > (1 if block_numel == 8 else 0)
+        flat = list(opt._plans.values())[0].flat
+        # rows unless over a quarter of the elements sit in parameters larger than a block (then the
+        # per-tensor pass cuts them into cache-sized chunks, over the same flat buffer)
+        assert flat.rows_pay == (block_numel != 8) and bool(opt._row_pool) == flat.rows_pay
+        assert len(flat.row_blocks) > (1 if block_numel == 16 else 0)
         for t, r in zip(ts, ref):
             np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-11, atol=1e-12)
         sd = opt.state_dict()["state"]

@@ -171,6 +171,12 @@ class FlatPart:
             else:
                 self.runs.append((i, 1, n))
         self._flats = runs_views
+        total = sum(count * n for _, count, n in self.runs)
+        oversized = sum(count * n for _, count, n in self.runs if n > block_numel)
+        #: whether per-tensor quantities (LARS, LAMB) use the row runs: not when over a quarter of the
+        #: elements sit in parameters larger than a block (a row is never cut, so it would leave the cache;
+        #: the per-tensor pass cuts them and sums partial norms instead)
+        self.rows_pay = 4 * oversized <= total
         self.row_blocks: list[Block] = []
         self.row_grads: list[Tensor] = []
         self.chunk_segments: list[tuple[int, int]] = []

@@ -361,7 +361,7 @@ class LAMB(Optimizer):
         else:  # β^inf = 0: the fused kernel's bias corrections become 1
             t = torch.full((), float("inf"), dtype=torch.float32, device=self._state_device)
         hyper = (beta1, beta2, eps, t, k, self._skip)
-        if plan.flat_active and self._rows_ok(plan.flat):
+        if plan.flat_active and plan.flat.rows_pay and self._rows_ok(plan.flat):
             return self._prepare_rows(group, plan.flat, st, hyper, lr, dev, dtype)
         tracing = torch.compiler.is_compiling()
         infos = None if tracing else self._block_infos(group, plan, st)

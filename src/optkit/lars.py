@@ -223,7 +223,7 @@ class LARS(Optimizer):
             dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         adapt, all_adapt, index, wd_vec, mask = self._static(group, plan, params, dev, dtype)
         lr = lr.to(device=dev, dtype=dtype)
-        if plan.flat_active:
+        if plan.flat_active and plan.flat.rows_pay:
             return self._prepare_rows(group, plan.flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask)
         if adapt:
             sel_p = params if all_adapt else [params[i] for i in adapt]
