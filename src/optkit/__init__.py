@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # The public face, by layer: foundations (multi-tensor math, clipping, schedules, loss scaling), optimizers,
 # wrappers over any optimizer, and the one-call training step.
