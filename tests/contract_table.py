@@ -153,6 +153,10 @@ def _no_decay_bias(names):
     return [{"_decayed": "bias" not in n} for n in names]
 
 
+def _bias_lr_half(names):
+    return [{"_lr_scale": 0.5 if "bias" in n else 1.0} for n in names]
+
+
 def _excluding_bias(opt):
     opt.exclude_from_weight_decay(var_names=["bias"])
     return opt
@@ -167,6 +171,11 @@ ROWS: list[Row] = [
         _named(ps), learning_rate=lr, momentum=0.9, nesterov=True, weight_decay=0.1)),
         "keras_sgd", {"momentum": 0.9, "nesterov": True}, {"weight_decay": 0.1}, decay_mask=_bias_mask,
         uses_names=True),
+    Row("SGD-rules(lr_scale,no-decay)", lambda ps, lr: optkit.create_optimizer(
+        _named(ps), "SGD", lr=lr, weight_decay=0.1, rules=[("bias", {"lr_scale": 0.5, "weight_decay": 0.0})],
+        no_decay_1d=False, momentum=0.9),
+        "keras_sgd", {"momentum": 0.9}, {"weight_decay": 0.1}, decay_mask=_bias_mask,
+        per_tensor=_bias_lr_half, uses_names=True),
     Row("SGD-ema-globalclip", lambda ps, lr: optkit.SGD(
         _plain(ps), learning_rate=lr, momentum=0.5, use_ema=True, ema_momentum=0.8,
         ema_overwrite_frequency=3, global_clipnorm=1.5),

@@ -170,7 +170,8 @@ class Reference:
     ``hp`` holds the rule's hyperparameters; ``base`` the base options: ``lr`` (number or ``step -> lr``),
     ``weight_decay`` (decoupled, Keras), ``decay_mask`` (per tensor), ``clipnorm`` / ``clipvalue`` /
     ``global_clipnorm``, ``use_ema``, ``ema_momentum``, ``ema_overwrite_frequency``, ``ema_warmup``;
-    ``per_tensor`` optional per-tensor hyperparameter overrides (e.g. LARS skip flags).
+    ``per_tensor`` optional per-tensor hyperparameter overrides (e.g. LARS skip flags; ``_lr_scale``
+    multiplies the tensor's learning rate, decay included).
     """
 
     def __init__(self, rule: str, ws: Sequence[Arr], hp: dict | None = None, base: dict | None = None,
@@ -211,10 +212,11 @@ class Reference:
         mask = b.get("decay_mask") or [True] * len(self.ws)
         for i in present:
             w = self.ws[i]
-            if wd and mask[i]:
-                w = w - w * wd * lr
             hp = {**self.hp, **self.per_tensor[i]}
-            self.ws[i] = self.rule(w, gs[i], self.states[i], lr, t, hp)
+            lr_i = lr * hp.pop("_lr_scale", 1.0)  # a param group's lr_scale (optkit.param_groups)
+            if wd and mask[i]:
+                w = w - w * wd * lr_i
+            self.ws[i] = self.rule(w, gs[i], self.states[i], lr_i, t, hp)
         if b.get("use_ema"):
             mu = 0.0 if self.iterations == 0 else b.get("ema_momentum", 0.99)
             if b.get("ema_warmup") and self.iterations:  # TF ExponentialMovingAverage(num_updates=k)

@@ -382,7 +382,8 @@ def test_flat_buffers_are_exercised_and_round_trip(row_id):
     for (n, p), (_, q) in zip(flat_params, plain_params):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=n)
     inner = innermost(flat_opt)
-    if isinstance(inner, optkit.Optimizer) and not row.half_masters:
+    if isinstance(inner, optkit.Optimizer) and not row.half_masters and len(inner.param_groups) == 1:
+        # (param groups cut the buffer: a group whose tensors are not back to back steps them one by one)
         assert all(plan.flat is not None for plan in inner._plans.values())
     for src_params, src, layout in ((flat_params, flat_opt, "contiguous"), (plain_params, plain_opt, "flat")):
         buf = io.BytesIO()

@@ -33,6 +33,10 @@ class TrainRow:
     larc_params: dict | None = None
     clip_gradients: float | None = None
     iter_size: int = 1
+    #: further optimize_loss keywords (parameter rules, layer decay)
+    extra: dict = field(default_factory=dict)
+    #: the loss returns (Σ loss, number of items), a varying count per micro-batch (token weighting)
+    token_weighted: bool = False
 
     @property
     def dynamic(self) -> bool:
@@ -60,6 +64,11 @@ ROWS = [
              loss_scaling="Backoff", iter_size=2),
     TrainRow("Momentum-mixed-LogMax-accumulate", "Momentum", {"momentum": 0.9}, dtype="mixed",
              loss_scaling="LogMax", iter_size=2),
+    TrainRow("SGD-fp32-rules-accumulate-tokens", "SGD", {"momentum": 0.9, "weight_decay": 0.01},
+             loss_scaling="dynamic", iter_size=2, token_weighted=True,
+             extra={"rules": [(r"^2\.", {"lr_scale": 0.5})], "no_decay_1d": True}),
+    TrainRow("LAMB-mixed-layer-decay", "LAMB", {"weight_decay": 0.01}, dtype="mixed", loss_scaling="Backoff",
+             extra={"layer_decay": 0.8, "layer_regex": r"^(\d+)\."}),
 ]
 BY_ID = {r.id: r for r in ROWS}
 
@@ -88,6 +97,9 @@ def batch(k: int, dtype, poison: bool = False):
 
 def build(row: TrainRow, model: nn.Module, op_dtype=None):
     def loss(x, y):
+        if row.token_weighted:  # the rows whose target's first entry is positive count (1-7 of 8 here)
+            keep = (y[:, 0] > 0).float()
+            return (((model(x).float() - y.float()) ** 2).sum(1) * keep).sum(), keep.sum()
         return ((model(x).float() - y.float()) ** 2).mean()
 
     return optimize_loss(row, loss, model, op_dtype)
@@ -97,7 +109,8 @@ def optimize_loss(row, loss, model, op_dtype=None):
     return optkit.optimize_loss(
         loss, row.optimizer, dict(row.params), row.lr, dtype=row.dtype if op_dtype is None else op_dtype,
         loss_scaling=row.loss_scaling, loss_scaling_params=row.loss_scaling_params,
-        larc_params=row.larc_params, clip_gradients=row.clip_gradients, iter_size=row.iter_size, model=model)
+        larc_params=row.larc_params, clip_gradients=row.clip_gradients, iter_size=row.iter_size, model=model,
+        **row.extra)
 
 
 def run(row, op, model, updates, start=0, dtype=None, poison_at=None):
