@@ -344,6 +344,26 @@ def header(title: str, floor: float) -> str:
     )
 
 
+def step_variant(name: str, set_name: str, build, *, flat: bool = False):
+    """``(Variant, params)``: ``build(params) -> step callable`` over a fresh copy of the parameter set whose
+    gradients are restored before every step (untimed); ``flat``: the parameters are first moved into flat
+    buffers (``optkit.flat_parameters``)."""
+    import torch
+
+    params = make_params(set_name, seed=0)
+    if flat:
+        from optkit import flat_parameters
+
+        flat_parameters(params)
+    grads = [p.grad for p in params]
+    ref = [g.clone() for g in grads]
+
+    def setup() -> None:
+        torch._foreach_copy_(grads, ref)
+
+    return Variant(name, build(params), setup), params
+
+
 def load_timm_optim(module: str, cls: str):
     """``timm.optim.<module>.<cls>`` loaded from its file (``import timm`` needs torchvision, which does not
     import beside the CPU torch), or None when timm is missing or the file does not load (no timm rows)."""

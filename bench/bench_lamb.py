@@ -26,7 +26,7 @@ import time
 import torch
 
 from bench import _harness as H
-from optkit import LAMB, flat_parameters
+from optkit import LAMB
 
 LR, WD, BETAS, EPS = 0.01, 0.01, (0.9, 0.999), 1e-6
 BYTES = 40
@@ -67,19 +67,6 @@ class ForeachLamb:
 MANY = ("many_small", "tiny_10k")
 
 
-def _variant(name, set_name, build, flat=False):
-    params = H.make_params(set_name, seed=0)
-    if flat:
-        flat_parameters(params)
-    grads = [p.grad for p in params]
-    ref = [g.clone() for g in grads]
-
-    def setup() -> None:
-        torch._foreach_copy_(grads, ref)
-
-    return H.Variant(name, build(params), setup), params
-
-
 def bench_lamb(set_name: str, floor: float, timm_lamb) -> str:
     specs = []
     if timm_lamb is not None:
@@ -96,7 +83,7 @@ def bench_lamb(set_name: str, floor: float, timm_lamb) -> str:
         specs.append(("optkit LAMB jit_compile=True", lambda ps: LAMB(ps, LR, jit_compile=True, **okw).step))
     variants, notes = [], []
     for name, build in specs:
-        v, params = _variant(name, set_name, build, flat=name.endswith("flat"))
+        v, params = H.step_variant(name, set_name, build, flat=name.endswith("flat"))
         if "jit" in name:
             v.setup()
             t0 = time.perf_counter()

@@ -28,32 +28,17 @@ import time
 import torch
 
 from bench import _harness as H
-from optkit import LARS, SGD, flat_parameters
+from optkit import LARS, SGD
 
 LR_SGD, LR_LARS = 0.01, 0.1
 #: sets with many tensors: flat buffers matter there, and jit_compile would compile for minutes
 MANY = ("many_small", "tiny_10k")
 
 
-def _variant(name, set_name, build, *, flat: bool = False):
-    """A variant over its own copy of the parameter set; ``build(params) -> step callable``; ``flat``: the
-    parameters are first moved into flat buffers."""
-    params = H.make_params(set_name, seed=0)
-    if flat:
-        flat_parameters(params)
-    grads = [p.grad for p in params]
-    ref = [g.clone() for g in grads]
-
-    def setup() -> None:
-        torch._foreach_copy_(grads, ref)
-
-    return H.Variant(name, build(params), setup), params
-
-
 def _run(specs, set_name, floor, bytes_per_param, title, extra_note=""):
     variants, notes = [], []
     for name, build, flat in specs:
-        v, params = _variant(name, set_name, build, flat=flat)
+        v, params = H.step_variant(name, set_name, build, flat=flat)
         if "jit" in name:
             v.setup()
             t0 = time.perf_counter()
@@ -118,7 +103,7 @@ def bench_lars(set_name: str, floor: float, timm_lars) -> str:
         specs.append(("optkit LARS tf1.15 flat", lambda ps: LARS(ps, LR_LARS, **okw).step))
         flat_names.add("optkit LARS tf1.15 flat")
     for name, build in specs:
-        v, params = _variant(name, set_name, build, flat=name in flat_names)
+        v, params = H.step_variant(name, set_name, build, flat=name in flat_names)
         variants.append(v)
     total = H.n_params([p.shape for p in params])
     rows = H.compare(variants, n_params=total, bytes_per_param=28, floor=floor)
