@@ -208,6 +208,21 @@ def test_non_finite_flags(rng, dtype):
         assert math.isnan(mt.max_abs(t2).item()) == math.isnan(bad)
 
 
+def test_non_finite_check_of_sparse_values(rng):
+    """Sparse COO gradients are checked through their values (the AMP kernel takes the dense values, the
+    sparse tensor itself it would refuse)."""
+    sp = sparse_with_duplicates(rng)
+    dense = make(rng, (3, 4), torch.float32)
+    assert mt.any_non_finite([sp, dense]).item() == 0.0
+    norm, found = mt.global_norm_and_found_inf([sp, dense])
+    ref = np.sqrt(np.sum(np64(sp._values()) ** 2) + np.sum(np64(dense) ** 2))
+    assert found.item() == 0.0 and abs(norm.item() - ref) <= 1e-6 * ref
+    bad = torch.sparse_coo_tensor(sp._indices(), sp._values().clone(), sp.shape)
+    bad._values()[1, 2] = math.inf
+    assert mt.any_non_finite([bad, dense]).item() == 1.0
+    assert mt.global_norm_and_found_inf([bad, dense])[1].item() == 1.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_large_tensor_norms_are_row_norms_and_exact(rng, dtype):
     """Contiguous tensors of ``ROW_NORM_MIN`` elements or more take the row-norm path (norm of 1024-element

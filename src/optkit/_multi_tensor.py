@@ -751,11 +751,12 @@ def _local_non_finite(vals: list[Tensor]) -> Tensor | None:
 
 
 def any_non_finite(tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET) -> Tensor:
-    """0-d fp32 flag: 1.0 if any element of any tensor is NaN or ±inf, else 0.0 (read-only pass).
+    """0-d fp32 flag: 1.0 if any element of any tensor is NaN or ±inf, else 0.0 (values unchanged).
 
-    Decided from the elements only (a per-tensor max-abs, which is finite exactly when every element is):
-    large finite values never count, whatever the number of ranks. The flag agrees on every rank of the
-    tensors' meshes (and pipeline stages, when a pipeline group is set).
+    Decided from the elements only (torch's AMP check kernel on CPU, see :func:`_local_non_finite`, else a
+    per-tensor max-abs, which is finite exactly when every element is): large finite values never count,
+    whatever the number of ranks. The flag agrees on every rank of the tensors' meshes (and pipeline stages,
+    when a pipeline group is set).
     """
     group = _pp(pipeline_group)
     ts = present(tensors)
@@ -790,7 +791,7 @@ def global_norm_and_found_inf(
     l2 = _local_norms(ts, 2.0)
     dtype, _ = _common_result(l2)
     sq = _stack(l2, torch.float64)
-    flag = _local_non_finite(ts) if _all_plain(ts) else None  # plain tensors: no mesh sums below
+    flag = _local_non_finite(_values_list(ts)) if _all_plain(ts) else None  # plain: no mesh sums below
     if flag is None:
         z = _stack(_local_norms(ts, math.inf), torch.float64) * 0.0
     else:  # NaN in one entry when some element is non-finite, as the per-tensor 0·max|t| would give
