@@ -389,7 +389,10 @@ class LAMB(Optimizer):
     @staticmethod
     def _rows_ok(flat: Any) -> bool:
         """Whether a flat part takes the row-run path: float32/float64 on the CPU (half-precision buffers keep
-        the per-tensor path, whose moments handling they need; the path is tested on the CPU only)."""
+        the per-tensor path, whose moments handling they need; the path is tested on the CPU only). This is
+        the fused-kernel gate's check for these tensors: row matrices are contiguous views of the flat runs
+        (dense, equal strides in every list by construction), so :func:`optkit._fused.partition` would
+        return them whole as ``native`` exactly when ``native_dtype_ok`` holds."""
         w = flat.row_blocks[0].params[0] if flat.row_blocks else None
         return (w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
                 and _fused.native_dtype_ok("adam", w.device, w.dtype))
