@@ -364,6 +364,27 @@ def step_variant(name: str, set_name: str, build, *, flat: bool = False):
     return Variant(name, build(params), setup), params
 
 
+def variant_table(specs, set_name: str, floor: float, bytes_per_param: float, title: str,
+                  extra_note: str = "") -> str:
+    """One Markdown table: ``specs`` are ``(name, build, flat)`` (see :func:`step_variant`), timed
+    interleaved with :func:`compare`; a variant whose name says ``jit`` is compiled first (untimed, the
+    compile time goes into the note)."""
+    variants, notes = [], []
+    for name, build, flat in specs:
+        v, params = step_variant(name, set_name, build, flat=flat)
+        if "jit" in name:
+            v.setup()
+            t0 = time.perf_counter()
+            v.step()  # compiles (untimed)
+            notes.append(f"`{name}` first call (compile) {time.perf_counter() - t0:.1f} s.")
+        variants.append(v)
+    total = n_params([p.shape for p in params])
+    rows = compare(variants, n_params=total, bytes_per_param=bytes_per_param, floor=floor)
+    note = " ".join([x_floor_note(rows, total, bytes_per_param, floor), *notes, extra_note]).strip()
+    full = f"{title}, set `{set_name}` ({len(params)} tensors, {total:,} params)"
+    return markdown_table(rows, title=full, note=note)
+
+
 def load_timm_optim(module: str, cls: str):
     """``timm.optim.<module>.<cls>`` loaded from its file (``import timm`` needs torchvision, which does not
     import beside the CPU torch), or None when timm is missing or the file does not load (no timm rows)."""

@@ -21,8 +21,6 @@ smoke run).
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from bench import _harness as H
@@ -71,35 +69,22 @@ def bench_lamb(set_name: str, floor: float, timm_lamb) -> str:
     specs = []
     if timm_lamb is not None:
         tkw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=None)
-        specs.append(("timm Lamb foreach=True", lambda ps: timm_lamb(ps, foreach=True, **tkw).step))
+        specs.append(("timm Lamb foreach=True", lambda ps: timm_lamb(ps, foreach=True, **tkw).step, False))
         if set_name != "many_small" or H.QUICK:
-            specs.append(("timm Lamb foreach=False", lambda ps: timm_lamb(ps, foreach=False, **tkw).step))
-    specs.append(("foreach LAMB (plain torch)", lambda ps: ForeachLamb(ps).step))
+            specs.append(("timm Lamb foreach=False", lambda ps: timm_lamb(ps, foreach=False, **tkw).step,
+                          False))
+    specs.append(("foreach LAMB (plain torch)", lambda ps: ForeachLamb(ps).step, False))
     okw = dict(beta1=BETAS[0], beta2=BETAS[1], epsilon=EPS, weight_decay=WD)
-    specs.append(("optkit LAMB (eager)", lambda ps: LAMB(ps, LR, **okw).step))
+    specs.append(("optkit LAMB (eager)", lambda ps: LAMB(ps, LR, **okw).step, False))
     if set_name in MANY:
-        specs.append(("optkit LAMB flat", lambda ps: LAMB(ps, LR, **okw).step))
+        specs.append(("optkit LAMB flat", lambda ps: LAMB(ps, LR, **okw).step, True))
     else:
-        specs.append(("optkit LAMB jit_compile=True", lambda ps: LAMB(ps, LR, jit_compile=True, **okw).step))
-    variants, notes = [], []
-    for name, build in specs:
-        v, params = H.step_variant(name, set_name, build, flat=name.endswith("flat"))
-        if "jit" in name:
-            v.setup()
-            t0 = time.perf_counter()
-            v.step()  # compiles (untimed)
-            notes.append(f"`{name}` first call (compile) {time.perf_counter() - t0:.1f} s.")
-        variants.append(v)
-    total = H.n_params([p.shape for p in params])
-    rows = H.compare(variants, n_params=total, bytes_per_param=BYTES, floor=floor)
-    floor_ms = total * BYTES / (floor * 1e6)
-    notes.append(f"Floor time for {BYTES} B/param: {floor_ms:.2f} ms; × floor: "
-                 + ", ".join(f"{r.variant} {r.ms / floor_ms:.2f}×" for r in rows) + ".")
-    if timm_lamb is None:
-        notes.append("timm is not installed: no timm rows (`pip install --no-deps timm`); the plain foreach "
-                     "LAMB is the reference.")
-    title = (f"LAMB β 0.9/0.999, ε 1e-6, wd 0.01, set `{set_name}` ({len(params)} tensors, {total:,} params)")
-    return H.markdown_table(rows, title=title, note=" ".join(notes))
+        specs.append(("optkit LAMB jit_compile=True", lambda ps: LAMB(ps, LR, jit_compile=True, **okw).step,
+                      False))
+    missing = "" if timm_lamb is not None else (
+        "timm is not installed: no timm rows (`pip install --no-deps timm`); the plain foreach LAMB is the "
+        "reference.")
+    return H.variant_table(specs, set_name, floor, BYTES, "LAMB β 0.9/0.999, ε 1e-6, wd 0.01", missing)
 
 
 def main() -> str:

@@ -23,8 +23,6 @@ Run ``python -m bench.bench_optimizers`` (``OPTKIT_BENCH_QUICK=1`` for a smoke r
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from bench import _harness as H
@@ -33,23 +31,6 @@ from optkit import LARS, SGD
 LR_SGD, LR_LARS = 0.01, 0.1
 #: sets with many tensors: flat buffers matter there, and jit_compile would compile for minutes
 MANY = ("many_small", "tiny_10k")
-
-
-def _run(specs, set_name, floor, bytes_per_param, title, extra_note=""):
-    variants, notes = [], []
-    for name, build, flat in specs:
-        v, params = H.step_variant(name, set_name, build, flat=flat)
-        if "jit" in name:
-            v.setup()
-            t0 = time.perf_counter()
-            v.step()  # compiles (untimed)
-            notes.append(f"`{name}` first call (compile) {time.perf_counter() - t0:.1f} s.")
-        variants.append(v)
-    total = H.n_params([p.shape for p in params])
-    rows = H.compare(variants, n_params=total, bytes_per_param=bytes_per_param, floor=floor)
-    note = " ".join([H.x_floor_note(rows, total, bytes_per_param, floor), *notes, extra_note]).strip()
-    full = f"{title}, set `{set_name}` ({len(params)} tensors, {total:,} params)"
-    return H.markdown_table(rows, title=full, note=note)
 
 
 def bench_sgd(set_name: str, floor: float) -> str:
@@ -62,7 +43,7 @@ def bench_sgd(set_name: str, floor: float) -> str:
     ]
     if set_name != "one_big":
         specs.append(("optkit SGD flat", lambda ps: SGD(ps, learning_rate=LR_SGD, momentum=0.9).step, True))
-    return _run(specs, set_name, floor, 20, "(a) SGD momentum 0.9")
+    return H.variant_table(specs, set_name, floor, 20, "(a) SGD momentum 0.9")
 
 
 def bench_sgd_ema(set_name: str, floor: float) -> str:
@@ -84,7 +65,7 @@ def bench_sgd_ema(set_name: str, floor: float) -> str:
     if set_name not in MANY:
         specs.append(("optkit SGD wd+EMA jit_compile=True", lambda ps: SGD(ps, jit_compile=True, **kw).step,
                       False))
-    return _run(specs, set_name, floor, 32, "(b) SGD momentum 0.9 + weight decay 1e-4 + EMA 0.99",
+    return H.variant_table(specs, set_name, floor, 32, "(b) SGD momentum 0.9 + weight decay 1e-4 + EMA 0.99",
                 "Bytes/param count the reference pipeline's two passes (32); one fused pass would move 28.")
 
 

@@ -281,6 +281,24 @@ ROW_IDS = [r.id for r in ROWS]
 BY_ID = {r.id: r for r in ROWS}
 
 
+def state_tensors(x: Any) -> list[torch.Tensor]:
+    """Copies of every tensor in a (nested) state dict, in a fixed order (dict keys sorted)."""
+    out: list[torch.Tensor] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            out.append(v.detach().clone())
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                walk(item)
+
+    walk(x)
+    return out
+
+
 def innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     while hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer):
         opt = opt.optimizer

@@ -17,7 +17,18 @@ import pytest
 import torch
 
 import optkit
-from contract_table import BY_ID, LR, ROW_IDS, ROWS, SHAPES, SPARSE_ROWS, SPARSE_SHAPE, Row, innermost
+from contract_table import (
+    BY_ID,
+    LR,
+    ROW_IDS,
+    ROWS,
+    SHAPES,
+    SPARSE_ROWS,
+    SPARSE_SHAPE,
+    Row,
+    innermost,
+    state_tensors,
+)
 from reference_rules import Reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
@@ -90,20 +101,7 @@ def set_grads(params, grads, layout="contiguous", scale=1.0, opt=None):
 
 def snapshot(params, opt) -> list[torch.Tensor]:
     """Everything that must not change on a skip: parameters, every tensor in the state dict, the count."""
-    out = [p.detach().clone() for _, p in params]
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            out.append(x.detach().clone())
-        elif isinstance(x, dict):
-            for k in sorted(x, key=str):
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(opt.state_dict())
-    return out
+    return [p.detach().clone() for _, p in params] + state_tensors(opt.state_dict())
 
 
 def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import contract_table
 import optkit
 
 UPDATES = 4
@@ -128,19 +129,7 @@ def run(row, op, model, updates, start=0, dtype=None, poison_at=None):
 def state_tensors(op, model) -> list[torch.Tensor]:
     out = [p.detach().clone() for p in model.parameters()]
     out += [m.detach().clone() for m in op.masters]
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            out.append(x.detach().clone())
-        elif isinstance(x, dict):
-            for k in sorted(x, key=str):
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(op.optimizer.state_dict())
-    return out
+    return out + contract_table.state_tensors(op.optimizer.state_dict())
 
 
 def assert_bitwise(a, b):
