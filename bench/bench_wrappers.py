@@ -98,6 +98,10 @@ def bench_larc(set_name: str, floor: float, lars_cls) -> str:
     total = H.n_params([p.shape for p in pa])
     opt = LARC(SGD(pa, 0.1, momentum=0.9), 0.001)
     variants = [H.Variant("optkit LARC(SGD)", opt.step, _restore([p.grad for p in pa], ref))]
+    if set_name != "one_big":
+        v, _ = H.step_variant("optkit LARC(SGD) flat", set_name,
+                              lambda ps: LARC(SGD(ps, 0.1, momentum=0.9), 0.001).step, flat=True)
+        variants.append(v)
     if lars_cls is not None:
         timm_opt = lars_cls(pb, lr=0.1, momentum=0.9, trust_coeff=0.001, trust_clip=True, always_adapt=True)
         variants.insert(0, H.Variant("timm Lars(trust_clip=True)", timm_opt.step,

@@ -266,3 +266,82 @@ def test_add_param_group_rescans_exclusions():
     opt.step()
     assert torch.equal(b.grad, torch.tensor([0.5, 0.5]))
     np.testing.assert_allclose(a.grad.numpy(), [[0.06, 0.08]], rtol=1e-5)
+
+
+def _ref_larc_keras_sgd(ws, grads, lrs, group_of, eta, mode, keep, wd=None, momentum=0.9, eps=1e-7):
+    """Float64 LARC (clip/scale, optional apex/timm ``wd`` in the denominator) over Keras SGD momentum
+    (``v ← μ·v − lr·g'``; ``w ← w + v``); ``keep[i]`` False: parameter i is excluded (r = 1, no wd)."""
+    ws = [w.copy() for w in ws]
+    vs = [np.zeros_like(w) for w in ws]
+    for gs in grads:
+        for i, g in enumerate(gs):
+            lr = lrs[group_of[i]]
+            if not keep[i]:
+                gp = g
+            elif wd is None:
+                gp = np_ratio(ws[i], g, lr, eta, mode, eps=eps) * g
+            else:
+                wn, gn = np.linalg.norm(ws[i]), np.linalg.norm(g)
+                raw = eta * wn / (gn + wd * wn + eps)
+                r = (min(max(raw / lr, 1e-7), 1.0) if mode == "clip" else max(raw, 1e-7))
+                r = r if wn > 0 and gn > 0 else 1.0
+                gp = r * (g + wd * ws[i])
+            vs[i] = momentum * vs[i] - lr * gp
+            ws[i] = ws[i] + vs[i]
+    return ws
+
+
+@pytest.mark.parametrize("case", ["clip", "scale", "exclude", "wd", "two-groups"])
+def test_flat_buffers_take_row_runs_and_match_the_reference(rng, case):
+    """Over flat buffers (``optkit.flat_parameters``) LARC reads the norms as row norms of the inner
+    optimizer's row runs and hands the ratios on as one vector per group (``RowMultipliers``), from the first
+    update on; the inner SGD multiplies each cache-sized row chunk by its column. The result is the float64
+    reference (with a loss scale to divide out and a skipped attempt that changes nothing); with most
+    elements in parameters over a block (``block_numel=8``) the per-tensor path runs instead."""
+    import optkit
+
+    shapes = [(6,), (6,), (2, 3), (3, 2), (3, 4), (12,), (4,), (4,), (1,)]
+    names = [f"l{i}.weight" if len(s) > 1 else f"l{i}.bias" for i, s in enumerate(shapes)]
+    ws = [rng.normal(size=s) for s in shapes]
+    grads = [[rng.normal(size=s) * 0.3 for s in shapes] for _ in range(3)]
+    mode = "scale" if case == "scale" else "clip"
+    eta = 0.02 if mode == "clip" else 0.001
+    keep = [not (case == "exclude" and len(s) <= 1) for s in shapes]
+    wd = 1e-2 if case == "wd" else None
+    lrs = [0.1, 0.03] if case == "two-groups" else [0.1]
+    group_of = [0] * 5 + [len(lrs) - 1] * 4
+    ref = _ref_larc_keras_sgd(ws, grads, lrs, group_of, eta, mode, keep, wd=wd)
+    for block_numel in (1 << 20, 16, 8):
+        ts = [torch.tensor(w, requires_grad=True) for w in ws]
+        optkit.flat_parameters(ts)
+        named = list(zip(names, ts))
+        groups = ([{"params": named[:5], "lr": lrs[0]}, {"params": named[5:], "lr": lrs[1]}]
+                  if case == "two-groups" else named)
+        opt = LARC(SGD(groups, 0.1, momentum=0.9, block_numel=block_numel), eta, mode,
+                   exclude=(lambda n, p: p.ndim <= 1) if case == "exclude" else None, wd_in_denominator=wd)
+        flat_steps = []
+        original = opt._flat_step
+        opt._flat_step = lambda *a, _n=flat_steps, _f=original: (_n.append(1), _f(*a))
+        for i, gs in enumerate(grads):
+            if i == 1:  # a skipped attempt first: nothing moves
+                for t in ts:
+                    t.grad.fill_(float("nan"))
+                before = [t.detach().clone() for t in ts] + [v.clone() for st in opt.state.values()
+                                                             for v in st.values() if torch.is_tensor(v)]
+                opt.found_inf = torch.ones(())
+                opt.step()
+                del opt.found_inf
+                after = [t.detach() for t in ts] + [v for st in opt.state.values() for v in st.values()
+                                                    if torch.is_tensor(v)]
+                assert all(torch.equal(a, b) for a, b in zip(after, before))
+            for t, g in zip(ts, gs):
+                t.grad.copy_(torch.tensor(g) * 8.0)  # a loss scale of 8, divided out through grad_scale
+            opt.grad_scale = torch.tensor(8.0)
+            opt.step()
+            del opt.grad_scale
+        assert len(flat_steps) == (0 if block_numel == 8 else 4), block_numel
+        for t, r in zip(ts, ref):
+            np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-9, atol=1e-12)
+        kept = [t for t, k in zip(ts, keep) if k]
+        assert len(opt.last_params) == len(kept) and all(a is b for a, b in zip(opt.last_params, kept))
+        assert opt.last_ratios.shape == (len(kept),)

@@ -13,6 +13,7 @@ instead of corrupting memory in a kernel.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,7 +25,7 @@ from . import _multi_tensor as mt
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import Optimizer
 
-__all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "check_slot_fits"]
+__all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "RowMultipliers", "check_slot_fits"]
 
 
 def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
@@ -143,6 +144,33 @@ class RunAux:
         self.items = items
 
 
+class RowMultipliers(Mapping):
+    """The step protocol's ``grad_multipliers`` (``{id(param): 0-d tensor}``) given as one vector per param
+    group: ``rows[id(group)]`` holds the multipliers of all the group's parameters in order (a wrapper such as
+    LARC computes them over the group's flat part). An optkit optimizer whose group still runs over that
+    flat part applies each vector as ``(rows, 1)`` columns over the row runs, with no per-parameter work;
+    anything else reads it as the mapping, built from the vectors on first use."""
+
+    def __init__(self, groups: list[tuple[dict, Tensor]]) -> None:
+        self.rows = {id(g): v for g, v in groups}
+        self._groups = groups
+        self._map: dict[int, Tensor] | None = None
+
+    def _mapping(self) -> dict[int, Tensor]:
+        if self._map is None:
+            self._map = {id(p): m for g, v in self._groups for p, m in zip(g["params"], v.unbind())}
+        return self._map
+
+    def __getitem__(self, key: int) -> Tensor:
+        return self._mapping()[key]
+
+    def __iter__(self):
+        return iter(self._mapping())
+
+    def __len__(self) -> int:
+        return sum(len(g["params"]) for g, _ in self._groups)
+
+
 class FlatPart:
     """The group as one flat run per list (parameters, gradients, slots, averages all back to back in their
     own storages, as :func:`optkit.flat.flat_parameters` lays them out): its blocks are chunks of single
@@ -205,6 +233,12 @@ class FlatPart:
             out.append(flat[offset:offset + count * n].view(count, n))
             offset += count * n
         return out
+
+    def scale_rows_(self, flat: Tensor, factors: Tensor) -> None:
+        """Multiply each parameter's segment of ``flat`` by its entry of ``factors`` (one vector over the
+        segments): one broadcast multiply per run."""
+        for (first, count, _), m in zip(self.runs, self.row_views(flat)):
+            m.mul_(factors[first:first + count].unsqueeze(1))
 
     def params_rows(self) -> list[Tensor]:
         """The parameters' run matrices."""

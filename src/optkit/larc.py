@@ -19,7 +19,11 @@ Options beyond the original (``spec/pytorch_anchors.md`` P1, P2, P19):
 
 Performance: one grouped norm pass over the parameters and one over the gradients, the ratios computed as one
 vector (no host sync, no per-parameter Python arithmetic). optkit inner optimizers receive the ratios as
-``grad_multipliers`` and fold them into their own pass; other optimizers get the gradients scaled in place.
+``grad_multipliers`` and fold them into their own pass (optkit ``SGD`` into its fused kernel's ``grad_scale``,
+one call per tensor; others as an in-cache multiply per block); other optimizers get the gradients scaled in
+place. Over flat buffers (:func:`optkit.flat_parameters`, an optkit inner optimizer whose groups all run over
+their flat part) the norms are row norms of the buffer's runs of equal-sized parameters and the ratios go in
+as one vector per group (:class:`optkit._plan.RowMultipliers`): O(#runs) kernels per step, not O(#params).
 A ``grad_scale`` from an outer loss-scale wrapper is taken into account (``‖g‖`` is the unscaled norm) and
 passed on; ``found_inf`` is passed on unchanged.
 
@@ -36,8 +40,10 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._plan import FlatPart, RowMultipliers
 from ._validation import check_params, check_real
 from ._wrapper import OptimizerWrapper, protocol_level
+from .optimizer import Optimizer
 
 __all__ = ["LARC"]
 
@@ -94,6 +100,7 @@ class LARC(OptimizerWrapper):
         self.last_ratios: Tensor | None = None
         self.last_clip_on: Tensor | None = None
         self._scanned: set[tuple[int, int]] = set()
+        self._flat_cache: dict[int, tuple] = {}
         self._scan_exclusions()
 
     @classmethod
@@ -117,6 +124,7 @@ class LARC(OptimizerWrapper):
                 self._scanned.add(key)
                 if self.exclude(name, p):
                     self._excluded.add(key)
+        self._flat_cache = {}
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -158,6 +166,10 @@ class LARC(OptimizerWrapper):
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
         dev = self._device()
+        parts = None if multipliers else self._flat_parts()
+        if parts is not None:
+            self._flat_step(parts, grad_scale, found_inf, dev)
+            return
         params, grads, lrs = self._select(dev)
         if not params:
             self._delegate(grad_scale, found_inf, multipliers)
@@ -185,6 +197,82 @@ class LARC(OptimizerWrapper):
             mt.scale_(grads, list(factors.unbind()))
             mult = rest
         self._delegate(grad_scale, found_inf, mult or None)
+
+    # -------------------------------------------------------------------------------------- flat buffers
+
+    def _flat_parts(self) -> list[tuple[int, dict, FlatPart]] | None:
+        """``(group index, group, flat part)`` for every group with parameters when the inner optimizer is an
+        optkit optimizer whose groups all run over flat buffers this step (:func:`optkit.flat_parameters`,
+        every parameter with its gradient view); else None (the per-tensor path)."""
+        inner = self.optimizer
+        if not isinstance(inner, Optimizer):
+            return None
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            if not group["params"]:
+                continue
+            fp = inner._flat_part(group)
+            if fp is None:
+                return None
+            out.append((gi, group, fp))
+        return out or None
+
+    def _flat_keep(self, gi: int, group: dict, dev: torch.device) -> tuple:
+        """Per group (cached until the parameters or exclusions change): ``(mask, params, index)``, the
+        boolean keep mask over the group's parameters (None when nothing is excluded), the parameters LARC
+        rescales, and their indices."""
+        ps = group["params"]
+        key = (id(ps), len(ps), dev)
+        hit = self._flat_cache.get(gi)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        keep = [(gi, pi) not in self._excluded for pi in range(len(ps))]
+        mask = None if all(keep) else torch.tensor(keep, device=dev)
+        index = torch.tensor([i for i, kp in enumerate(keep) if kp], dtype=torch.long, device=dev)
+        value = (mask, [p for p, kp in zip(ps, keep) if kp], index)
+        self._flat_cache[gi] = (key, value)
+        return value
+
+    def _flat_step(self, parts, grad_scale, found_inf, dev) -> None:
+        """The step over flat buffers: per-parameter norms as row norms of the flat part's runs (one kernel
+        per run), the ratios as one vector per group, handed to the inner optimizer as
+        :class:`~optkit._plan.RowMultipliers` (it multiplies each cache-sized row chunk by its column just
+        before its update)."""
+        wd = self.wd_in_denominator
+        k = self._outer_factors([], grad_scale, None, dev)
+        if wd is not None and grad_scale is not None:
+            inv = torch.reciprocal(grad_scale.detach().to(dev, torch.float32).reshape(()))
+            for _, _, fp in parts:
+                fp.grad.mul_(inv.to(fp.grad.dtype))
+            grad_scale = k = None
+        vectors, kept, ratios, clips = [], [], [], []
+        for gi, group, fp in parts:
+            mask, kept_params, index = self._flat_keep(gi, group, dev)
+            dtype = torch.float64 if fp.grad.dtype == torch.float64 else torch.float32
+            w_norm = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype) for m in fp.params_rows()])
+            g_norm = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype)
+                                for m in fp.row_views(fp.grad)])
+            r = self._ratios_from_norms(w_norm, g_norm, self._group_lr(group, dev).to(dtype), k)
+            clip = self.last_clip_on
+            if mask is not None:
+                r = torch.where(mask, r, torch.ones_like(r))
+            if wd is not None:  # apex/timm: g ← g + wd·v for the rescaled parameters, one pass per run
+                f = wd if mask is None else mask.to(dtype) * wd
+                for (first, count, _), mg, mw in zip(fp.runs, fp.row_views(fp.grad), fp.params_rows()):
+                    if mask is None:
+                        mg.add_(mw, alpha=wd)
+                    else:
+                        mg.addcmul_(mw, f[first:first + count].unsqueeze(1).to(mg.dtype))
+            vectors.append((group, r))
+            kept += kept_params
+            whole = mask is None
+            ratios.append(r if whole else r.index_select(0, index))
+            if clip is not None:
+                clips.append(clip if whole else clip.index_select(0, index))
+        self.last_params = kept
+        self.last_ratios = torch.cat(ratios) if len(ratios) > 1 else ratios[0]
+        self.last_clip_on = None if not clips else torch.cat(clips)
+        self._delegate(grad_scale, found_inf, RowMultipliers(vectors))
 
     def _group_lr(self, group: dict, dev: torch.device) -> Tensor:
         """The learning rate the inner optimizer will use for ``group`` this step (0-d tensor; a Python
@@ -218,8 +306,13 @@ class LARC(OptimizerWrapper):
         dtype = torch.float64 if any(n.dtype == torch.float64 for n in wn + gn) else torch.float32
         w_norm = torch.stack([n.to(dev, dtype) for n in wn])
         g_norm = torch.stack([n.to(dev, dtype) for n in gn])
-        lr = lr.to(dtype)
         k = self._outer_factors(params, grad_scale, multipliers, dev)
+        return self._ratios_from_norms(w_norm, g_norm, lr.to(dtype), k)
+
+    def _ratios_from_norms(self, w_norm: Tensor, g_norm: Tensor, lr: Tensor, k: Tensor | None) -> Tensor:
+        """The ratios from the norms of the weights and the raw gradients (``k``: the factor between the raw
+        and the true gradients, or None); sets ``last_clip_on``."""
+        dtype = w_norm.dtype
         if k is not None:
             g_norm = g_norm * k.abs().to(dtype)
         eta, eps = self.larc_eta, self.epsilon

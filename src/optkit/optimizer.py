@@ -49,7 +49,7 @@ from . import _multi_tensor as mt
 from ._amp import AmpProtocol
 from ._compile import chain, compiled_chain, warn_compile_fallback
 from ._params import normalize_param_groups
-from ._plan import Plan, PlanView, RunAux, check_slot_fits
+from ._plan import FlatPart, Plan, PlanView, RowMultipliers, RunAux, check_slot_fits
 from ._state_dict import validate_state_dict
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
@@ -113,6 +113,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     _sparse_rule = False
     #: whether :meth:`_prepare` reads the gradients (then per-tensor multipliers are applied before it)
     _prepare_reads_grads = False
+    #: whether :meth:`_update` folds per-tensor gradient multipliers into its kernel (they then arrive as
+    #: ``aux``, one 0-d tensor or None per tensor, instead of an in-cache multiply; needs no ``_prepare``)
+    _mult_in_kernel = False
 
     def __init__(
         self,
@@ -613,7 +616,12 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                     self._ema_group(group, list(range(len(group["params"]))), applied)
                 continue
             lr = self._current_lr(group)
-            mult = None if multipliers is None else [multipliers.get(id(p)) for p in params]
+            if multipliers is None:
+                mult = None
+            elif fp is not None:  # RowMultipliers over the flat part (checked by _flat_plan)
+                mult = multipliers.rows[id(group)]
+            else:
+                mult = [multipliers.get(id(p)) for p in params]
             self._run_group(group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult,
                             plan=fp)
 
@@ -652,26 +660,52 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def _blocked(self, group: dict, mult: list | None) -> bool:
         """Whether the group's chain of kernels runs block by block over cache-sized chunks."""
         wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
-        return self._blockable and (self._always_block or bool(wd) or self.use_ema or mult is not None)
+        folds = mult is not None and not self._mult_in_kernel
+        return self._blockable and (self._always_block or bool(wd) or self.use_ema or folds)
 
     def _flat_plan(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor],
-                   multipliers: dict | None) -> Plan | None:
+                   multipliers: Any) -> Plan | None:
         """The group's cached plan when it has a flat part whose gradients are this step's (O(1) checks plus
-        one identity scan of the gradients); None otherwise (then :meth:`_run_group` plans per tensor)."""
+        one identity scan of the gradients); None otherwise (then :meth:`_run_group` plans per tensor).
+        With multipliers only for a :class:`~optkit._plan.RowMultipliers` that has a vector for this group,
+        and only when the flat part's row runs pay."""
         plan = self._plans.get(id(group))
-        if plan is None or plan.flat is None or multipliers is not None or torch.compiler.is_compiling():
+        rows = isinstance(multipliers, RowMultipliers) and id(group) in multipliers.rows
+        if plan is None or plan.flat is None or (multipliers is not None and not rows) \
+                or torch.compiler.is_compiling():
             return None
-        key = (len(idx), self._plan_version, self._blocked(group, None), self.block_numel)
+        key = (len(idx), self._plan_version, self._blocked(group, multipliers), self.block_numel)
         if plan.key[1:] != key[1:] or len(plan.key[0]) != key[0] or len(idx) != len(group["params"]):
             return None
         if not plan.flat.same_grads(grads) or mt.local(params[0]).data_ptr() != plan._ptrs[0]:
             return None
+        if rows and not plan.flat.rows_pay:
+            return None
         return plan
+
+    def _flat_part(self, group: dict) -> FlatPart | None:
+        """For a wrapper about to pass per-parameter multipliers as :class:`~optkit._plan.RowMultipliers`
+        (LARC): the group's flat part when this step will run over it (every parameter has its flat gradient
+        view, the plan is current, the row runs pay), else None. O(1) checks plus one identity scan."""
+        idx, params, grads = self._gather(group)
+        if not params:
+            return None
+        probe = RowMultipliers([(group, torch.empty(0))])
+        plan = self._flat_plan(group, idx, params, grads, probe)
+        if plan is None and flat_buffer_of(params[0]) is not None and not torch.compiler.is_compiling():
+            # no current plan yet (first step, new state): build it now, as the step would, so that the
+            # first update already runs over the flat part (every update then rounds the same way)
+            self._ensure_slots()
+            if any(g is not None and g.is_sparse for g in grads):
+                return None
+            self._plan_for(group, idx, params, grads, self._blocked(group, probe))
+            plan = self._flat_plan(group, idx, params, grads, probe)
+        return None if plan is None else plan.flat
 
     def _run_group(
         self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None, plan=None
     ) -> None:
-        if mult is not None and all(m is None for m in mult):
+        if isinstance(mult, list) and all(m is None for m in mult):
             mult = None
         if plan is not None:  # a flat plan, checked this step: no sparse gradients, nothing to re-plan
             self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan)
@@ -708,6 +742,13 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         nothing per tensor differs (multipliers, per-tensor ``_prepare`` values, a mixed decay mask), else
         the per-tensor blocks."""
         wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
+        row_mult = None  # per-parameter multipliers over the flat part's row runs (RowMultipliers)
+        if isinstance(mult, Tensor):
+            row_mult, mult = mult, None
+            if self._prepare_reads_grads or (wd and plan.any_wd and plan.uniform_wd is None) or (
+                    self.jit_compile and self._compile_state != "failed"):
+                plan.flat.scale_rows_(plan.flat.grad, row_mult)  # one pass; then the usual flat path
+                row_mult = None
         if mult is not None and self._prepare_reads_grads:
             # _prepare reads whole-tensor quantities (norms): it must see the multiplied gradients
             sel = [(g, m) for g, m in zip(grads, mult) if m is not None]
@@ -717,6 +758,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         plan.flat_active = flat is not None and mult is None and not tracing and not (
             self.jit_compile and self._compile_state != "failed")
         aux = self._prepare(group, plan, params, grads, lr, k)
+        if row_mult is not None and not (aux is None or isinstance(aux, RunAux)):
+            plan.flat.scale_rows_(plan.flat.grad, row_mult)
+            row_mult = None
 
         decay_mask = plan.use_wd if (wd and plan.any_wd) else None
 
@@ -735,8 +779,13 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
         ema_w = self._ema_weight(applied) if self.use_ema else None
 
-        if isinstance(aux, RunAux):  # per-tensor values over the flat part's row chunks (e.g. LARS)
-            blocks, glocal, aux = flat.row_blocks, flat.row_grads, aux.items
+        cols = None
+        if isinstance(aux, RunAux) or row_mult is not None:
+            # per-tensor values over the flat part's row chunks (LARS's factors, LARC's multipliers)
+            blocks, glocal = flat.row_blocks, flat.row_grads
+            aux = aux.items if isinstance(aux, RunAux) else None
+            if row_mult is not None:
+                cols = [row_mult[lo:hi].unsqueeze(1) for lo, hi in flat.chunk_segments]
         elif plan.flat_active and (aux is None or all(map(operator.is_, aux, itertools.repeat(aux[0])))) \
                 and (decay_mask is None or plan.uniform_wd is not None):
             blocks, glocal, aux = flat.blocks, [flat.grad], None if aux is None else aux[:1]
@@ -750,15 +799,21 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             else:
                 bg = [glocal[o] if rng is None else glocal[o].view(-1)[rng[0]:rng[1]]
                       for o, rng in zip(owners, blk.split)]
+            if cols is not None:
+                bg[0].mul_(cols[owners[0]])  # the chunk's (rows, 1) column, in cache before the update
             if mult is not None:
-                sel = [(t, mult[o]) for t, o in zip(bg, owners) if mult[o] is not None]
-                if sel:
-                    mt.scale_([t for t, _ in sel], [m for _, m in sel])
+                if self._mult_in_kernel:
+                    baux = [mult[o] for o in owners]
+                else:
+                    sel = [(t, mult[o]) for t, o in zip(bg, owners) if mult[o] is not None]
+                    if sel:
+                        mt.scale_([t for t, _ in sel], [m for _, m in sel])
             if decay is not None:
                 dp = bp if blk.all_wd else [t for t, o in zip(bp, owners) if plan.use_wd[o]]
                 if dp:
                     mt.scale_local_(dp, decay, blk.key)
-            baux = None if aux is None else (aux if blk.identity else [aux[o] for o in owners])
+            if mult is None or not self._mult_in_kernel:
+                baux = None if aux is None else (aux if blk.identity else [aux[o] for o in owners])
             self._block = blk
             try:
                 self._update(group, bp, bg, bslots, lr, k, found_inf, baux)

@@ -94,19 +94,32 @@ class SGD(Optimizer):
     def _pointwise_hyper(self, group: dict) -> tuple:
         return (float(group["momentum"]), bool(group["nesterov"]))
 
+    #: LARC's trust ratios (per-tensor multipliers) join ``grad_scale``: one kernel call per tensor
+    _mult_in_kernel = True
+
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
+        """``aux``: None, or per-tensor gradient multipliers ``m`` (0-d tensors or None for 1) from a wrapper
+        such as LARC; the true gradient is then ``m·k·g`` and each tensor gets its own kernel call with
+        ``grad_scale = −1/(lr·k·m)`` (no extra pass over the gradient)."""
         momentum = float(group["momentum"])
         nesterov = bool(group["nesterov"])
         eff = lr if k is None else lr * k
+        mult = None if aux is None or all(m is None for m in aux) else aux
         # With nothing to unscale or clip and the learning rate a host number, the kernel's dampening carries
         # it: buf ← μ·buf + (1 − d)·g with 1 − d = −lr is the Keras velocity, and the gradient is not written
         # back (the grad_scale form writes the scaled gradient: 4 more bytes per parameter).
-        host_lr = getattr(lr, "host_value", None) if k is None and not nesterov else None
+        host_lr = getattr(lr, "host_value", None) if k is None and not nesterov and mult is None else None
         bufs = slots.get("momentum", []) if momentum != 0.0 else []
         lists, written = ((params, grads, bufs), (0, 2)) if bufs else ((params, grads), (0,))
-        for device, dtype, mode, _, (p, g, *b) in self._kernel_parts("sgd", lists, written):
+        for device, dtype, mode, ix, (p, g, *b) in self._kernel_parts("sgd", lists, written):
             fi = None if found_inf is None else found_inf.to(device)
+            m = None
+            if mult is not None:
+                one = torch.ones((), dtype=torch.float32, device=device)
+                m = torch.stack([one if mult[i] is None else mult[i].to(device).reshape(()) for i in ix])
             if mode == "fallback":
+                if m is not None:
+                    torch._foreach_mul_(g, list(m.to(dtype).unbind()))
                 self._pointwise_fallback(group, p, g, b, lr, k, fi, None)
                 continue
             if host_lr is not None:
@@ -117,12 +130,23 @@ class SGD(Optimizer):
                     is_first_step=False, found_inf=fi,
                 )
                 continue
+            e = eff.to(device)
             if dtype == torch.float64:
-                # the kernel's grad_scale is float32: fold −lr·k into the gradient in float64 instead
-                torch._foreach_mul_(g, -eff.to(device=device, dtype=dtype))
+                # the kernel's grad_scale is float32: fold −lr·k(·m) into the gradient in float64 instead
+                f = -e.to(dtype)
+                torch._foreach_mul_(g, f if m is None else list((f * m.to(dtype)).unbind()))
                 scale = None
+            elif m is None:
+                scale = (-1.0 / e).to(torch.float32)
             else:
-                scale = (-1.0 / eff.to(device)).to(torch.float32)
+                scales = (-1.0 / (e * m)).to(torch.float32).unbind()
+                for j, sc in enumerate(scales):
+                    torch._fused_sgd_(
+                        [p[j]], [g[j]], [b[0][j]] if b else [],
+                        weight_decay=0.0, momentum=momentum, lr=-1.0, dampening=0.0, nesterov=nesterov,
+                        maximize=False, is_first_step=False, grad_scale=sc, found_inf=fi,
+                    )
+                continue
             torch._fused_sgd_(
                 p, g, b[0] if b else [],
                 weight_decay=0.0, momentum=momentum, lr=-1.0, dampening=0.0, nesterov=nesterov,
