@@ -78,8 +78,43 @@ def test_matches_float64_reference(case):
             np.testing.assert_allclose(g, r, rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("case", ["paper", "clamp", "always-adapt-no-wd"])
+def test_blocks_of_many_tensors_and_a_skip_match_the_reference(case, dtype):
+    """A block of more than four tensors takes pass 2's folded form (``s`` multiplied into the gradient
+    chunks, one fused call), a block of few the per-tensor form (``s`` as the kernel's tensor learning rate);
+    a skipped attempt (``found_inf``) between steps leaves weights, moments and the gradients themselves as
+    they were, so the retried step on the same gradients is the reference's."""
+    shapes = [(5, 4), (4,), (3, 2, 2), (7,), (2, 3), (6,), (4, 4), (1,), (3,)]
+    names = [f"l{i}.weight" if len(sh) > 1 else f"l{i}.bias" for i, sh in enumerate(shapes)]
+    ws, grads = _problem(7, shapes=shapes, w_scale=2.0)
+    kw = CASES[case]
+    ref = _ref_run(ws, grads, 0.05, kw)
+    tol = dict(rtol=1e-11, atol=1e-12) if dtype == F64 else dict(rtol=2e-5, atol=2e-6)
+    for block_numel in (1 << 20, 24):  # all nine tensors in one block; blocks of a few tensors
+        ts = [torch.tensor(w, dtype=dtype, requires_grad=True) for w in ws]
+        opt = optkit.LAMB(list(zip(names, ts)), 0.05, block_numel=block_numel, **kw)
+        for i, gs in enumerate(grads):
+            for t, g in zip(ts, gs):
+                t.grad = torch.tensor(g, dtype=dtype)
+            if i == 2:
+                before = [t.detach().clone() for t in ts] + [t.grad.clone() for t in ts] + [
+                    v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+                opt.found_inf = torch.ones(())
+                opt.step()
+                del opt.found_inf
+                after = [t.detach() for t in ts] + [t.grad for t in ts] + [
+                    v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+                assert all(torch.equal(x, y) for x, y in zip(after, before))
+            opt.step()
+        sizes = [len(b.owners) for b in list(opt._plans.values())[0].blocks]
+        assert sizes == [9] if block_numel == 1 << 20 else (len(sizes) > 1 and min(sizes) <= 4)
+        for t, r in zip(ts, ref):
+            np.testing.assert_allclose(t.detach().double().numpy(), r, **tol)
+
+
 @pytest.mark.parametrize("case", ["paper", "no-bias-correction", "clamp", "lambc", "adam-like"])
-def test_flat_buffers_take_row_runs_and_match_the_reference(case):
+def test_flat_buffers_take_row_runs_and_match_the_reference(case, monkeypatch):
     """Over flat buffers (``optkit.flat_parameters``) LAMB steps row runs (consecutive parameters of one size
     as the rows of a matrix: row norms, per-row factor columns), also when a run is cut across cache chunks
     (``block_numel``) and with a per-name exclusion inside a run, or the per-tensor pass when most elements
@@ -92,7 +127,12 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(case):
     kw = {**CASES[case], "skip_list": ["scale"]}
     per = [{"_skipped": True} if "scale" in n else {} for n in names]
     ref = _ref_run(ws, grads, 0.05, {k: v for k, v in kw.items() if k != "skip_list"}, per_tensor=per)
+    row_steps = []
+    original = optkit.LAMB._prepare_rows
+    monkeypatch.setattr(optkit.LAMB, "_prepare_rows",
+                        lambda self, *a: (row_steps.append(1), original(self, *a))[1])
     for block_numel in (1 << 20, 16, 8):  # one chunk; runs cut across chunks; most elements over a block
+        row_steps.clear()
         ts = [torch.tensor(w, dtype=F64, requires_grad=True) for w in ws]
         for t in ts:
             t.grad = torch.zeros_like(t)
@@ -114,7 +154,7 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(case):
         flat = list(opt._plans.values())[0].flat
         # rows unless over a quarter of the elements sit in parameters larger than a block (then the
         # per-tensor pass cuts them into cache-sized chunks, over the same flat buffer)
-        assert flat.rows_pay == (block_numel != 8) and bool(opt._row_pool) == flat.rows_pay
+        assert flat.rows_pay == (block_numel != 8) and bool(row_steps) == flat.rows_pay
         assert len(flat.row_blocks) > (1 if block_numel == 16 else 0)
         for t, r in zip(ts, ref):
             np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-11, atol=1e-12)
@@ -393,7 +433,7 @@ def test_device_chain_with_fused_sgd(dtype, monkeypatch):
     the CPU: the CPU path's result, and a skipped step changes nothing."""
     ws, grads = _problem(10, steps=3)
     cpu, _ = _opt_run(ws, grads, dtype=dtype, learning_rate=0.05, weight_decay=0.01)
-    monkeypatch.setattr(optkit.LAMB, "_cpu_addcdiv", False)
+    monkeypatch.setattr(optkit.LAMB, "_cpu_direct", False)
     dev, opt = _opt_run(ws, grads, dtype=dtype, learning_rate=0.05, weight_decay=0.01)
     tol = 1e-12 if dtype == torch.float64 else 1e-6 if dtype == torch.float32 else 2e-3
     for a, b in zip(cpu, dev):

@@ -33,32 +33,39 @@ sets it (mutually exclusive with the other clip options). timm's ``Lamb`` enable
 Implementation (two sweeps over memory, no host sync, no per-parameter Python arithmetic). The trust ratio
 needs the norm of ``u`` over the whole tensor before any weight changes, so a step is two passes:
 
-1. :meth:`LAMB._prepare`, block by block over the base's cache-sized chunks: torch's fused Adam kernel
-   (through the gate of :mod:`optkit._fused`) updates ``m`` and ``v`` in place (``found_inf`` skips it) and
-   writes the Adam direction into an in-cache scratch chunk (``lr = −1`` on a zeroed buffer); ``wd·w`` is
-   added and ``‖u‖``, ``‖w‖`` are taken on the chunk while it is in cache. Chunk sums of squares are summed
-   per tensor with one ``index_add_`` (and across the mesh for DTensors); trust ratios and the per-tensor
-   factors are formed on stacked vectors.
-2. :meth:`LAMB._update` (the base's blocked pass) rebuilds the direction in cache from the new moments:
-   ``w ← w·(1 − s·wd) − c·m/(√v + e)`` with ``s = lr·r``, ``c = s·√(1−β2^t)/(1−β1^t)``,
-   ``e = ε·√(1−β2^t)``. On CPU that is ``√v + e`` into a scratch chunk and one ``addcdiv`` with per-tensor
-   scalars (a CPU tensor, multiplied by 0 on a skipped step, which leaves ``w`` exactly as it was); on other
-   devices the step ``d`` is formed in scratch and torch's fused SGD kernel applies ``w ← w − d`` with
-   ``found_inf``.
+1. :meth:`LAMB._prepare`, block by block over the base's cache-sized chunks. float32/float64 on the CPU:
+   torch's fused AdamW kernel, called with the gradient chunk as its own "parameter" and ``lr = wd = −1``,
+   updates ``m`` and ``v`` in place and leaves ``g·(1 − 1) + m̂/(√v̂ + ε)`` = the Adam direction in the
+   gradient chunk (the kernel loads both operands before it stores: bit-identical to the direction written
+   into a zeroed buffer; ``found_inf`` skips it); ``wd·w`` is added for the decayed tensors (times 0 on a
+   skipped step, so the gradient stays as it was) and ``‖u‖``, ``‖w‖`` are taken on the chunk while it is
+   in cache. Elsewhere (and for half precision) the direction goes into an in-cache scratch chunk instead.
+   Chunk sums of squares are summed per tensor with one ``index_add_`` (and across the mesh for DTensors);
+   trust ratios and the per-tensor factors are formed on stacked vectors.
+2. :meth:`LAMB._update` (the base's blocked pass). CPU: the gradient chunks hold ``u``, and torch's fused
+   SGD kernel applies ``w ← w − s·u`` (``s = lr·r``) with ``found_inf``: ``s`` as the kernel's tensor
+   learning rate, one call per chunk, for blocks of up to four tensors; for blocks of many small tensors
+   ``s`` is multiplied into ``u`` in cache first (1 on a skipped step) and one call takes the block.
+   Elsewhere the direction is rebuilt in cache from the new moments: ``d = c·m/(√v + e) + s·wd·w`` with
+   ``c = s·√(1−β2^t)/(1−β1^t)``, ``e = ε·√(1−β2^t)``, and the fused SGD kernel applies ``w ← w − d``.
+
+After a step on the CPU, ``p.grad`` holds ``u`` (the direction including the decay term), not the gradient:
+clear it with ``zero_grad()`` before the next backward as usual (torch's fused optimizers also write into
+the gradients).
 
 Over flat buffers (:func:`optkit.flat_parameters`, float32/float64 on the CPU) both passes run on the
 buffer's row runs instead (consecutive parameters of one size are the rows of a ``(count, size)`` matrix,
-cut into cache-sized row chunks): one fused Adam call, two row norms and a handful of in-cache ops per chunk,
-with the per-tensor factors as ``(rows, 1)`` columns, so the host work no longer grows with the number of
-parameters (:meth:`LAMB._prepare_rows`, :meth:`LAMB._update_rows`).
+cut into cache-sized row chunks): one fused AdamW call, two row norms and an in-cache multiply per chunk,
+with ``s`` as a ``(rows, 1)`` column, so the host work no longer grows with the number of parameters
+(:meth:`LAMB._prepare_rows`, :meth:`LAMB._update_rows`).
 
-Main memory sees: read ``w, g, m, v`` and write ``m, v`` (pass 1, 24 B/param in fp32), read ``w, m, v`` and
-write ``w`` (pass 2, 16 B/param): 40 B/param, the floor of any two-pass LAMB (+4 under loss scaling or a
-global clip, whose factor the fused kernel applies to ``g`` in place, as torch's fused kernels do).
-Half-precision parameters keep half moments, updated in pass 2 by the fused Adam kernel (fp32 arithmetic,
-rounded once) after pass 1 ran it on copies: the applied direction is then the one whose norm set the trust
-ratio (rebuilding it from rounded half moments would not be); their pass 2 runs on fp32 staged copies.
-Sparse gradients are densified (duplicates summed).
+Main memory sees: read ``w, g, m, v`` and write ``m, v, g`` (pass 1, 28 B/param in fp32), read ``w, g``
+and write ``w`` (pass 2, 12 B/param): 40 B/param, the floor of any two-pass LAMB (+4 in pass 2 for blocks of
+many small tensors, whose gradient chunks are written again). Half-precision parameters keep half moments,
+updated in pass 2 by the fused Adam kernel (fp32 arithmetic, rounded once) after pass 1 ran it on copies:
+the applied direction is then the one whose norm set the trust ratio (rebuilding it from rounded half
+moments would not be); their pass 2 runs on fp32 staged copies. Sparse gradients are densified (duplicates
+summed).
 
 State: ``exp_avg`` and ``exp_avg_sq`` (torch/timm names).
 """
@@ -85,10 +92,11 @@ def _lamb_pointwise(hyper, w, g, slots, lr, k, aux):
     """Out-of-place pass 2 (``jit_compile``, ``torch.compile`` tracing, devices without a fused kernel):
     ``w ← w − c·m/(√v + e) − s·wd·w`` with the moments :meth:`LAMB._prepare` already updated, or, for a
     ``fresh`` (half-precision) tensor, with the moments updated here from ``g`` (unscaled in pass 1, so
-    ``k`` is not applied again); ``aux = (c, s·wd, e, s, fresh)``."""
+    ``k`` is not applied again); ``aux = (c, s·wd, e, s, fresh, direct)`` (``direct`` is the eager CPU
+    pass 2's, unused here)."""
     beta1, beta2 = hyper
     m, v = slots
-    c, swd, e, _, fresh = aux
+    c, swd, e, _, fresh, _ = aux
     if fresh:
         m, v = _moments(g, m, v, beta1, beta2)
     return w - m / (v.sqrt() + e) * c - w * swd, [m, v]
@@ -118,7 +126,7 @@ class _BlockInfo:
     """Per block of a plan: the scratch chunks, and which chunks adapt (positions, their tensors' positions
     among the adapting tensors, the decayed ones and their weight decay as 0-d tensors)."""
 
-    __slots__ = ("scratch", "sel", "own", "dec", "wd_t", "halves")
+    __slots__ = ("scratch", "sel", "own", "dec", "wd_t", "halves", "dec_all")
 
 
 class LAMB(Optimizer):
@@ -151,9 +159,9 @@ class LAMB(Optimizer):
     _decoupled_weight_decay = False  # weight_decay enters u (module doc)
     _always_block = True
     _prepare_reads_grads = True
-    #: pass 2 on CPU as ``addcdiv`` with per-tensor scalars (a CPU tensor: no device sync); elsewhere the
-    #: chain ends in the fused SGD kernel with ``found_inf`` (False runs that chain on CPU too, for tests)
-    _cpu_addcdiv = True
+    #: the direction kept in the gradient chunks on CPU (module doc); False runs the scratch-and-rebuild
+    #: chain of other devices on the CPU too (for tests)
+    _cpu_direct = True
 
     def __init__(
         self,
@@ -202,7 +210,6 @@ class LAMB(Optimizer):
         self._global_grad_norm_clip = None if global_grad_norm_clip is None else float(global_grad_norm_clip)
         self._static_cache: dict[int, tuple] = {}
         self._block_cache: dict[int, tuple] = {}
-        self._row_pool: dict[int, tuple] = {}
         self._skip: Tensor | None = None
         super().__init__(
             params, learning_rate, weight_decay=float(weight_decay), beta1=float(beta1), beta2=float(beta2),
@@ -240,7 +247,6 @@ class LAMB(Optimizer):
         state = super().__getstate__()
         state["_static_cache"] = {}
         state["_block_cache"] = {}  # scratch buffers and views of the cached plans
-        state["_row_pool"] = {}
         return state
 
     def _pointwise_hyper(self, group: dict) -> tuple:
@@ -324,6 +330,7 @@ class LAMB(Optimizer):
             info.dec = [j for j in info.sel if st.decayed[blk.owners[j]]]
             info.wd_t = [torch.tensor(st.wd, dtype=mt.acc_dtype(blk.params[j].dtype)) for j in info.dec]
             info.halves = [j for j, c in enumerate(blk.params) if c.dtype in _HALF]
+            info.dec_all = [j for j, o in enumerate(blk.owners) if st.decayed[o]]
             infos[id(blk)] = info
         self._block_cache[id(group)] = (plan, st, infos)
         return infos
@@ -382,7 +389,10 @@ class LAMB(Optimizer):
         c = (s * (bc2_sqrt / bc1)).unbind()
         swd = (s * st.wd_vec).unbind()
         e = eps * bc2_sqrt
-        return [(ci, wi, e, si, p.dtype in _HALF) for ci, wi, si, p in zip(c, swd, s.unbind(), params)]
+        direct = self._cpu_direct and not tracing
+        return [(ci, wi, e, si, p.dtype in _HALF,
+                 direct and p.dtype not in _HALF and mt.local(p).device.type == "cpu")
+                for ci, wi, si, p in zip(c, swd, s.unbind(), params)]
 
     # ------------------------------------------------------------------------------ flat buffers: row runs
 
@@ -397,18 +407,6 @@ class LAMB(Optimizer):
         return (w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
                 and _fused.native_dtype_ok("adam", w.device, w.dtype))
 
-    def _row_scratch(self, group: dict, flat: Any, block: Any) -> Tensor:
-        """A scratch matrix shaped like ``block``'s rows: views of one pool of the largest row chunk's size,
-        cached with the flat part (pass 1 and pass 2 use it one block at a time)."""
-        hit = self._row_pool.get(id(group))
-        if hit is None or hit[0] is not flat:
-            n = max(b.params[0].numel() for b in flat.row_blocks)
-            w = flat.row_blocks[0].params[0]
-            hit = (flat, torch.empty(n, dtype=w.dtype, device=w.device))
-            self._row_pool[id(group)] = hit
-        rows = block.params[0]
-        return hit[1][:rows.numel()].view(rows.shape)
-
     def _prepare_rows(self, group, flat, st, hyper, lr, dev, dtype) -> RunAux:
         """Pass 1 over a flat buffer's row runs (:class:`optkit._plan.FlatPart`: consecutive parameters of one
         size form a ``(count, size)`` matrix): the fused Adam kernel runs once per row chunk, ``‖w‖`` and
@@ -417,22 +415,20 @@ class LAMB(Optimizer):
         beta1, beta2, eps, t, k, skip = hyper
         wd_col = st.wd_vec.unsqueeze(1) if st.any_decayed else None
         w_parts, u_parts = [], []
+        if wd_col is not None and skip is not None:  # times 0 on a skipped step: g is left as it was
+            wd_col = wd_col * (1.0 - skip.to(device=dev, dtype=wd_col.dtype))
         for blk, g, (lo, hi) in zip(flat.row_blocks, flat.row_grads, flat.chunk_segments):
             w, m, v = blk.params[0], blk.slots["exp_avg"][0], blk.slots["exp_avg_sq"][0]
-            d = self._row_scratch(group, flat, blk)
             scale = _fused.unscale_arg(k, [g], w.device, w.dtype)
-            d.zero_()
-            torch._fused_adam_([d], [g], [m], [v], [], [t.to(w.device)], lr=-1.0, beta1=beta1, beta2=beta2,
-                               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
-                               found_inf=None if skip is None else skip.to(w.device))
+            # g ← m̂/(√v̂ + ε) in place (as the per-tensor pass: AdamW with lr = wd = −1 on the gradient)
+            torch._fused_adamw_([g], [g], [m], [v], [], [t.to(w.device)], lr=-1.0, beta1=beta1, beta2=beta2,
+                                weight_decay=-1.0, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
+                                found_inf=None if skip is None else skip.to(w.device))
             if wd_col is not None:  # u = m̂/(√v̂ + ε) + wd·w
-                d.addcmul_(w, wd_col[lo:hi].to(w.dtype))
+                g.addcmul_(w, wd_col[lo:hi].to(w.dtype))
             w_parts.append(torch.linalg.vector_norm(w, dim=1, dtype=dtype))
-            u_parts.append(torch.linalg.vector_norm(d, dim=1, dtype=dtype))
+            u_parts.append(torch.linalg.vector_norm(g, dim=1, dtype=dtype))
         n = len(st.decayed)
-        t_d = t.to(device=dev, dtype=dtype)
-        bc1 = 1.0 - torch.pow(beta1, t_d)
-        bc2_sqrt = (1.0 - torch.pow(beta2, t_d)).sqrt()
         lr = lr.to(device=dev, dtype=dtype)
         if st.n_adapt:
             w_n, u_n = torch.cat(w_parts), torch.cat(u_parts)
@@ -443,27 +439,19 @@ class LAMB(Optimizer):
             s = lr * r
         else:
             s = lr.expand(n)
-        c = (s * (bc2_sqrt / bc1)).unsqueeze(1)
-        swd = (s * st.wd_vec).unsqueeze(1)
-        e = eps * bc2_sqrt
-        return RunAux([(c[lo:hi], swd[lo:hi], e, None, False) for lo, hi in flat.chunk_segments])
+        if skip is not None:  # s = 1 on a skipped step: pass 2 then leaves g as it is
+            s = torch.lerp(s, torch.ones_like(s), skip.to(device=dev, dtype=s.dtype))
+        col = s.unsqueeze(1)
+        return RunAux([(col[lo:hi], None, None, None, False, False) for lo, hi in flat.chunk_segments])
 
-    def _update_rows(self, group, params, slots, found_inf, item) -> None:
-        """Pass 2 on one row chunk: ``w ← w·(1 − s·wd) − c·m/(√v + e)`` with ``(rows, 1)`` factor columns,
-        times 0 on a skipped step (``m, v`` are finite then and ``w`` stays exactly as it was)."""
-        w, m, v = params[0], slots["exp_avg"][0], slots["exp_avg_sq"][0]
-        c, swd, e, _, _ = item
-        d = self._row_scratch(group, self._row_pool[id(group)][0], self._block)
-        torch.sqrt(v, out=d)
-        d.add_(e.to(w.dtype))
-        torch.div(m, d, out=d)
-        applied = None if found_inf is None else 1.0 - found_inf.to(device=w.device, dtype=c.dtype)
-        if applied is not None:
-            c, swd = c * applied, swd * applied
-        d.mul_(c.to(w.dtype))
-        if float(group["weight_decay"]) > 0.0:
-            w.mul_((1.0 - swd).to(w.dtype))
-        w.sub_(d)
+    @staticmethod
+    def _update_rows(params, grads, found_inf, col) -> None:
+        """Pass 2 on one row chunk whose gradient rows hold ``u`` (pass 1): ``g ← s·u`` with the ``(rows, 1)``
+        column of ``s = lr·r`` (in cache), then ``w ← w − g`` by the fused SGD kernel with ``found_inf``."""
+        w, g = params[0], grads[0]
+        g.mul_(col.to(w.dtype))
+        torch._fused_sgd_([w], [g], [], weight_decay=0.0, momentum=0.0, lr=1.0, dampening=0.0, nesterov=False,
+                          maximize=False, is_first_step=False, grad_scale=None, found_inf=found_inf)
 
     def _pass1(self, blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc) -> None:
         """Pass 1 on one chunk list. float32/float64 chunks: the fused Adam kernel updates ``m, v`` in place
@@ -475,6 +463,7 @@ class LAMB(Optimizer):
         if info is not None:
             scratch, sel, own_pos, dec, wd_t, halves = (info.scratch, info.sel, info.own, info.dec, info.wd_t,
                                                         info.halves)
+            dec_all = info.dec_all
         else:
             scratch = None if tracing else [torch.empty_like(w, memory_format=torch.preserve_format)
                                             for w in ws]
@@ -483,6 +472,7 @@ class LAMB(Optimizer):
             dec = [j for j in sel if st.decayed[own[j]]]
             wd_t = [torch.tensor(st.wd, dtype=mt.acc_dtype(ws[j].dtype), device=ws[j].device) for j in dec]
             halves = [j for j, w in enumerate(ws) if w.dtype in _HALF]
+            dec_all = [j for j, o in enumerate(own) if st.decayed[o]]
         k = hyper[4]
         if k is not None and halves:  # unscaled in place once (fp32 product, rounded once)
             hg = [gs[j] for j in halves]
@@ -490,6 +480,7 @@ class LAMB(Optimizer):
                 torch._foreach_mul_(grp, k.to(device=device, dtype=torch.float32))
         sel_of = dict(zip(sel, own_pos))
         wd_of = dict(zip(dec, wd_t))
+        dec_set = set(dec_all)
         if len(halves) == n or not halves:
             subsets = [(list(range(n)), bool(halves))]
         else:
@@ -501,22 +492,27 @@ class LAMB(Optimizer):
             p_sel = [q for q, j in enumerate(pos) if j in sel_of]
             p_own = [sel_of[pos[q]] for q in p_sel]
             p_dec = {q: wd_of[pos[q]] for q in p_sel if pos[q] in wd_of}
+            p_dec_all = [q for q in range(len(pos)) if pos[q] in dec_set] if not fresh else []
             if tracing:
                 self._pass1_math(*sub, range(len(pos)), st, hyper, fresh, p_sel, p_own, p_dec, acc)
                 continue
             d = scratch if whole else [scratch[j] for j in pos]
             self._block = blk  # the gate's per-block fast path (layouts and dtype known)
             try:
-                self._pass1_fused(d, *sub, st, hyper, fresh, p_sel, p_own, p_dec, acc)
+                self._pass1_fused(d, *sub, st, hyper, fresh, p_sel, p_own, p_dec, acc, p_dec_all)
             finally:
                 self._block = None
 
-    def _pass1_fused(self, scratch, ws, gs, ms, vs, st, hyper, fresh, sel, own_pos, dec, acc) -> None:
-        """:meth:`_pass1` through the fused-kernel gate (``dec``: chunk position -> weight decay tensor)."""
+    def _pass1_fused(self, scratch, ws, gs, ms, vs, st, hyper, fresh, sel, own_pos, dec, acc,
+                     dec_all=()) -> None:
+        """:meth:`_pass1` through the fused-kernel gate (``dec``: chunk position -> weight decay tensor of
+        the adapting decayed chunks; ``dec_all``: the positions of every decayed chunk). float32/float64 on
+        the CPU (``direct``): the direction ``u`` goes into the gradient chunk itself (module doc)."""
         beta1, beta2, eps, t, k, skip = hyper
         n = len(ws)
         lists = (scratch, gs, ms, vs, ws)
-        written = (0,) if fresh else (0, 2, 3)
+        direct_ok = not fresh and self._cpu_direct
+        written = (0,) if fresh else ((0, 1, 2, 3) if direct_ok else (0, 2, 3))
         sel_set = set(sel)
         for device, dtype, mode, ix, (d, g, m, v, w) in self._kernel_parts("adam", lists, written):
             if mode == "fallback":
@@ -524,10 +520,34 @@ class LAMB(Optimizer):
                 continue
             fi = None if skip is None else skip.to(device)
             scale = None if fresh else _fused.unscale_arg(k, g, device, dtype)
+            t_ = t.to(device)
+            src = ix if len(ix) != n else None
+            if direct_ok and device.type == "cpu":
+                # g ← m̂/(√v̂ + ε): AdamW with lr = wd = −1 on the gradient as its own "parameter" computes
+                # g·(1 − 1) + direction (the kernel loads both operands before it stores; bit-identical to
+                # the direction written into a zeroed buffer), then u = g + wd·w for every decayed chunk
+                torch._fused_adamw_(g, g, m, v, [], [t_] * len(g), lr=-1.0, beta1=beta1, beta2=beta2,
+                                    weight_decay=-1.0, eps=eps, amsgrad=False, maximize=False,
+                                    grad_scale=scale, found_inf=fi)
+                if dec_all:  # (times 0 on a skipped step: the gradient is then left as it was)
+                    q_all = dec_all if src is None else [q for q, i in enumerate(ix) if i in set(dec_all)]
+                    if q_all:
+                        wd_a = torch.full((), st.wd, dtype=mt.acc_dtype(dtype), device=device)
+                        if fi is not None:
+                            wd_a = wd_a * (1.0 - fi)
+                        torch._foreach_addcmul_([g[q] for q in q_all], [w[q] for q in q_all],
+                                                [wd_a] * len(q_all))
+                q_sel = sel if src is None else [q for q, i in enumerate(ix) if i in sel_set]
+                if q_sel:
+                    a = mt.acc_dtype(dtype)
+                    acc[1].extend(mt._foreach_norm([g[q] for q in q_sel], 2.0, a))
+                    acc[0].extend(mt._foreach_norm([w[q] for q in q_sel], 2.0, a))
+                    own_of = dict(zip(sel, own_pos))
+                    acc[2].extend(own_of[q if src is None else src[q]] for q in q_sel)
+                continue
             if fresh and m[0].dtype in _HALF:  # native half lists are the moments themselves: use copies
                 m, v = [x.clone() for x in m], [x.clone() for x in v]
             torch._foreach_zero_(d)
-            t_ = t.to(device)
             torch._fused_adam_(d, g, m, v, [], [t_] * len(d), lr=-1.0, beta1=beta1, beta2=beta2,
                                weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
                                found_inf=None if fresh else fi)  # d = m̂/(√v̂ + ε) with the new moments
@@ -537,7 +557,6 @@ class LAMB(Optimizer):
                 q_sel = [q for q, i in enumerate(ix) if i in sel_set]
             if not q_sel:
                 continue
-            src = ix if len(ix) != n else None
             q_dec = [q for q in q_sel if (q if src is None else src[q]) in dec]
             if q_dec:  # u = d + wd·w
                 torch._foreach_addcmul_([d[q] for q in q_dec], [w[q] for q in q_dec],
@@ -626,7 +645,7 @@ class LAMB(Optimizer):
         chunks: the fused Adam kernel updates their moments and gives ``m̂/(√v̂ + ε)``, then
         ``d = s·(that) + s·wd·w``), and ``w ← w − d`` by the fused SGD kernel with ``found_inf``."""
         if aux and isinstance(aux[0][0], Tensor) and aux[0][0].dim() == 2:  # a row chunk of a flat buffer
-            self._update_rows(group, params, slots, found_inf, aux[0])
+            self._update_rows(params, grads, found_inf, aux[0][0])
             return
         m_l, v_l = slots["exp_avg"], slots["exp_avg_sq"]
         blk = self._block
@@ -642,8 +661,8 @@ class LAMB(Optimizer):
             done = self._fresh_moments(group, fresh, params, grads, scratch, m_l, v_l, lr, found_inf, aux)
         any_wd = float(group["weight_decay"]) > 0.0
         e = aux[0][2]
-        lists = (params, scratch, m_l, v_l)
-        for device, dtype, mode, ix, (p, d, m, v) in self._kernel_parts("sgd", lists, (0,)):
+        lists = (params, grads, scratch, m_l, v_l)  # (the gate checks the gradients' layout at position 1)
+        for device, dtype, mode, ix, (p, g, d, m, v) in self._kernel_parts("sgd", lists, (0,)):
             part_aux = aux if len(ix) == len(params) else [aux[i] for i in ix]
             if done and ix[0] in done:
                 continue  # updated by the pointwise rule already
@@ -652,21 +671,23 @@ class LAMB(Optimizer):
                 self._pointwise_fallback(group, p, [grads[i] for i in ix], [m, v], lr, None, fi, part_aux)
                 continue
             acc = mt.acc_dtype(dtype)
-            if device.type == "cpu" and self._cpu_addcdiv and not part_aux[0][4]:
-                # four in-cache kernels: d = √v + e; w ← w·(1 − s·wd·a); w ← w − (c·a)·m/d, with a = 0 on a
-                # skipped step (m, v and d are finite then, so w is left exactly as it was)
-                torch._foreach_copy_(d, v)
-                torch._foreach_sqrt_(d)
-                torch._foreach_add_(d, e.to(device=device, dtype=acc))
-                applied = None if fi is None else 1.0 - fi
-                if any_wd:
-                    keep = [1.0 - a[1] for a in part_aux] if applied is None else \
-                        [1.0 - a[1] * applied for a in part_aux]
-                    torch._foreach_mul_(p, keep)
-                neg_c = torch.stack([a[0] for a in part_aux]).neg_()
-                if applied is not None:
-                    neg_c = neg_c * applied
-                torch._foreach_addcdiv_(p, m, d, neg_c.to(torch.float64))
+            if part_aux[0][5]:
+                # the gradient chunks hold u (pass 1): w ← w − s·u by the fused SGD kernel with found_inf,
+                # the per-tensor s as its tensor learning rate (one call per chunk: no write to u) or, for
+                # blocks of many small tensors, folded into u first (one in-cache multiply, one call)
+                if len(p) <= 4:
+                    for j, a in enumerate(part_aux):
+                        torch._fused_sgd_([p[j]], [g[j]], [], weight_decay=0.0, momentum=0.0, lr=a[3],
+                                          dampening=0.0, nesterov=False, maximize=False, is_first_step=False,
+                                          grad_scale=None, found_inf=fi)
+                else:  # (times 1 on a skipped step: the gradient is then left as it was)
+                    s_vec = torch.stack([a[3] for a in part_aux])
+                    if fi is not None:
+                        s_vec = torch.lerp(s_vec, torch.ones_like(s_vec), fi.to(s_vec.dtype))
+                    torch._foreach_mul_(g, list(s_vec.unbind()))
+                    torch._fused_sgd_(p, g, [], weight_decay=0.0, momentum=0.0, lr=1.0, dampening=0.0,
+                                      nesterov=False, maximize=False, is_first_step=False, grad_scale=None,
+                                      found_inf=fi)
                 continue
             if part_aux[0][4]:  # d holds m̂/(√v̂ + ε) from the fused Adam kernel
                 torch._foreach_mul_(d, [a[3] for a in part_aux])
