@@ -345,3 +345,31 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(rng, case):
         kept = [t for t, k in zip(ts, keep) if k]
         assert len(opt.last_params) == len(kept) and all(a is b for a, b in zip(opt.last_params, kept))
         assert opt.last_ratios.shape == (len(kept),)
+
+
+def test_flat_step_honours_an_inner_step_pre_hook_that_replaces_a_gradient(rng):
+    """The inner optimizer re-reads the gradients when a step pre-hook could have changed them: a hook that
+    replaces one gradient (no longer a view of the flat buffer) gives the same result over flat buffers as
+    per tensor (the ratios are LARC's, from the gradients it saw)."""
+    import optkit
+
+    shapes = [(4, 3), (4, 3), (5,)]
+    ws = [rng.normal(size=s) for s in shapes]
+    gs = [rng.normal(size=s) for s in shapes]
+    results = []
+    for flat in (False, True):
+        ts = [torch.tensor(w, requires_grad=True) for w in ws]
+        for t in ts:
+            t.grad = torch.zeros_like(t)
+        if flat:
+            optkit.flat_parameters(ts)
+        inner = SGD(ts, 0.1, momentum=0.9)
+        inner.register_step_pre_hook(lambda opt, args, kwargs, _t=ts[0]: setattr(_t, "grad", _t.grad * 2.0))
+        opt = LARC(inner, 0.01)
+        for _ in range(3):
+            for t, g in zip(ts, gs):
+                t.grad.copy_(torch.tensor(g))  # (into the flat view, or the hook's replacement)
+            opt.step()
+        results.append([t.detach().clone() for t in ts])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)

@@ -151,8 +151,11 @@ class RowMultipliers(Mapping):
     flat part applies each vector as ``(rows, 1)`` columns over the row runs, with no per-parameter work;
     anything else reads it as the mapping, built from the vectors on first use."""
 
-    def __init__(self, groups: list[tuple[dict, Tensor]]) -> None:
+    def __init__(self, groups: list[tuple[dict, Tensor]], gathered: dict | None = None) -> None:
         self.rows = {id(g): v for g, v in groups}
+        #: ``{id(group): (indices, params, grads)}`` as the wrapper read them this step (reused by the step
+        #: when no step pre-hook ran in between)
+        self.gathered = gathered
         self._groups = groups
         self._map: dict[int, Tensor] | None = None
 

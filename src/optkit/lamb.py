@@ -355,12 +355,16 @@ class LAMB(Optimizer):
 
     def _prepare(self, group, plan, params, grads, lr, k) -> list:
         """Pass 1 (module doc): update the moments (skipped with ``found_inf``), take ``‖w‖`` and ``‖u‖`` of
-        the adapting tensors, and return per tensor ``(c, s·wd, e, s, fresh)`` with ``s = lr·r``,
+        the adapting tensors, and return per tensor ``(c, s·wd, e, s, fresh, direct)`` with ``s = lr·r``,
         ``c = s·√(1−β2^t)/(1−β1^t)`` and ``e = ε·√(1−β2^t)`` (0-d tensors); ``fresh`` (half-precision
-        tensors) means the moments are left for pass 2 (see :meth:`_pass1`)."""
+        tensors) means the moments are left for pass 2 (see :meth:`_pass1`), ``direct`` that the gradient
+        chunks hold ``u`` (module doc)."""
         n = len(params)
         dev = mt.local(params[0]).device
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        if plan.flat_active:  # one flat buffer: one dtype (no scan over the parameters)
+            dtype = torch.float64 if mt.local(params[0]).dtype == torch.float64 else torch.float32
+        else:
+            dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         st = self._static(group, plan, params, dev, dtype)
         beta1, beta2, eps = float(group["beta1"]), float(group["beta2"]), float(group["epsilon"])
         if group["bias_correction"]:

@@ -166,9 +166,9 @@ class LARC(OptimizerWrapper):
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
         dev = self._device()
-        parts = None if multipliers else self._flat_parts()
-        if parts is not None:
-            self._flat_step(parts, grad_scale, found_inf, dev)
+        found = None if multipliers else self._flat_parts()
+        if found is not None:
+            self._flat_step(*found, grad_scale, found_inf, dev)
             return
         params, grads, lrs = self._select(dev)
         if not params:
@@ -200,22 +200,23 @@ class LARC(OptimizerWrapper):
 
     # -------------------------------------------------------------------------------------- flat buffers
 
-    def _flat_parts(self) -> list[tuple[int, dict, FlatPart]] | None:
-        """``(group index, group, flat part)`` for every group with parameters when the inner optimizer is an
-        optkit optimizer whose groups all run over flat buffers this step (:func:`optkit.flat_parameters`,
-        every parameter with its gradient view); else None (the per-tensor path)."""
+    def _flat_parts(self) -> tuple[list[tuple[int, dict, FlatPart]], dict] | None:
+        """``([(group index, group, flat part)], gathered)`` for every group with parameters when the inner
+        optimizer is an optkit optimizer whose groups all run over flat buffers this step
+        (:func:`optkit.flat_parameters`, every parameter with its gradient view), with what it read of the
+        groups (for the step to reuse); else None (the per-tensor path)."""
         inner = self.optimizer
         if not isinstance(inner, Optimizer):
             return None
-        out = []
+        out, seen = [], {}
         for gi, group in enumerate(self.param_groups):
             if not group["params"]:
                 continue
-            fp = inner._flat_part(group)
+            fp = inner._flat_part(group, seen)
             if fp is None:
                 return None
             out.append((gi, group, fp))
-        return out or None
+        return (out, seen) if out else None
 
     def _flat_keep(self, gi: int, group: dict, dev: torch.device) -> tuple:
         """Per group (cached until the parameters or exclusions change): ``(mask, params, index)``, the
@@ -233,7 +234,7 @@ class LARC(OptimizerWrapper):
         self._flat_cache[gi] = (key, value)
         return value
 
-    def _flat_step(self, parts, grad_scale, found_inf, dev) -> None:
+    def _flat_step(self, parts, seen, grad_scale, found_inf, dev) -> None:
         """The step over flat buffers: per-parameter norms as row norms of the flat part's runs (one kernel
         per run), the ratios as one vector per group, handed to the inner optimizer as
         :class:`~optkit._plan.RowMultipliers` (it multiplies each cache-sized row chunk by its column just
@@ -272,7 +273,7 @@ class LARC(OptimizerWrapper):
         self.last_params = kept
         self.last_ratios = torch.cat(ratios) if len(ratios) > 1 else ratios[0]
         self.last_clip_on = None if not clips else torch.cat(clips)
-        self._delegate(grad_scale, found_inf, RowMultipliers(vectors))
+        self._delegate(grad_scale, found_inf, RowMultipliers(vectors, seen))
 
     def _group_lr(self, group: dict, dev: torch.device) -> Tensor:
         """The learning rate the inner optimizer will use for ``group`` this step (0-d tensor; a Python

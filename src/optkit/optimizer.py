@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
 
 from . import _fused
@@ -559,7 +560,12 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._ensure_slots()
         if self._any_dtensor:  # tensor + sequence parallel: Partial gradients are reduced before anything
             mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])
-        gathered = [self._gather(g) for g in self.param_groups]
+        seen = getattr(multipliers, "gathered", None)  # what the wrapper's _flat_part read this step
+        hooks = self._optimizer_step_pre_hooks or _torch_optimizer._global_optimizer_pre_hooks
+        if seen and not hooks:
+            gathered = [seen.get(id(g)) or self._gather(g) for g in self.param_groups]
+        else:  # (a step pre-hook may have replaced gradients since)
+            gathered = [self._gather(g) for g in self.param_groups]
         if found_inf is not None:
             found_inf = found_inf.detach().to(device=dev, dtype=torch.float32).reshape(())
             self._host_exact = False
@@ -683,11 +689,14 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return None
         return plan
 
-    def _flat_part(self, group: dict) -> FlatPart | None:
+    def _flat_part(self, group: dict, seen: dict | None = None) -> FlatPart | None:
         """For a wrapper about to pass per-parameter multipliers as :class:`~optkit._plan.RowMultipliers`
         (LARC): the group's flat part when this step will run over it (every parameter has its flat gradient
-        view, the plan is current, the row runs pay), else None. O(1) checks plus one identity scan."""
+        view, the plan is current, the row runs pay), else None. O(1) checks plus one identity scan. The
+        gathered lists go into ``seen`` (keyed by the group's id) for the step to reuse."""
         idx, params, grads = self._gather(group)
+        if seen is not None:
+            seen[id(group)] = (idx, params, grads)
         if not params:
             return None
         probe = RowMultipliers([(group, torch.empty(0))])
