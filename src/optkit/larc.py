@@ -304,11 +304,16 @@ class LARC(OptimizerWrapper):
         """The trust ratio of every parameter as one fp32 vector (module doc)."""
         both = mt.norms(list(params) + list(grads))  # one batched mesh reduction for weights and gradients
         wn, gn = both[: len(params)], both[len(params):]
-        dtype = torch.float64 if any(n.dtype == torch.float64 for n in wn + gn) else torch.float32
-        w_norm = torch.stack([n.to(dev, dtype) for n in wn])
-        g_norm = torch.stack([n.to(dev, dtype) for n in gn])
+        if len({(n.device, n.dtype) for n in both}) == 1:  # one stack, one conversion
+            v = torch.stack(both)
+            v = v.to(dev, torch.float64 if v.dtype == torch.float64 else torch.float32)
+            w_norm, g_norm = v[: len(params)], v[len(params):]
+        else:
+            dtype = torch.float64 if any(n.dtype == torch.float64 for n in both) else torch.float32
+            w_norm = torch.stack([n.to(dev, dtype) for n in wn])
+            g_norm = torch.stack([n.to(dev, dtype) for n in gn])
         k = self._outer_factors(params, grad_scale, multipliers, dev)
-        return self._ratios_from_norms(w_norm, g_norm, lr.to(dtype), k)
+        return self._ratios_from_norms(w_norm, g_norm, lr.to(w_norm.dtype), k)
 
     def _ratios_from_norms(self, w_norm: Tensor, g_norm: Tensor, lr: Tensor, k: Tensor | None) -> Tensor:
         """The ratios from the norms of the weights and the raw gradients (``k``: the factor between the raw

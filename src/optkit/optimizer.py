@@ -58,6 +58,11 @@ from .flat import flat_buffer_of
 
 __all__ = ["Optimizer", "check_number", "autograd_pairs"]
 
+#: per-tensor multipliers fold into the kernel (one call per tensor) only for groups with at least this many
+#: elements per tensor on average: below it a call per tensor costs more than the blocked pass's in-cache
+#: multiply (LARC(SGD), 2,000 × 4,096: 45 vs 37 ms per step; ResNet-50 shapes: 27 vs 29 ms)
+FOLD_MIN_NUMEL = 1 << 16
+
 
 def _callable_arity(fn: Callable) -> int:
     try:
@@ -114,8 +119,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     _sparse_rule = False
     #: whether :meth:`_prepare` reads the gradients (then per-tensor multipliers are applied before it)
     _prepare_reads_grads = False
-    #: whether :meth:`_update` folds per-tensor gradient multipliers into its kernel (they then arrive as
-    #: ``aux``, one 0-d tensor or None per tensor, instead of an in-cache multiply; needs no ``_prepare``)
+    #: whether :meth:`_update` can fold per-tensor gradient multipliers into its kernel (they then arrive as
+    #: ``aux``, one 0-d tensor or None per tensor, instead of an in-cache multiply; needs no ``_prepare``);
+    #: used for groups whose tensors are large on average (:data:`FOLD_MIN_NUMEL`, :meth:`_folds_mult`)
     _mult_in_kernel = False
 
     def __init__(
@@ -200,6 +206,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._extra_variables: list[Tensor] = []
         self._compile_state = "untried"  # "ok" once a compiled step ran, "failed" after a fallback
         self._plans: dict[int, Plan] = {}  # id(group) -> cached structure of the dense pass
+        self._fold_cache: dict[int, tuple] = {}  # id(group) -> (params list, its length, _folds_mult)
         self._plan_version = 0
         self._fp64_cache: dict[int, tuple] = {}
         self._block = None  # the Block of the blocked pass being run (kernel-gate and grouping hints)
@@ -666,8 +673,22 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def _blocked(self, group: dict, mult: list | None) -> bool:
         """Whether the group's chain of kernels runs block by block over cache-sized chunks."""
         wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
-        folds = mult is not None and not self._mult_in_kernel
+        folds = mult is not None and not self._folds_mult(group)
         return self._blockable and (self._always_block or bool(wd) or self.use_ema or folds)
+
+    def _folds_mult(self, group: dict) -> bool:
+        """Whether this group's per-tensor multipliers go into the kernel (``_mult_in_kernel`` and tensors of
+        at least :data:`FOLD_MIN_NUMEL` elements on average; cached until the group's parameter list
+        changes)."""
+        if not self._mult_in_kernel:
+            return False
+        ps = group["params"]
+        hit = self._fold_cache.get(id(group))
+        if hit is not None and hit[0] is ps and hit[1] == len(ps):
+            return hit[2]
+        folds = sum(mt.local(p).numel() for p in ps) >= FOLD_MIN_NUMEL * max(len(ps), 1)
+        self._fold_cache[id(group)] = (ps, len(ps), folds)
+        return folds
 
     def _flat_plan(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor],
                    multipliers: Any) -> Plan | None:
@@ -801,6 +822,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         else:
             blocks = plan.blocks
             glocal = grads if not plan.any_dtensor else [mt.local(g) for g in grads]
+        folds = mult is not None and self._folds_mult(group)
         for blk in blocks:
             owners, bp, bslots, bavg = blk.owners, blk.params, blk.slots, blk.averages
             if blk.split is None:
@@ -811,7 +833,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             if cols is not None:
                 bg[0].mul_(cols[owners[0]])  # the chunk's (rows, 1) column, in cache before the update
             if mult is not None:
-                if self._mult_in_kernel:
+                if folds:
                     baux = [mult[o] for o in owners]
                 else:
                     sel = [(t, mult[o]) for t, o in zip(bg, owners) if mult[o] is not None]
@@ -821,7 +843,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 dp = bp if blk.all_wd else [t for t, o in zip(bp, owners) if plan.use_wd[o]]
                 if dp:
                     mt.scale_local_(dp, decay, blk.key)
-            if mult is None or not self._mult_in_kernel:
+            if mult is None or not folds:
                 baux = None if aux is None else (aux if blk.identity else [aux[o] for o in owners])
             self._block = blk
             try:
@@ -1131,6 +1153,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         Keras options and the counters); cached plans are rebuilt on the next step."""
         state = dict(self.__dict__)
         state["_plans"] = {}
+        state["_fold_cache"] = {}
         state["_block"] = None
         return state
 
