@@ -373,3 +373,40 @@ def test_flat_step_honours_an_inner_step_pre_hook_that_replaces_a_gradient(rng):
         results.append([t.detach().clone() for t in ts])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_tensors_fold_the_ratios_into_the_sgd_kernel(rng, dtype):
+    """With tensors of at least ``FOLD_MIN_NUMEL`` elements on average, optkit SGD takes LARC's ratios into
+    its fused kernel (``grad_scale = −1/(lr·k·r)``, one call per tensor; float64 folds them into the gradient
+    in float64) instead of the blocked multiply; with a loss scale to divide out and a skipped attempt, the
+    result is the float64 reference."""
+    from optkit.optimizer import FOLD_MIN_NUMEL
+
+    shapes = [(512, 300), (FOLD_MIN_NUMEL + 7,), (3,)]
+    ws = [rng.normal(size=s) for s in shapes]
+    grads = [[rng.normal(size=s) * 0.3 for s in shapes] for _ in range(3)]
+    ref = _ref_larc_keras_sgd(ws, grads, [0.1], [0, 0, 0], 0.02, "clip", [True] * 3)
+    ts = [torch.tensor(w, dtype=dtype, requires_grad=True) for w in ws]
+    opt = LARC(SGD(ts, 0.1, momentum=0.9), 0.02)
+    assert opt.optimizer._folds_mult(opt.param_groups[0])
+    for i, gs in enumerate(grads):
+        for t, g in zip(ts, gs):
+            t.grad = torch.tensor(g, dtype=dtype) * 4.0
+        if i == 1:
+            before = [t.detach().clone() for t in ts] + [v.clone() for st in opt.state.values()
+                                                         for v in st.values() if torch.is_tensor(v)]
+            opt.found_inf, opt.grad_scale = torch.ones(()), torch.tensor(4.0)
+            opt.step()
+            del opt.found_inf
+            after = [t.detach() for t in ts] + [v for st in opt.state.values() for v in st.values()
+                                                if torch.is_tensor(v)]
+            assert all(torch.equal(a, b) for a, b in zip(after, before))
+            for t, g in zip(ts, gs):
+                t.grad = torch.tensor(g, dtype=dtype) * 4.0
+        opt.grad_scale = torch.tensor(4.0)
+        opt.step()
+        del opt.grad_scale
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-6)
+    for t, r in zip(ts, ref):
+        np.testing.assert_allclose(t.detach().double().numpy(), r, **tol)
