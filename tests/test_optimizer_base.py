@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -438,6 +439,29 @@ def test_pointwise_rules_used_by_jit_compile_match_eager(kind, monkeypatch):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
         for slot in oa.get_slot_names():
             torch.testing.assert_close(oa.get_slot(x, slot), ob.get_slot(y, slot), rtol=1e-5, atol=1e-6)
+
+
+def test_jit_compile_warns_before_tracing_a_group_of_thousands_of_tensors(monkeypatch):
+    """Compiling traces one graph input per tensor: over ``COMPILE_WARN_TENSORS`` tensors in a group the
+    first compiled step warns once (naming the count and the flat-buffer alternative) and still runs."""
+    import optkit.optimizer as base
+    from optkit._compile import chain
+
+    monkeypatch.setattr(base, "compiled_chain", lambda: chain)
+    monkeypatch.setattr(base, "COMPILE_WARN_TENSORS", 3)
+    for n, warns in ((3, False), (4, True)):
+        ps = [torch.ones(2, requires_grad=True) for _ in range(n)]
+        opt = SGD(ps, learning_rate=0.5, momentum=0.9, jit_compile=True)
+        for p in ps:
+            p.grad = torch.ones(2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+            opt.step()
+        msgs = [str(w.message) for w in caught if "jit_compile=True over" in str(w.message)]
+        assert len(msgs) == (1 if warns else 0) and (not warns or "4 tensors" in msgs[0])
+        assert opt._compile_state == "ok"
+        torch.testing.assert_close(ps[0].detach(), torch.full((2,), 1.0 - 0.5 - (0.9 * 0.5 + 0.5)))
 
 
 def test_replaced_parameter_storage_is_followed():
