@@ -137,6 +137,19 @@ def _plain(params):
     return [p for _, p in params]
 
 
+def _sgd_ema_buffers(params, lr):
+    """Keras SGD with an EMA (warm-up) of the weights and of a BatchNorm-like running-statistics buffer
+    (``ema_buffers``; seeded, in the parameters' dtype), which moves after the optimizer took its copy, so
+    every step moves the buffer's average (kept in the state dict as ``"ema_buffers"``)."""
+    p = params[0][1]
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(5, generator=g).to(device=p.device, dtype=p.dtype)
+    opt = optkit.SGD(_plain(params), learning_rate=lr, momentum=0.5, use_ema=True, ema_momentum=0.8,
+                     ema_warmup=True, ema_buffers=[("bn.running_mean", buf)])
+    buf.add_(1.0)
+    return opt
+
+
 def _bias_mask(names):
     return ["bias" not in n for n in names]
 
@@ -181,6 +194,8 @@ ROWS: list[Row] = [
         ema_overwrite_frequency=3, global_clipnorm=1.5),
         "keras_sgd", {"momentum": 0.5},
         {"use_ema": True, "ema_momentum": 0.8, "ema_overwrite_frequency": 3, "global_clipnorm": 1.5}),
+    Row("SGD-ema-warmup-buffers", lambda ps, lr: _sgd_ema_buffers(ps, lr), "keras_sgd", {"momentum": 0.5},
+        {"use_ema": True, "ema_momentum": 0.8, "ema_warmup": True}),
     Row("SGD-clipnorm", lambda ps, lr: optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9, clipnorm=0.7),
         "keras_sgd", {"momentum": 0.9}, {"clipnorm": 0.7}),
     Row("SGD-clipvalue", lambda ps, lr: optkit.SGD(_plain(ps), learning_rate=lr, clipvalue=0.3),
