@@ -113,6 +113,36 @@ def test_blocks_of_many_tensors_and_a_skip_match_the_reference(case, dtype):
             np.testing.assert_allclose(t.detach().double().numpy(), r, **tol)
 
 
+@pytest.mark.parametrize("layout", ["one-block", "small-blocks", "flat-rows"])
+def test_skip_with_overflowed_gradients_leaves_everything_as_it_was(layout):
+    """A skipped step (``found_inf``) after an overflow (a NaN in the gradients, so trust ratios are NaN)
+    leaves the weights, the moments and the gradients bit for bit as they were, on every pass-2 form."""
+    shapes = [(5, 4), (4,), (3, 2, 2), (7,), (2, 3), (6,), (4, 4), (1,), (3,)]
+    if layout == "flat-rows":
+        shapes = [(6,)] * 6 + [(2, 3)] * 3
+    ws, grads = _problem(11, shapes=shapes, steps=2)
+    ts = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in ws]
+    for t in ts:
+        t.grad = torch.zeros_like(t)
+    if layout == "flat-rows":
+        optkit.flat_parameters(ts)
+    opt = optkit.LAMB(ts, 0.05, weight_decay=0.01, block_numel=24 if layout == "small-blocks" else 1 << 20)
+    for t, g in zip(ts, grads[0]):
+        t.grad.copy_(torch.tensor(g))
+    opt.step()  # state exists, the plan (and the flat part) is built
+    for t, g in zip(ts, grads[1]):
+        t.grad.copy_(torch.tensor(g))
+    ts[0].grad.view(-1)[0] = float("nan")
+    before = [t.detach().clone() for t in ts] + [t.grad.clone() for t in ts] + [
+        v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    opt.found_inf = torch.ones(())
+    opt.step()
+    after = [t.detach() for t in ts] + [t.grad for t in ts] + [
+        v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    assert all(torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
+               for x, y in zip(after, before))
+
+
 @pytest.mark.parametrize("case", ["paper", "no-bias-correction", "clamp", "lambc", "adam-like"])
 def test_flat_buffers_take_row_runs_and_match_the_reference(case, monkeypatch):
     """Over flat buffers (``optkit.flat_parameters``) LAMB steps row runs (consecutive parameters of one size

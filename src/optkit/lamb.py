@@ -444,7 +444,7 @@ class LAMB(Optimizer):
         else:
             s = lr.expand(n)
         if skip is not None:  # s = 1 on a skipped step: pass 2 then leaves g as it is
-            s = torch.lerp(s, torch.ones_like(s), skip.to(device=dev, dtype=s.dtype))
+            s = torch.where(skip.to(dev) > 0, torch.ones_like(s), s)  # (exactly 1 even where s is NaN)
         col = s.unsqueeze(1)
         return RunAux([(col[lo:hi], None, None, None, False, False) for lo, hi in flat.chunk_segments])
 
@@ -687,7 +687,7 @@ class LAMB(Optimizer):
                 else:  # (times 1 on a skipped step: the gradient is then left as it was)
                     s_vec = torch.stack([a[3] for a in part_aux])
                     if fi is not None:
-                        s_vec = torch.lerp(s_vec, torch.ones_like(s_vec), fi.to(s_vec.dtype))
+                        s_vec = torch.where(fi > 0, torch.ones_like(s_vec), s_vec)  # (1 where s is NaN too)
                     torch._foreach_mul_(g, list(s_vec.unbind()))
                     torch._fused_sgd_(p, g, [], weight_decay=0.0, momentum=0.0, lr=1.0, dampening=0.0,
                                       nesterov=False, maximize=False, is_first_step=False, grad_scale=None,
