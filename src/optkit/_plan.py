@@ -29,7 +29,7 @@ __all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "RowMultipliers", 
 
 
 def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
-    return [mt.local(p).data_ptr() for p in params] if dtensor else [p.data_ptr() for p in params]
+    return [mt.local(p).data_ptr() for p in params] if dtensor else list(map(Tensor.data_ptr, params))
 
 
 def check_slot_fits(name: str, slot: str, p: Tensor, t: object) -> None:
@@ -193,6 +193,7 @@ class FlatPart:
         self.blocks = blocks
         self.grad = runs_views[1]
         self.grad_objs = grad_objs
+        self.all_idx = list(range(len(grad_objs)))  # the gather's indices when every gradient is a view
         self.all_wd = uniform_wd
         self.runs: list[tuple[int, int, int]] = []
         for i, n in enumerate(numels):
@@ -249,6 +250,8 @@ class FlatPart:
 
     def same_grads(self, grads: list[Tensor]) -> bool:
         """Whether ``grads`` are this plan's gradient objects (a C-speed identity scan)."""
+        if grads is self.grad_objs:  # handed out by the optimizer's gather after the same check
+            return True
         return len(grads) == len(self.grad_objs) and all(map(operator.is_, grads, self.grad_objs))
 
 

@@ -1,0 +1,161 @@
+"""``optkit.flat_parameters``: the layout it makes, the errors it raises, ``zero_grad`` keeping the views, and
+the fallbacks when a gradient or a parameter's storage is replaced. Every step is checked against
+``torch.optim.SGD(momentum, foreach=False)`` (``optkit.Momentum`` has torch's rule) on plain copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import optkit
+from optkit.flat import flat_buffer_of
+
+LR, MU = 0.1, 0.9
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 5),
+                      nn.Linear(5, 5), nn.Linear(5, 5))
+    m[0].weight.data = m[0].weight.data.contiguous(memory_format=torch.channels_last)
+    return m
+
+
+def _batch(k: int) -> torch.Tensor:
+    return torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(100 + k))
+
+
+def _loss(m: nn.Module, k: int) -> torch.Tensor:
+    return m(_batch(k)).square().mean()
+
+
+def _twin(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A plain copy of ``model`` (no flat buffers) with the torch reference optimizer."""
+    twin = _model()
+    twin.load_state_dict(model.state_dict())
+    return twin, torch.optim.SGD(twin.parameters(), lr=LR, momentum=MU, foreach=False)
+
+
+def _ref_step(twin, ref_opt, k):
+    ref_opt.zero_grad()
+    _loss(twin, k).backward()
+    ref_opt.step()
+
+
+def _assert_same(model, twin):
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_layout_views_values_names_and_strides():
+    """Each parameter (and its gradient) becomes a view into one buffer per (device, dtype), in order, with
+    its values, its name and its strides (channels_last stays channels_last); existing gradients are copied
+    in; ``flat_buffer_of`` finds the buffer."""
+    model = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model[3].weight.grad = torch.randn_like(model[3].weight)
+    g_before = model[3].weight.grad.clone()
+    strides = {n: p.stride() for n, p in model.named_parameters()}
+    flat = optkit.flat_parameters(model)
+    key = (torch.device("cpu"), torch.float32)
+    assert list(flat.buffers) == [key]
+    buf, gbuf = flat.buffers[key], flat.grads[key]
+    assert buf.numel() == sum(p.numel() for p in model.parameters())
+    offset = 0
+    for n, p in model.named_parameters():
+        assert p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(), n
+        assert p.storage_offset() == offset and p.stride() == strides[n], n
+        assert p.grad.untyped_storage().data_ptr() == gbuf.untyped_storage().data_ptr(), n
+        assert torch.equal(p.detach(), before[n]), n
+        offset += p.numel()
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(model[3].weight.grad, g_before) and model[4].weight.grad.abs().sum() == 0
+    whole = flat_buffer_of(model[4].bias)
+    assert whole is not None and whole.numel() == buf.numel() and whole.data_ptr() == buf.data_ptr()
+    assert flat_buffer_of(torch.zeros(3)) is None
+    assert flat.views_intact() and "7 tensors" not in repr(flat) and "10 tensors" in repr(flat)
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    ([], ValueError, "no parameter"),
+    ([torch.zeros(2, requires_grad=True) * 2], ValueError, "non-leaf"),
+    ([torch.zeros(2, 2).to_sparse().requires_grad_()], TypeError, "dense strided"),
+    (["weight"], TypeError, "expected tensors"),
+])
+def test_refusals_name_the_problem(bad, err, match):
+    with pytest.raises(err, match=match):
+        optkit.flat_parameters(bad)
+
+
+def test_steps_match_torch_and_zero_grad_keeps_the_views():
+    """Three steps with ``opt.zero_grad()`` between them: the gradients stay views of the flat buffer (one
+    fill), the plan steps one flat run, and the weights are torch's."""
+    model = _model()
+    twin, ref_opt = _twin(model)
+    flat = optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    for k in range(3):
+        opt.zero_grad()
+        assert flat.views_intact()
+        _loss(model, k).backward()
+        opt.step()
+        _ref_step(twin, ref_opt, k)
+    plan = next(iter(opt._plans.values()))
+    assert plan.flat is not None and plan.flat.same_grads([p.grad for p in model.parameters()])
+    _assert_same(model, twin)
+
+
+def test_replaced_gradients_fall_back_per_tensor_and_views_come_back():
+    """``model.zero_grad()`` sets ``.grad`` to None: the next backward makes separate gradients and the step
+    runs per tensor (still torch's numbers); one gradient replaced by hand is noticed too;
+    ``FlatParameters.zero_grad()`` restores the views and the flat path."""
+    model = _model()
+    twin, ref_opt = _twin(model)
+    flat = optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    gbuf = next(iter(flat.grads.values()))
+    k = 0
+    for how in ("flat", "model.zero_grad", "one replaced", "restored"):
+        if how == "model.zero_grad":
+            model.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+        elif how == "restored":
+            flat.zero_grad()
+            assert flat.views_intact()
+        else:
+            opt.zero_grad()
+        _loss(model, k).backward()
+        if how == "one replaced":
+            model[4].weight.grad = model[4].weight.grad.clone() * 1.0  # a fresh tensor, same values
+        before = gbuf.clone()
+        opt.step()
+        _ref_step(twin, ref_opt, k)
+        _assert_same(model, twin)
+        if how in ("flat", "restored"):
+            assert flat.views_intact()
+        else:
+            assert not flat.views_intact()
+            if how == "model.zero_grad":
+                assert torch.equal(gbuf, before)  # the flat gradient buffer was not used
+        k += 1
+
+
+def test_replaced_parameter_storage_is_followed():
+    """``p.data = ...`` takes a parameter out of its buffer: the optimizer follows the new storage (its plan
+    is rebuilt) and the step is still torch's on it."""
+    model = _model()
+    twin, ref_opt = _twin(model)
+    optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt.zero_grad()
+    _loss(model, 0).backward()
+    opt.step()
+    _ref_step(twin, ref_opt, 0)
+    model[5].weight.data = model[5].weight.data.clone()
+    for k in (1, 2):
+        opt.zero_grad()
+        _loss(model, k).backward()
+        opt.step()
+        _ref_step(twin, ref_opt, k)
+    _assert_same(model, twin)
