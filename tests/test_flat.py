@@ -159,3 +159,44 @@ def test_replaced_parameter_storage_is_followed():
         opt.step()
         _ref_step(twin, ref_opt, k)
     _assert_same(model, twin)
+
+
+def test_a_loaded_state_goes_back_into_the_flat_buffers():
+    """``load_state_dict`` into an optimizer over flat parameters puts the loaded slots and EMA averages back
+    into their flat buffers (a resumed run keeps the one-run step), and the run continues exactly as the
+    uninterrupted one."""
+    import io
+
+    def build(model):
+        return optkit.SGD(model.parameters(), LR, momentum=MU, weight_decay=0.01, use_ema=True)
+
+    ref_model = _model()
+    optkit.flat_parameters(ref_model)
+    ref_opt = build(ref_model)
+    model = _model()
+    optkit.flat_parameters(model)
+    opt = build(model)
+    for k in range(2):
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            o.zero_grad()
+            _loss(m, k).backward()
+            o.step()
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    saved.seek(0)
+    resumed = _model()
+    resumed.load_state_dict(model.state_dict())
+    optkit.flat_parameters(resumed)
+    opt2 = build(resumed)
+    opt2.load_state_dict(torch.load(saved, weights_only=True))
+    for k in (2, 3):
+        for m, o in ((ref_model, ref_opt), (resumed, opt2)):
+            o.zero_grad()
+            _loss(m, k).backward()
+            o.step()
+    plan = next(iter(opt2._plans.values()))
+    assert plan.flat is not None and plan.flat.same_grads([p.grad for p in resumed.parameters()])
+    for (n, p), (_, q) in zip(resumed.named_parameters(), ref_model.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), n
+        for slot in ("momentum", "average"):
+            assert torch.equal(opt2.state[p][slot], ref_opt.state[q][slot]), (n, slot)

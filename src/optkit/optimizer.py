@@ -1237,9 +1237,15 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 if self.use_ema and "average" not in st:
                     st["average"] = p.detach().clone(memory_format=torch.preserve_format)
                 self._init_state(p, g)
+                in_flat = flat_buffer_of(p) is not None
                 for key, v in st.items():
-                    if key != "step" and isinstance(v, Tensor) and v.stride() != mt.local(p).stride() \
-                            and not mt.is_dtensor(v):
+                    if key == "step" or not isinstance(v, Tensor) or mt.is_dtensor(v):
+                        continue
+                    if in_flat and v.shape == p.shape:
+                        # back into this slot's flat buffer (the loaded tensor is a separate one), so that a
+                        # resumed run keeps stepping the whole buffer at once
+                        st[key] = self._new_slot(p, key, 0.0).copy_(v)
+                    elif v.stride() != mt.local(p).stride():
                         st[key] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(v)
         self._host_iterations = int(self._iterations)
         self._host_exact = True
