@@ -18,9 +18,10 @@ Rules:
 
 * call it before building the optimizer (the optimizer allocates flat slots for flat parameters);
 * clear gradients with the optimizer's ``zero_grad()`` or :meth:`FlatParameters.zero_grad`: they zero the flat
-  gradient and keep the views. ``model.zero_grad()`` sets ``.grad`` to None; the next backward then creates
-  separate gradients and the step falls back to the per-tensor path (correct, slower) until views come back
-  (:meth:`FlatParameters.zero_grad` restores them);
+  gradient and keep the views (so, as with torch's ``set_to_none=False``, a parameter that took no part in a
+  backward has a zero gradient, not None, and momentum and decay still move it). ``model.zero_grad()`` sets
+  ``.grad`` to None; the next backward then creates separate gradients and the step falls back to the
+  per-tensor path (correct, slower) until views come back (:meth:`FlatParameters.zero_grad` restores them);
 * ``p.data = ...`` on a flat parameter takes it out of its buffer (the optimizer notices and steps per tensor,
   correct but slower): call :func:`flat_parameters` again;
 * DDP works (its reduced gradients are copied into the views), but not with ``gradient_as_bucket_view=True``
