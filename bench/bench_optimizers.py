@@ -11,8 +11,9 @@
     traffic. One fused pass would move 28 B/param.
 (c) LARS, momentum 0.9, weight decay 1e-4, eeta/trust_coeff 0.001: timm's ``Lars(foreach=True)`` (the
     reference; loaded from its file without importing ``timm``, which needs torchvision), ``foreach=False``,
-    ``optkit.LARS`` (TF 1.15 and TF 1.14 forms) per tensor and flat. 28 B/param (two norm reads of p and g,
-    then the 20-byte update).
+    ``optkit.LARS`` (TF 1.15 and TF 1.14 forms) per tensor and flat, and TF 1.15 with ``jit_compile=True`` on
+    the large sets (first-call time reported). 28 B/param (two norm reads of p and g, then the 20-byte
+    update).
 
 Every step starts from the same gradients (restored, untimed, from a reference copy: optkit's SGD writes
 ``−lr·g`` back into ``.grad``, as torch's fused kernels do under a GradScaler). "× floor" = time ÷ (minimal
@@ -70,32 +71,22 @@ def bench_sgd_ema(set_name: str, floor: float) -> str:
 
 
 def bench_lars(set_name: str, floor: float, timm_lars) -> str:
-    variants = []
     specs = []
     if timm_lars is not None:
         tkw = dict(lr=LR_LARS, momentum=0.9, weight_decay=1e-4, trust_coeff=0.001)
-        specs += [("timm Lars foreach=True", lambda ps: timm_lars(ps, foreach=True, **tkw).step),
-                  ("timm Lars foreach=False", lambda ps: timm_lars(ps, foreach=False, **tkw).step)]
+        specs += [("timm Lars foreach=True", lambda ps: timm_lars(ps, foreach=True, **tkw).step, False),
+                  ("timm Lars foreach=False", lambda ps: timm_lars(ps, foreach=False, **tkw).step, False)]
     okw = dict(momentum=0.9, weight_decay=1e-4, eeta=0.001)
-    specs += [("optkit LARS tf1.15", lambda ps: LARS(ps, LR_LARS, **okw).step),
-              ("optkit LARS tf1.14", lambda ps: LARS(ps, LR_LARS, variant="tf1.14", **okw).step)]
-    flat_names = set()
+    specs += [("optkit LARS tf1.15", lambda ps: LARS(ps, LR_LARS, **okw).step, False),
+              ("optkit LARS tf1.14", lambda ps: LARS(ps, LR_LARS, variant="tf1.14", **okw).step, False)]
     if set_name != "one_big":
-        specs.append(("optkit LARS tf1.15 flat", lambda ps: LARS(ps, LR_LARS, **okw).step))
-        flat_names.add("optkit LARS tf1.15 flat")
-    for name, build in specs:
-        v, params = H.step_variant(name, set_name, build, flat=name in flat_names)
-        variants.append(v)
-    total = H.n_params([p.shape for p in params])
-    rows = H.compare(variants, n_params=total, bytes_per_param=28, floor=floor)
-    floor_ms = total * 28 / (floor * 1e6)
-    note = (f"Floor time for 28 B/param: {floor_ms:.2f} ms; × floor = ms / floor time: "
-            + ", ".join(f"{r.variant} {r.ms / floor_ms:.2f}×" for r in rows) + ".")
-    if timm_lars is None:
-        note += " timm is not installed: no timm rows (`pip install --no-deps timm`)."
-    title = (f"(c) LARS momentum 0.9, wd 1e-4, eeta 0.001, set `{set_name}` "
-             f"({len(params)} tensors, {total:,} params)")
-    return H.markdown_table(rows, title=title, note=note)
+        specs.append(("optkit LARS tf1.15 flat", lambda ps: LARS(ps, LR_LARS, **okw).step, True))
+    if set_name not in MANY:
+        specs.append(("optkit LARS tf1.15 jit_compile=True",
+                      lambda ps: LARS(ps, LR_LARS, jit_compile=True, **okw).step, False))
+    note = "" if timm_lars is not None else \
+        "timm is not installed: no timm rows (`pip install --no-deps timm`)."
+    return H.variant_table(specs, set_name, floor, 28, "(c) LARS momentum 0.9, wd 1e-4, eeta 0.001", note)
 
 
 def main() -> str:
