@@ -208,6 +208,28 @@ def test_non_finite_flags(rng, dtype):
         assert math.isnan(mt.max_abs(t2).item()) == math.isnan(bad)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_flags_of_large_tensors(rng, dtype):
+    """Tensors of at least CHECK_READ_MIN elements take the read-only aminmax check (small ones the AMP
+    kernel): a NaN or ±inf anywhere in either kind sets the flag, large finite values never do, and no value
+    changes (compared bit for bit)."""
+    n = mt.CHECK_READ_MIN + 37
+    big = torch.from_numpy(rng.standard_normal(n)).to(dtype)
+    big[7] = 6.0e4 if dtype == torch.float16 else 3.0e38 if dtype != torch.float64 else 1e300
+    ts = [big, make(rng, (5, 3), dtype), make(rng, (n // 2 + 1, 2), dtype)]
+    before = [t.clone() for t in ts]
+    assert mt.any_non_finite(ts).item() == 0.0
+    assert mt.global_norm_and_found_inf(ts)[1].item() == 0.0
+    for a, b in zip(ts, before):
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    for which, pos in ((0, 0), (0, n - 1), (0, n // 2), (1, 4), (2, 17)):
+        for bad in (math.inf, -math.inf, math.nan):
+            t2 = [t.clone() for t in ts]
+            t2[which].view(-1)[pos] = bad
+            assert mt.any_non_finite(t2).item() == 1.0, (which, pos, bad)
+            assert mt.global_norm_and_found_inf(t2)[1].item() == 1.0, (which, pos, bad)
+
+
 def test_non_finite_check_of_sparse_values(rng):
     """Sparse COO gradients are checked through their values (the AMP kernel takes the dense values, the
     sparse tensor itself it would refuse)."""
