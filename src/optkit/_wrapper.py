@@ -41,6 +41,7 @@ from torch import Tensor
 
 from . import _multi_tensor as mt
 from ._amp import AmpProtocol
+from ._gc import gc_paused
 from ._state_dict import validate_torch_state_dict
 from ._tf_surface import autograd_pairs as _autograd_pairs
 from ._tf_surface import check_pairs as _check_pairs
@@ -256,7 +257,8 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         if getattr(_innermost(self), "_any_dtensor", True):  # before any wrapper reads a gradient
             mt.reduce_partial_grads_(self._all_params())
         grad_scale, found_inf, multipliers = self._take_protocol()
-        self._wrapped_step(grad_scale, found_inf, multipliers)
+        with gc_paused(sum(len(g["params"]) for g in self.param_groups)):
+            self._wrapped_step(grad_scale, found_inf, multipliers)
         return loss
 
     def _wrapped_step(

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._gc import gc_paused
 from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs, _innermost, protocol_level
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 
@@ -143,7 +144,8 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
             f"dividing them by the loss scale would stall training. {_UNSCALED_HELP}")
     if getattr(_innermost(wrapper), "_any_dtensor", True):  # before the non-finite check reads them
         mt.reduce_partial_grads_(wrapper._all_params())
-    wrapper._wrapped_step(*wrapper._take_protocol())
+    with gc_paused(sum(len(g["params"]) for g in wrapper.param_groups)):
+        wrapper._wrapped_step(*wrapper._take_protocol())
     wrapper.grads_scaled = False
     return loss
 

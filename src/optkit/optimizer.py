@@ -50,6 +50,7 @@ from . import _fused
 from . import _multi_tensor as mt
 from ._amp import AmpProtocol
 from ._compile import chain, compiled_chain, warn_compile_fallback
+from ._gc import gc_paused
 from ._params import normalize_param_groups
 from ._plan import FlatPart, Plan, PlanView, RowMultipliers, RunAux, check_slot_fits
 from ._state_dict import validate_state_dict
@@ -60,6 +61,7 @@ from .flat import flat_buffer_of
 __all__ = ["Optimizer", "check_number", "autograd_pairs"]
 
 _GRAD = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
 
 #: per-tensor multipliers fold into the kernel (one call per tensor) only for groups with at least this many
 #: elements per tensor on average: below it a call per tensor costs more than the blocked pass's in-cache
@@ -552,7 +554,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         multipliers = getattr(self, "grad_multipliers", None)
-        self._apply(grad_scale, found_inf, multipliers)
+        with gc_paused(sum(map(len, map(_PARAMS, self.param_groups)))):
+            self._apply(grad_scale, found_inf, multipliers)
         return loss
 
     def _gather(self, group: dict) -> tuple[list[int], list[Tensor], list[Tensor]]:
