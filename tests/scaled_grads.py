@@ -14,3 +14,20 @@ def scaled_step(opt):
             level.grads_scaled = True
         level = getattr(level, "optimizer", None)
     return opt.step()
+
+
+def assert_skip_changes_nothing(opt, params, grad_scale=None) -> None:
+    """Step ``opt`` with ``found_inf = 1`` (and ``grad_scale`` when given, left set) and assert that no
+    parameter and no tensor of the optimizer state changed, bit for bit."""
+    def tensors():
+        return [t.detach() for t in params] + [v for st in opt.state.values() for v in st.values()
+                                               if torch.is_tensor(v)]
+
+    before = [t.clone() for t in tensors()]
+    opt.found_inf = torch.ones(())
+    if grad_scale is not None:
+        opt.grad_scale = grad_scale
+    opt.step()
+    del opt.found_inf
+    after = tensors()
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))

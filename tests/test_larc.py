@@ -10,6 +10,7 @@ import torch
 from optkit import LARC
 from optkit._validation import ParameterTypeError
 from optkit.sgd import SGD
+from scaled_grads import assert_skip_changes_nothing
 from timm_optim import load_timm_optim
 
 
@@ -326,14 +327,7 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(rng, case):
             if i == 1:  # a skipped attempt first: nothing moves
                 for t in ts:
                     t.grad.fill_(float("nan"))
-                before = [t.detach().clone() for t in ts] + [v.clone() for st in opt.state.values()
-                                                             for v in st.values() if torch.is_tensor(v)]
-                opt.found_inf = torch.ones(())
-                opt.step()
-                del opt.found_inf
-                after = [t.detach() for t in ts] + [v for st in opt.state.values() for v in st.values()
-                                                    if torch.is_tensor(v)]
-                assert all(torch.equal(a, b) for a, b in zip(after, before))
+                assert_skip_changes_nothing(opt, ts)
             for t, g in zip(ts, gs):
                 t.grad.copy_(torch.tensor(g) * 8.0)  # a loss scale of 8, divided out through grad_scale
             opt.grad_scale = torch.tensor(8.0)
@@ -394,14 +388,7 @@ def test_large_tensors_fold_the_ratios_into_the_sgd_kernel(rng, dtype):
         for t, g in zip(ts, gs):
             t.grad = torch.tensor(g, dtype=dtype) * 4.0
         if i == 1:
-            before = [t.detach().clone() for t in ts] + [v.clone() for st in opt.state.values()
-                                                         for v in st.values() if torch.is_tensor(v)]
-            opt.found_inf, opt.grad_scale = torch.ones(()), torch.tensor(4.0)
-            opt.step()
-            del opt.found_inf
-            after = [t.detach() for t in ts] + [v for st in opt.state.values() for v in st.values()
-                                                if torch.is_tensor(v)]
-            assert all(torch.equal(a, b) for a, b in zip(after, before))
+            assert_skip_changes_nothing(opt, ts, grad_scale=torch.tensor(4.0))
             for t, g in zip(ts, gs):
                 t.grad = torch.tensor(g, dtype=dtype) * 4.0
         opt.grad_scale = torch.tensor(4.0)
