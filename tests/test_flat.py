@@ -161,6 +161,32 @@ def test_replaced_parameter_storage_is_followed():
     _assert_same(model, twin)
 
 
+@pytest.mark.parametrize("how", ["data", "set_"])
+def test_a_gradient_moved_out_of_the_flat_gradient_is_followed(how):
+    """``p.grad.data = t`` or ``p.grad.set_(t)`` keeps the gradient object but moves its storage out of the
+    flat gradient: the step uses the new values (per tensor, the flat gradient is stale for it), as torch
+    does, at a later step too (the cached plan's checks catch it)."""
+    model = _model()
+    twin, ref_opt = _twin(model)
+    optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    for k in range(4):
+        opt.zero_grad()
+        _loss(model, k).backward()
+        ref_opt.zero_grad()
+        _loss(twin, k).backward()
+        if k == 2:
+            new = torch.full_like(model[3].weight.grad, 0.25)
+            if how == "data":
+                model[3].weight.grad.data = new
+            else:
+                model[3].weight.grad.set_(new)
+            twin[3].weight.grad = new.clone()
+        opt.step()
+        ref_opt.step()
+        _assert_same(model, twin)
+
+
 def test_a_loaded_state_goes_back_into_the_flat_buffers():
     """``load_state_dict`` into an optimizer over flat parameters puts the loaded slots and EMA averages back
     into their flat buffers (a resumed run keeps the one-run step), and the run continues exactly as the

@@ -22,8 +22,9 @@ Rules:
   backward has a zero gradient, not None, and momentum and decay still move it). ``model.zero_grad()`` sets
   ``.grad`` to None; the next backward then creates separate gradients and the step falls back to the
   per-tensor path (correct, slower) until views come back (:meth:`FlatParameters.zero_grad` restores them);
-* ``p.data = ...`` on a flat parameter takes it out of its buffer (the optimizer notices and steps per tensor,
-  correct but slower): call :func:`flat_parameters` again;
+* ``p.data = ...`` on a flat parameter takes it out of its buffer, and ``p.grad.data = ...`` or
+  ``p.grad.set_(...)`` its gradient out of the flat gradient (the optimizer notices both and steps per
+  tensor, correct but slower): call :func:`flat_parameters` again;
 * DDP works (its reduced gradients are copied into the views), but not with ``gradient_as_bucket_view=True``
   (that replaces the views); FSDP2 / DTensor parameters are refused (FSDP2 keeps flat shards of its own);
   sparse gradients fall back to the per-tensor path for their parameter's group.

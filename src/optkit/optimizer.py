@@ -565,8 +565,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         plan = self._plans.get(id(group))
         flat = None if plan is None else plan.flat
         if flat is not None and len(flat.grad_objs) == len(ps) and all(
-                map(operator.is_, map(_GRAD, ps), flat.grad_objs)):
-            # still the flat part's gradient views: read and compared in one C-speed pass, no new list
+                map(operator.is_, map(_GRAD, ps), flat.grad_objs)) and flat.grads_in_place():
+            # still the flat part's gradient views, still in the flat gradient: C-speed passes, no new list
             return flat.all_idx, list(ps), flat.grad_objs
         grads = [p.grad for p in ps]
         if not any(map(operator.is_, grads, itertools.repeat(None))):
