@@ -230,3 +230,43 @@ def test_transposed_weight_layout(row_id):
     run(row, build(row, a), a, UPDATES)
     run(row, build(row, b), b, UPDATES)
     assert_close_models(a, b, dt)
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS])
+def test_flat_buffer_layout(row_id):
+    """Over flat buffers (``optkit.flat_parameters``) the train op gives the updates of the per-tensor model,
+    a poisoned window (dynamic rows) changes nothing, and after every update the gradients are zero views of
+    the flat gradient again (an optkit optimizer zeroes them in its update pass; the next backward
+    accumulates into them)."""
+    row = BY_ID[row_id]
+    dt = model_dtype(row)
+    a, b = make_model(dt), make_model(dt)
+    flat = optkit.flat_parameters(b)
+    op_a, op_b = build(row, a), build(row, b)
+    half = row.dtype == "mixed"  # the half parameters' gradients are dropped: the masters are updated
+    inner, skipped, whole = op_b.base_optimizer, [], []
+    zero_grad, whole_grads = inner._zero_grad, op_b._whole_grads
+    inner._zero_grad = lambda set_to_none, skip: (skipped.append(set(skip)), zero_grad(set_to_none, skip))
+    op_b._whole_grads = lambda idx: whole.append(whole_grads(idx)) or whole[-1]
+    for u in range(UPDATES):
+        for m in range(row.iter_size):
+            ra = op_a(*batch(10 * u + m, dt))
+            rb = op_b(*batch(10 * u + m, dt))
+            if ra.grad_norm is not None:  # the global norm (clip, overflow check), also from flat gradients
+                torch.testing.assert_close(rb.grad_norm, ra.grad_norm, rtol=1e-5, atol=0)
+        if not half:
+            assert flat.views_intact()
+            for p in b.parameters():
+                assert p.grad is not None and not p.grad.any()
+        if row.dynamic and u == 1:
+            before = state_tensors(op_b, b)
+            res = [op_b(*batch(999 + m, dt, poison=m == 0)) for m in range(row.iter_size)]
+            assert not bool(res[-1].applied)
+            assert_bitwise(state_tensors(op_b, b), before)
+    assert_close_models(a, b, dt)
+    # groups with a flat part (two or more parameters back to back) were zeroed in the update's pass
+    flat_groups = {g for g, plan in inner._plans.items() if getattr(plan, "flat", None) is not None}
+    assert any(skipped) == (not half and bool(flat_groups))
+    assert set().union(*skipped) <= flat_groups
+    # and the norm and overflow check read the flat gradients once the plans were built
+    assert any(w is not None for w in whole) == (not half and bool(flat_groups) and bool(whole))

@@ -226,3 +226,32 @@ def test_a_loaded_state_goes_back_into_the_flat_buffers():
         assert torch.equal(p.detach(), q.detach()), n
         for slot in ("momentum", "average"):
             assert torch.equal(opt2.state[p][slot], ref_opt.state[q][slot]), (n, slot)
+
+
+def test_optimize_loss_over_a_subset_of_flat_parameters():
+    """``optimize_loss`` over the last two layers of a flat model, with clipping and dynamic scaling: the
+    global norm and the overflow check read the optimizer's flat gradients (only the updated layers'), and
+    the norm, the updates and the untouched layers equal those of the same train op on a plain copy."""
+    model = _model()
+    twin = _model()
+    twin.load_state_dict(model.state_dict())
+    optkit.flat_parameters(model)
+    frozen = [p.detach().clone() for p in model[:4].parameters()]
+
+    def build(m):
+        return optkit.optimize_loss(lambda k: _loss(m, k), "SGD", {"momentum": MU}, LR,
+                                    var_list=list(m[4:].parameters()), clip_gradients=0.05,
+                                    loss_scaling="dynamic")
+
+    op, ref = build(model), build(twin)
+    whole, whole_grads = [], op._whole_grads
+    op._whole_grads = lambda idx: whole.append(whole_grads(idx)) or whole[-1]
+    for k in range(4):
+        r, s = op(k), ref(k)
+        torch.testing.assert_close(r.grad_norm, s.grad_norm, rtol=1e-6, atol=0)
+    assert whole[0] is None and all(w is not None for w in whole[1:])  # plans exist after the first update
+    assert sum(w.numel() for w in whole[-1]) == sum(p.numel() for p in model[4:].parameters())
+    for p, q in zip(model[4:].parameters(), twin[4:].parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    for p, f in zip(model[:4].parameters(), frozen):
+        assert torch.equal(p.detach(), f)

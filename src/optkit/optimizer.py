@@ -38,7 +38,7 @@ import itertools
 import operator
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -219,6 +219,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._plan_version = 0
         self._fp64_cache: dict[int, tuple] = {}
         self._block = None  # the Block of the blocked pass being run (kernel-gate and grouping hints)
+        #: set by optimize_loss around its step, whose gradients it clears right after: the blocked pass then
+        #: zeroes flat gradient chunks while they are in cache and records the groups it zeroed (ids), which
+        #: optimize_loss takes and hands to _zero_grad to skip
+        self._zero_grads_in_pass = False
+        self._zeroed_groups: set[int] = set()
         self._ema_swapped = False  # inside an ema_weights() block
         self._any_dtensor = False  # whether a parameter is a DTensor (set as groups are added)
         self._slots_seen: dict[int, tuple[str, ...]] = {}  # id(group) -> the slots created for it
@@ -511,8 +516,15 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch semantics, except for parameters in flat buffers (:func:`optkit.flat_parameters`): their
         gradients are zeroed in place, keeping the views (one fill per group whose plan holds them flat)."""
+        self._zero_grad(set_to_none, ())
+
+    def _zero_grad(self, set_to_none: bool, skip: Collection[int]) -> None:
+        """:meth:`zero_grad` except for the groups whose ids are in ``skip`` (their flat gradients were zeroed
+        by the step that just ran, see ``_zero_grads_in_pass``)."""
         rest = []
         for group in self.param_groups:
+            if id(group) in skip:
+                continue
             plan = self._plans.get(id(group))
             flat = None if plan is None else plan.flat
             if flat is not None and len(flat.grad_objs) == len(group["params"]) \
@@ -845,6 +857,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             blocks = plan.blocks
             glocal = grads if not plan.any_dtensor else [mt.local(g) for g in grads]
         folds = mult is not None and self._folds_mult(group)
+        # every gradient is a view of the flat gradient, cleared after this step: zero each chunk in cache
+        zero = self._zero_grads_in_pass and flat_ok and plan.flat is not None
         for blk in blocks:
             owners, bp, bslots, bavg = blk.owners, blk.params, blk.slots, blk.averages
             if blk.split is None:
@@ -874,6 +888,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 self._block = None
             if ema_w is not None:
                 mt.lerp_local_(bavg, bp, ema_w, blk.key)
+            if zero:
+                torch._foreach_zero_(bg)
+        if zero:
+            self._zeroed_groups.add(id(group))
 
         if self.use_ema:
             self._ema_rest(group, idx, applied)

@@ -449,6 +449,9 @@ class TrainOp:
         self._larc = next((o for o in _chain(self.optimizer) if isinstance(o, LARC)), None)
         self.base_optimizer = _chain(self.optimizer)[-1]
         self._optkit_inst = isinstance(self.base_optimizer, _OptkitOptimizer)
+        self._zeroed: frozenset[int] = frozenset()  # groups whose flat gradients the last update zeroed
+        self._params_key: tuple[int, ...] | None = None  # (see _whole_grads)
+        self._masters_are_params = False
         self._level = protocol_level(self.optimizer)
 
         # masters ("mixed"): the wrapper's fp32 copies of the half parameters
@@ -652,18 +655,19 @@ class TrainOp:
             idx, qs, grads = self._with_grads()
 
         # (5) global norm of the mean unscaled gradient (clip, summary) and, with a dynamic scaler, the
-        # overflow flag: any NaN/inf element (a max-abs pass next to the norm pass), never the norm's overflow
+        # overflow flag: any NaN/inf element (a max-abs pass beside the norm pass), never the norm's overflow;
+        # over flat buffers both read each group's flat gradient once instead of tensor by tensor.
         norm = found_raw = inf_norms = None
         pp = self._pp
         if self._checks and self.scaler.needs_amax:  # LogMax: whole-tensor max|g| per tensor, flag from it
             inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
-            raw = mt.global_norm(grads, pipeline_group=pp)
+            raw = mt.global_norm(self._whole_grads(idx) or grads, pipeline_group=pp)
             norm = raw if denom is None else raw / denom
         elif self._checks:
-            raw, found_raw = mt.global_norm_and_found_inf(grads, pipeline_group=pp)
+            raw, found_raw = mt.global_norm_and_found_inf(self._whole_grads(idx) or grads, pipeline_group=pp)
             norm = raw if denom is None else raw / denom
         elif self.clip_gradients is not None or (due and log.wants("global_gradient_norm")):
-            raw = mt.global_norm(grads, pipeline_group=pp)
+            raw = mt.global_norm(self._whole_grads(idx) or grads, pipeline_group=pp)
             norm = raw if denom is None else raw / denom
 
         # (6) the raw gradients are divided by grad_scale = denom / coef (mean, unscale, clip in one factor)
@@ -709,6 +713,20 @@ class TrainOp:
         self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
 
+    def _whole_grads(self, idx: list[int]) -> list[Tensor] | None:
+        """The optimizer's flat gradients (:meth:`optkit.Optimizer.whole_grads`) when they hold exactly this
+        update's gradients: every master has one, the masters are the optimizer's parameters and each group's
+        gradients are still the views of its flat gradient. None otherwise."""
+        if not self._optkit_inst or len(idx) != len(self.masters):
+            return None
+        base = self.base_optimizer
+        key = tuple(len(g["params"]) for g in base.param_groups)
+        if key != self._params_key:  # the masters vs the optimizer's parameters, once per change of groups
+            self._params_key = key
+            self._masters_are_params = sum(key) == len(self.masters) and {
+                id(p) for g in base.param_groups for p in g["params"]} == {id(q) for q in self.masters}
+        return base.whole_grads() if self._masters_are_params else None
+
     def _window_items(self) -> Tensor:
         """The divisor of token-weighted accumulation, 0-d fp32: ``Σ num_items`` over the window, summed over
         the data-parallel ranks (one scalar all-reduce) and divided by the number of ranks whose gradients
@@ -741,10 +759,11 @@ class TrainOp:
     def _clear_grads(self) -> None:
         """The updated tensors' gradients after an update: None, except views into flat buffers
         (``optkit.flat_parameters``), which the optimizer zeroes in place so that the next backward
-        accumulates into them."""
+        accumulates into them (the groups whose blocked pass already zeroed them in cache are skipped)."""
         inner = _chain(self.optimizer)[-1]
+        zeroed, self._zeroed = self._zeroed, frozenset()
         if isinstance(inner, _OptkitOptimizer):  # its parameters are the masters
-            inner.zero_grad(set_to_none=True)
+            inner._zero_grad(True, zeroed)  # less the flat groups the update's pass zeroed in cache
         else:
             for q in self.masters:
                 q.grad = None
@@ -781,12 +800,20 @@ class TrainOp:
                 opt.grad_scale = grad_scale.reshape(()).to(torch.float32)  # GradScaler's dtype
             if found is not None:
                 opt.found_inf = found
+            base = self.base_optimizer if self._optkit_inst else None
+            if base is not None:  # _clear_grads follows: flat gradients may be zeroed in the update's pass
+                base._zero_grads_in_pass = True
+            zeroed: set[int] = set()
             try:
                 opt.step()
             finally:
+                if base is not None:
+                    base._zero_grads_in_pass = False
+                    zeroed, base._zeroed_groups = base._zeroed_groups, set()
                 for attr in ("grad_scale", "found_inf"):
                     if attr in opt.__dict__:
                         delattr(opt, attr)
+            self._zeroed = frozenset(zeroed)  # only when the step returned: _clear_grads takes it next
             return
         # a bare optimizer without grad_scale/found_inf support: scale the gradients, skip on the host
         if grad_scale is not None:
