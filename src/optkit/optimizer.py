@@ -957,6 +957,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def _ema_rest(self, group: dict, idx: list[int], applied: Tensor | None) -> None:
         """EMA over the group's parameters that took no part in this step's dense pass (Keras averages every
         variable, with or without a gradient)."""
+        if len(idx) == len(group["params"]):  # every parameter took part (indices are distinct)
+            return
         have = set(idx)
         rest = [i for i in range(len(group["params"])) if i not in have]
         if rest:
