@@ -109,7 +109,8 @@ def test_steps_match_torch_and_zero_grad_keeps_the_views():
 def test_replaced_gradients_fall_back_per_tensor_and_views_come_back():
     """``model.zero_grad()`` sets ``.grad`` to None: the next backward makes separate gradients and the step
     runs per tensor (still torch's numbers); one gradient replaced by hand is noticed too;
-    ``FlatParameters.zero_grad()`` restores the views and the flat path."""
+    ``FlatParameters.zero_grad()`` restores the views and the flat path (its new view objects are taken
+    as the cached plan's)."""
     model = _model()
     twin, ref_opt = _twin(model)
     flat = optkit.flat_parameters(model)
@@ -134,6 +135,7 @@ def test_replaced_gradients_fall_back_per_tensor_and_views_come_back():
         _assert_same(model, twin)
         if how in ("flat", "restored"):
             assert flat.views_intact()
+            assert opt.whole_grads() is not None  # the flat part serves (again): one gradient tensor
         else:
             assert not flat.views_intact()
             if how == "model.zero_grad":
@@ -245,7 +247,7 @@ def test_optimize_loss_over_a_subset_of_flat_parameters():
 
     op, ref = build(model), build(twin)
     whole, whole_grads = [], op._whole_grads
-    op._whole_grads = lambda idx: whole.append(whole_grads(idx)) or whole[-1]
+    op._whole_grads = lambda idx, seen: whole.append(whole_grads(idx, seen)) or whole[-1]
     for k in range(4):
         r, s = op(k), ref(k)
         torch.testing.assert_close(r.grad_norm, s.grad_norm, rtol=1e-6, atol=0)
@@ -255,3 +257,59 @@ def test_optimize_loss_over_a_subset_of_flat_parameters():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
     for p, f in zip(model[:4].parameters(), frozen):
         assert torch.equal(p.detach(), f)
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_loss_scale_optimizer_hands_what_it_read_to_the_step(hook):
+    """``LossScaleOptimizer`` over flat buffers checks the flat gradients and hands what it read of the
+    groups to the inner step (which then reads no gradient again); a step pre-hook on the inner optimizer
+    that replaces a gradient is honoured (the hand-over is ignored then). Either way the updates are
+    torch's, and nothing of the hand-over stays on the optimizer."""
+    model = _model()
+    twin, ref_opt = _twin(model)
+    flat = optkit.flat_parameters(model)
+    inner = optkit.Momentum(model.parameters(), LR, MU)
+    steps = []
+    if hook:  # from the second step on (the first builds the plan over the views)
+        def double_one(opt, args, kwargs):
+            if steps:
+                model[3].weight.grad = model[3].weight.grad * 2.0  # a new tensor: out of the flat gradient
+        inner.register_step_pre_hook(double_one)
+    opt = optkit.LossScaleOptimizer(inner, optkit.FixedLossScale(8.0))
+    gathers = []
+    gather = inner._gather
+    inner._gather = lambda group: gathers.append(1) or gather(group)
+    for k in range(4):
+        flat.zero_grad()  # the views come back (the hook's replacement is dropped)
+        opt.scale_loss(_loss(model, k)).backward()
+        assert flat.views_intact()
+        n_before = len(gathers)
+        opt.step()
+        ref_opt.zero_grad()
+        _loss(twin, k).backward()
+        if hook and steps:
+            twin[3].weight.grad *= 2.0
+        ref_opt.step()
+        steps.append(k)
+        _assert_same(model, twin)
+        assert "_gathered" not in inner.__dict__
+        if k >= 1 and not hook:  # plans exist: whole_grads read the groups, the step did not again
+            assert len(gathers) - n_before == len(inner.param_groups)
+
+
+def test_a_hand_over_is_removed_when_the_step_raises():
+    """What ``whole_grads`` read is handed to the step only for that call: a step that raises leaves no
+    ``_gathered`` behind."""
+    from optkit._wrapper import handed_over
+
+    model = _model()
+    optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    _loss(model, 0).backward()
+    opt.step()
+    seen = {}
+    assert opt.whole_grads(seen) is not None and seen
+    opt.register_step_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("hook")))
+    with pytest.raises(RuntimeError, match="hook"), handed_over(opt, seen):
+        opt.step()
+    assert "_gathered" not in opt.__dict__

@@ -196,6 +196,7 @@ class FlatPart:
         #: where each gradient view points (``p.grad.data = ...`` or ``p.grad.set_(...)`` keeps the object
         #: but moves its storage out of the flat gradient)
         self.grad_ptrs = list(map(Tensor.data_ptr, grad_objs))
+        self._grad_layout = [(g.shape, g.stride()) for g in grad_objs]  # each view's shape and strides
         self.all_idx = list(range(len(grad_objs)))  # the gather's indices when every gradient is a view
         self.all_wd = uniform_wd
         self.runs: list[tuple[int, int, int]] = []
@@ -261,8 +262,26 @@ class FlatPart:
         and pointer scans)."""
         if grads is self.grad_objs:  # handed out by the optimizer's gather after the same checks
             return True
-        return len(grads) == len(self.grad_objs) and all(map(operator.is_, grads, self.grad_objs)) \
-            and self.grads_in_place()
+        if len(grads) != len(self.grad_objs):
+            return False
+        if all(map(operator.is_, grads, self.grad_objs)):
+            return self.grads_in_place()
+        return self._adopt(grads)
+
+    def _adopt(self, grads: list[Tensor]) -> bool:
+        """Take ``grads`` as this plan's gradient objects when they are new objects for the same views (each
+        at the old one's address, with its shape and strides), as :meth:`optkit.FlatParameters.zero_grad`
+        makes after a gradient was replaced: the flat part then serves again without a new plan. False
+        (nothing changed) otherwise: separate gradients step per tensor."""
+        try:
+            if list(map(Tensor.data_ptr, grads)) != self.grad_ptrs:
+                return False
+        except (TypeError, RuntimeError):  # a None or a sparse gradient
+            return False
+        if [(g.shape, g.stride()) for g in grads] != self._grad_layout:
+            return False
+        self.grad_objs = list(grads)
+        return True
 
 
 class Plan:

@@ -32,8 +32,9 @@ before loading anything.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +89,24 @@ def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     while isinstance(opt, OptimizerWrapper):
         opt = opt.optimizer
     return opt
+
+
+@contextlib.contextmanager
+def handed_over(opt: torch.optim.Optimizer, gathered: dict | None) -> Iterator[None]:
+    """Inside the block, the innermost optkit optimizer of ``opt`` takes ``gathered`` (what its
+    :meth:`~optkit.Optimizer.whole_grads` just read of its groups) as ``_gathered``, so that its next step
+    does not read the gradients again; removed after, also when the step raises. For a caller whose code
+    between ``whole_grads`` and the step replaces no gradient (the step itself ignores it when a step
+    pre-hook could have)."""
+    inner = _innermost(opt) if gathered else None
+    if not isinstance(inner, Optimizer):
+        yield
+        return
+    inner._gathered = gathered
+    try:
+        yield
+    finally:
+        inner.__dict__.pop("_gathered", None)
 
 
 class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
@@ -232,10 +251,10 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         d = self.__dict__
         return d.get("grad_scale"), d.get("found_inf"), d.get("grad_multipliers")
 
-    def whole_grads(self) -> list[Tensor] | None:
+    def whole_grads(self, seen: dict | None = None) -> list[Tensor] | None:
         """The inner optimizer's :meth:`optkit.Optimizer.whole_grads` (flat gradients), or None."""
         whole = getattr(self.optimizer, "whole_grads", None)
-        return None if whole is None else whole()
+        return None if whole is None else whole(seen)
 
     def _params_with_grads(self) -> tuple[list[Tensor], list[Tensor]]:
         params, grads = [], []

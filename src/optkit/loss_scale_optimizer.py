@@ -42,7 +42,14 @@ from torch import Tensor
 
 from . import _multi_tensor as mt
 from ._gc import gc_paused
-from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs, _innermost, protocol_level
+from ._wrapper import (
+    OptimizerWrapper,
+    _autograd_pairs,
+    _check_pairs,
+    _innermost,
+    handed_over,
+    protocol_level,
+)
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 
 __all__ = ["LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer"]
@@ -69,13 +76,16 @@ def loss_scaled_step(
     outer_found: Tensor | None,
     multipliers: dict | None,
     step_grads: Sequence[Tensor] | None = None,
+    gathered: dict | None = None,
 ) -> Tensor:
     """Check, update the scaler and step ``wrapper.optimizer`` (the algorithm of the module doc).
 
     ``check_grads``: the gradients to check (they carry ``scale·outer_scale``); ``scale``: the loss scale the
     gradients carry, ``None`` when they are already unscaled; ``step_grads``: the gradients the inner
     optimizer will read (default ``check_grads``; they differ for fp32 master gradients), unscaled in place
-    when the inner optimizer cannot take ``grad_scale``. Returns ``wrapper.step_applied``.
+    when the inner optimizer cannot take ``grad_scale``; ``gathered``: what the innermost optimizer's
+    ``whole_grads`` read for ``check_grads``, handed to its step (:func:`handed_over`). Returns
+    ``wrapper.step_applied``.
     """
     step_grads = check_grads if step_grads is None else step_grads
     dev = wrapper._device()
@@ -105,7 +115,8 @@ def loss_scaled_step(
     skip = outer_found
     if check:
         skip = _max(skip, (~scaler.would_apply(found, amax)).to(torch.float32).to(dev))
-    applied = wrapper._delegate(grad_scale, skip, multipliers)
+    with handed_over(wrapper.optimizer, gathered):
+        applied = wrapper._delegate(grad_scale, skip, multipliers)
     if check:  # after the inner step: a step that raises (bad input) leaves the scale as it was
         scaler.update(found, amax)
     return applied
@@ -204,11 +215,13 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers, *, scaled: bool = True) -> None:
         whole = getattr(self.optimizer, "whole_grads", None)
-        grads = whole() if whole is not None else None  # flat buffers: one check over each flat gradient
+        seen: dict = {}
+        grads = whole(seen) if whole is not None else None  # flat buffers: one check over each flat gradient
         if grads is None:
             _, grads = self._params_with_grads()
         scale = self.loss_scaler() if scaled else None
-        loss_scaled_step(self, self.loss_scaler, grads, scale, grad_scale, found_inf, multipliers)
+        loss_scaled_step(self, self.loss_scaler, grads, scale, grad_scale, found_inf, multipliers,
+                         gathered=seen)
 
     # ---- TF1 surface ---------------------------------------------------------------------------------------
 

@@ -498,18 +498,30 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------ step
 
-    def whole_grads(self) -> list[Tensor] | None:
+    def whole_grads(self, seen: dict | None = None) -> list[Tensor] | None:
         """The gradients as few tensors, for reductions over all of them (wrappers' non-finite checks):
         each group's flat gradient when every group's cached plan is flat (:func:`optkit.flat_parameters`) and
-        this step's gradients are its views; None otherwise (then use the per-parameter gradients)."""
-        out = []
+        this step's gradients are its views; None otherwise (then use the per-parameter gradients).
+
+        ``seen``: a dict that receives what was read of each group (keyed by the group's id) when the result
+        is not None. A caller that steps this optimizer right after, with nothing in between that could
+        replace a gradient, may hand it to the step as ``_gathered`` (see :meth:`_apply`) to spare the step
+        reading the gradients again."""
+        out, got = [], {}
         for group in self.param_groups:
             plan = self._plans.get(id(group))
             flat = None if plan is None else plan.flat
-            if flat is None or len(flat.grad_objs) != len(group["params"]) \
-                    or not flat.same_grads([p.grad for p in group["params"]]):
+            if flat is None:
                 return None
+            idx, ps, gs = self._gather(group)
+            if gs is not flat.grad_objs:  # new objects for the same views are adopted, else per tensor
+                if len(idx) != len(ps) or len(ps) != len(group["params"]) or not flat.same_grads(gs):
+                    return None
+                idx, gs = flat.all_idx, flat.grad_objs
+            got[id(group)] = (idx, ps, gs)
             out.append(flat.grad)
+        if seen is not None:
+            seen.update(got)
         return out
 
     @torch.no_grad()
@@ -595,7 +607,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._ensure_slots()
         if self._any_dtensor:  # tensor + sequence parallel: Partial gradients are reduced before anything
             mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])
-        seen = getattr(multipliers, "gathered", None)  # what the wrapper's _flat_part read this step
+        # what a wrapper's _flat_part (or whole_grads, handed over as ``_gathered``) read this step
+        seen = getattr(multipliers, "gathered", None) or self.__dict__.get("_gathered")
         hooks = self._optimizer_step_pre_hooks or _torch_optimizer._global_optimizer_pre_hooks
         if seen and not hooks:
             gathered = [seen.get(id(g)) or self._gather(g) for g in self.param_groups]

@@ -82,7 +82,7 @@ from torch import Tensor, nn
 
 from . import _multi_tensor as mt
 from ._validation import check_params
-from ._wrapper import OptimizerWrapper, protocol_level
+from ._wrapper import OptimizerWrapper, handed_over, protocol_level
 from .clipping import clip_coefficient
 from .larc import LARC
 from .loss_scale import AutomaticLossScaler, DynamicLossScale, FixedLossScale, LossScale
@@ -661,15 +661,17 @@ class TrainOp:
         # over flat buffers both read each group's flat gradient once instead of tensor by tensor.
         norm = found_raw = inf_norms = None
         pp = self._pp
+        seen: dict = {}  # what whole_grads read of the optimizer's groups, handed to its step
         if self._checks and self.scaler.needs_amax:  # LogMax: whole-tensor max|g| per tensor, flag from it
             inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
-            raw = mt.global_norm(self._whole_grads(idx) or grads, pipeline_group=pp)
+            raw = mt.global_norm(self._whole_grads(idx, seen) or grads, pipeline_group=pp)
             norm = raw if denom is None else raw / denom
         elif self._checks:
-            raw, found_raw = mt.global_norm_and_found_inf(self._whole_grads(idx) or grads, pipeline_group=pp)
+            raw, found_raw = mt.global_norm_and_found_inf(self._whole_grads(idx, seen) or grads,
+                                                          pipeline_group=pp)
             norm = raw if denom is None else raw / denom
         elif self.clip_gradients is not None or (due and log.wants("global_gradient_norm")):
-            raw = mt.global_norm(self._whole_grads(idx) or grads, pipeline_group=pp)
+            raw = mt.global_norm(self._whole_grads(idx, seen) or grads, pipeline_group=pp)
             norm = raw if denom is None else raw / denom
 
         # (6) the raw gradients are divided by grad_scale = denom / coef (mean, unscale, clip in one factor)
@@ -698,7 +700,7 @@ class TrainOp:
 
         # (9) LARC (inside the wrapper stack), the update, p16 ← saturate(master) ("mixed"); then the scaler,
         # so an update that raises leaves the scale as it was
-        self._step_optimizer(grads, grad_scale, found)
+        self._step_optimizer(grads, grad_scale, found, seen)
         if self._checks:
             self.scaler.update(overflow, amax)
         if due and self._larc is not None and log.wants("larc_summaries"):
@@ -715,10 +717,11 @@ class TrainOp:
         self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
 
-    def _whole_grads(self, idx: list[int]) -> list[Tensor] | None:
+    def _whole_grads(self, idx: list[int], seen: dict) -> list[Tensor] | None:
         """The optimizer's flat gradients (:meth:`optkit.Optimizer.whole_grads`) when they hold exactly this
         update's gradients: every master has one, the masters are the optimizer's parameters and each group's
-        gradients are still the views of its flat gradient. None otherwise."""
+        gradients are still the views of its flat gradient (what was read goes into ``seen``). None
+        otherwise."""
         if not self._optkit_inst or len(idx) != len(self.masters):
             return None
         base = self.base_optimizer
@@ -727,7 +730,7 @@ class TrainOp:
             self._params_key = key
             self._masters_are_params = sum(key) == len(self.masters) and {
                 id(p) for g in base.param_groups for p in g["params"]} == {id(q) for q in self.masters}
-        return base.whole_grads() if self._masters_are_params else None
+        return base.whole_grads(seen) if self._masters_are_params else None
 
     def _window_items(self) -> Tensor:
         """The divisor of token-weighted accumulation, 0-d fp32: ``Σ num_items`` over the window, summed over
@@ -793,9 +796,11 @@ class TrainOp:
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         return (~torch.isfinite(both[0])).to(torch.float32), both[1]
 
-    def _step_optimizer(self, grads: list[Tensor], grad_scale: Tensor | None, found: Tensor | None) -> None:
+    def _step_optimizer(self, grads: list[Tensor], grad_scale: Tensor | None, found: Tensor | None,
+                        seen: dict | None = None) -> None:
         """Step the optimizer stack with the step protocol (``grad_scale``, ``found_inf``); the wrappers
-        forward them inward (LARC adds its ratios as ``grad_multipliers``)."""
+        forward them inward (LARC adds its ratios as ``grad_multipliers``). ``seen``: what the base
+        optimizer's ``whole_grads`` read this update (nothing since replaced a gradient), handed over."""
         opt = self.optimizer
         if self._level != "none":
             if grad_scale is not None:
@@ -807,7 +812,8 @@ class TrainOp:
                 base._zero_grads_in_pass = True
             zeroed: set[int] = set()
             try:
-                opt.step()
+                with handed_over(opt, seen):
+                    opt.step()
             finally:
                 if base is not None:
                     base._zero_grads_in_pass = False
