@@ -313,3 +313,26 @@ def test_a_hand_over_is_removed_when_the_step_raises():
     with pytest.raises(RuntimeError, match="hook"), handed_over(opt, seen):
         opt.step()
     assert "_gathered" not in opt.__dict__
+
+
+def test_a_probe_check_does_not_outlive_its_step():
+    """A wrapper's probe (``_flat_part``, as LARC's) remembers that it found the plan current, for the step
+    that takes its gathered lists only: a parameter taken out of its buffer after a probe whose step never
+    came is noticed by the next plain step, which stays torch's."""
+    model = _model()
+    twin, ref_opt = _twin(model)
+    optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    group = opt.param_groups[0]
+    for k in range(3):
+        opt.zero_grad()
+        _loss(model, k).backward()
+        if k == 1:
+            assert opt._flat_part(group) is not None and id(group) in opt._fit_seen  # no step follows
+            model[5].weight.data = model[5].weight.data.clone()
+            assert opt._flat_part(group) is None and id(group) not in opt._fit_seen  # a new probe sees it
+            assert opt._flat_part(group) is None
+        opt.step()
+        assert not opt._fit_seen  # consumed by the step
+        _ref_step(twin, ref_opt, k)
+        _assert_same(model, twin)

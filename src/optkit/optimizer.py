@@ -224,6 +224,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         #: optimize_loss takes and hands to _zero_grad to skip
         self._zero_grads_in_pass = False
         self._zeroed_groups: set[int] = set()
+        #: plans whose parameter storages a wrapper's probe (_flat_part) just checked, by group id: the step
+        #: right after (which takes the probe's gathered lists) does not check them again
+        self._fit_seen: dict[int, Plan] = {}
         self._ema_swapped = False  # inside an ema_weights() block
         self._any_dtensor = False  # whether a parameter is a DTensor (set as groups are added)
         self._slots_seen: dict[int, tuple[str, ...]] = {}  # id(group) -> the slots created for it
@@ -609,6 +612,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])
         # what a wrapper's _flat_part (or whole_grads, handed over as ``_gathered``) read this step
         seen = getattr(multipliers, "gathered", None) or self.__dict__.get("_gathered")
+        fit_seen, self._fit_seen = self._fit_seen, {}  # this step's only
         hooks = self._optimizer_step_pre_hooks or _torch_optimizer._global_optimizer_pre_hooks
         if seen and not hooks:
             gathered = [seen.get(id(g)) or self._gather(g) for g in self.param_groups]
@@ -623,8 +627,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
         # groups whose gradients are still the views of a flat buffer (optkit.flat_parameters): their cached
         # plan holds one flat gradient, so the reductions below read it once instead of tensor by tensor
-        flat_plans = [self._flat_plan(group, *gath, multipliers) for group, gath in zip(self.param_groups,
-                                                                                       gathered)]
+        if not (seen and not hooks and seen is getattr(multipliers, "gathered", None)):
+            fit_seen = {}  # storages checked by a probe count only for the probe's own gathered lists
+        flat_plans = [self._flat_plan(group, *gath, multipliers, fit_seen.get(id(group)))
+                      for group, gath in zip(self.param_groups, gathered)]
         # dense fallback for sparse gradients (subclasses with a sparse rule handle them in _sparse_update)
         sparse_handled = self._handle_sparse(
             [gath for gath, fp in zip(gathered, flat_plans) if fp is None], found_inf)
@@ -732,7 +738,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         return folds
 
     def _flat_plan(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor],
-                   multipliers: Any) -> Plan | None:
+                   multipliers: Any, fit_checked: Plan | None = None) -> Plan | None:
         """The group's cached plan when it has a flat part whose gradients are this step's (O(1) checks plus
         one identity scan of the gradients); None otherwise (then :meth:`_run_group` plans per tensor).
         With multipliers only for a :class:`~optkit._plan.RowMultipliers` that has a vector for this group,
@@ -747,7 +753,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return None
         # every parameter still where the plan's views point (``p.data = ...`` on one parameter takes it out
         # of the flat buffer; a C-speed pass, about 80 ns per parameter)
-        if not plan.flat.same_grads(grads) or not plan.params_fit(params):
+        if not plan.flat.same_grads(grads) or (plan is not fit_checked and not plan.params_fit(params)):
             return None
         if rows and not plan.flat.rows_pay:
             return None
@@ -757,7 +763,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         """For a wrapper about to pass per-parameter multipliers as :class:`~optkit._plan.RowMultipliers`
         (LARC): the group's flat part when this step will run over it (every parameter has its flat gradient
         view, the plan is current, the row runs pay), else None. O(1) checks plus one identity scan. The
-        gathered lists go into ``seen`` (keyed by the group's id) for the step to reuse."""
+        gathered lists go into ``seen`` (keyed by the group's id) for the step to reuse, and a plan found
+        current is remembered so that the step does not check its parameter storages again."""
+        self._fit_seen.pop(id(group), None)
         idx, params, grads = self._gather(group)
         if seen is not None:
             seen[id(group)] = (idx, params, grads)
@@ -773,6 +781,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 return None
             self._plan_for(group, idx, params, grads, self._blocked(group, probe))
             plan = self._flat_plan(group, idx, params, grads, probe)
+        if plan is not None:
+            self._fit_seen[id(group)] = plan
         return None if plan is None else plan.flat
 
     def _run_group(
