@@ -518,7 +518,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 return None
             idx, ps, gs = self._gather(group)
             if gs is not flat.grad_objs:  # new objects for the same views are adopted, else per tensor
-                if len(idx) != len(ps) or len(ps) != len(group["params"]) or not flat.same_grads(gs):
+                if len(ps) != len(group["params"]) or not flat.same_grads(gs):
                     return None
                 idx, gs = flat.all_idx, flat.grad_objs
             got[id(group)] = (idx, ps, gs)
