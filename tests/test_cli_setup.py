@@ -203,6 +203,15 @@ def test_api_reference_lists_every_public_name():
     assert not missing, f"docs/api.md lacks {missing}: run python tools/gen_api.py"
 
 
+def test_api_reference_is_current():
+    """``docs/api.md`` is exactly what ``tools/gen_api.py`` writes from today's docstrings and signatures."""
+    spec = importlib.util.spec_from_file_location("_gen_api", ROOT / "tools" / "gen_api.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    assert gen.render() == page, "docs/api.md is out of date: run python tools/gen_api.py"
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the demo's layers
 
