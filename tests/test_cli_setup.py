@@ -204,12 +204,12 @@ def test_api_reference_lists_every_public_name():
 
 
 def test_api_reference_is_current():
-    """``docs/api.md`` is exactly what ``tools/gen_api.py`` writes from today's docstrings and signatures."""
-    spec = importlib.util.spec_from_file_location("_gen_api", ROOT / "tools" / "gen_api.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
-    assert gen.render() == page, "docs/api.md is out of date: run python tools/gen_api.py"
+    """``docs/api.md`` is exactly what ``tools/gen_api.py`` writes from today's docstrings and signatures (run
+    in a fresh interpreter: torch wraps an optimizer class's ``step`` once an instance exists, which would
+    add members to the page)."""
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_api.py"), "--check"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -336,3 +336,41 @@ def test_a_probe_check_does_not_outlive_its_step():
         assert not opt._fit_seen  # consumed by the step
         _ref_step(twin, ref_opt, k)
         _assert_same(model, twin)
+
+
+def test_the_optimizers_zero_grad_points_gradients_back_at_their_views():
+    """As in Lightning, which calls ``model.zero_grad()`` once before the first backward: that first step
+    runs per tensor over separate gradients, then the optimizer's ``zero_grad()`` points every ``.grad`` back
+    at its (zeroed) view of the flat gradient, and the later steps run over the flat gradient. torch's
+    numbers throughout."""
+    model = _model()
+    twin, ref_opt = _twin(model)
+    flat = optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    model.zero_grad()
+    for k in range(4):
+        if k:
+            opt.zero_grad()
+        _loss(model, k).backward()
+        assert flat.views_intact() == (k > 0)
+        opt.step()
+        _ref_step(twin, ref_opt, k)
+        _assert_same(model, twin)
+        assert (opt.whole_grads() is not None) == (k > 0)
+
+
+def test_zero_grad_does_not_point_a_parameter_back_into_a_buffer_it_left():
+    """A parameter moved out of its buffer (``p.data = ...``) is an ordinary parameter again: the optimizer's
+    ``zero_grad()`` does not point its gradient at its old view (torch's ``set_to_none``) and forgets the
+    view."""
+    model = _model()
+    optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    model[5].weight.data = model[5].weight.data.clone()
+    model.zero_grad()
+    _loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    w = model[5].weight
+    assert flat_buffer_of(w) is None and w.grad is None and id(w) not in opt._flat_grad_views
+    assert flat_buffer_of(model[4].weight) is not None and model[4].weight.grad is not None

@@ -88,6 +88,22 @@ def test_lightning_trains_like_a_plain_loop():
     _assert_same(net, _plain_loop(_sgd, batches, 2))
 
 
+def test_lightning_keeps_flat_buffers_on_the_flat_path():
+    """Lightning clears gradients with the optimizer's ``zero_grad()``: over flat buffers the views stay, the
+    steps run over the flat gradient, and the weights are the plain loop's."""
+    made = []
+
+    def sgd_flat(net):
+        made.append(optkit.flat_parameters(net))
+        made.append(_sgd(net))
+        return made[-1]
+
+    net, batches = _lightning_fit(sgd_flat)
+    flat, opt = made
+    assert flat.views_intact() and opt.whole_grads() is not None
+    _assert_same(net, _plain_loop(_sgd, batches, 2))
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_lightning_gradient_clip_val_under_mixed_precision(precision):
     """Lightning refuses ``gradient_clip_val`` for optimizers that unscale inside ``step()`` (torch's fused
@@ -182,6 +198,23 @@ def test_hf_trainer_trains_like_a_plain_loop(tmp_path):
         ref_opt.step()
         sched.step()
     _assert_same(model, ref, tol=1e-5)
+
+
+def test_hf_trainer_over_flat_buffers_steps_per_tensor(tmp_path):
+    """The HF Trainer clears gradients with ``model.zero_grad()`` (None): over flat buffers each backward
+    makes separate gradients, so the steps run per tensor (the README says so); the weights are those of the
+    same Trainer run without flat buffers."""
+    made = []
+
+    def adam_flat(model):
+        made.append(optkit.flat_parameters(model))
+        return optkit.Adam(model.named_parameters(), learning_rate=1e-2)
+
+    model, opt = _hf_train(tmp_path / "flat", adam_flat)
+    flat = made[0]
+    assert not flat.views_intact() and opt.whole_grads() is None
+    ref, _ = _hf_train(tmp_path / "plain", lambda m: optkit.Adam(m.named_parameters(), learning_rate=1e-2))
+    _assert_same(model, ref, tol=1e-6)
 
 
 def test_hf_trainer_rejects_a_loss_scale_wrapper_with_a_clear_error(tmp_path):

@@ -21,7 +21,8 @@ Rules:
   gradient and keep the views (so, as with torch's ``set_to_none=False``, a parameter that took no part in a
   backward has a zero gradient, not None, and momentum and decay still move it). ``model.zero_grad()`` sets
   ``.grad`` to None; the next backward then creates separate gradients and the step falls back to the
-  per-tensor path (correct, slower) until views come back (:meth:`FlatParameters.zero_grad` restores them);
+  per-tensor path (correct, slower) until views come back: the optimizer's ``zero_grad()`` (for the views it
+  saw when it was built) and :meth:`FlatParameters.zero_grad` restore them;
 * ``p.data = ...`` on a flat parameter takes it out of its buffer, and ``p.grad.data = ...`` or
   ``p.grad.set_(...)`` its gradient out of the flat gradient (the optimizer notices both and steps per
   tensor, correct but slower): call :func:`flat_parameters` again;

@@ -311,8 +311,14 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._build_group(self.param_groups[-1])
 
     def _build_group(self, group: dict) -> None:
+        views = self.__dict__.setdefault("_flat_grad_views", {})
         for p in group["params"]:
             self._init_state(p, group)
+            g = p.grad
+            if g is not None and not g.is_sparse and g.shape == p.shape and flat_buffer_of(p) is not None:
+                # its gradient view in the flat gradient (optkit.flat_parameters), which zero_grad points
+                # .grad back at after a model.zero_grad() or a replacement (see _zero_grad)
+                views[id(p)] = (g, g.data_ptr(), p.untyped_storage().data_ptr())
         self._any_dtensor = self._any_dtensor or any(mt.is_dtensor(p) for p in group["params"])
 
     def _active_slots(self, group: dict) -> tuple[str, ...]:
@@ -548,9 +554,17 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             else:
                 rest.append(group)
         zero = []
+        views = self._flat_grad_views
         for group in rest:
+            restored = False
             for p in group["params"]:
                 g = p.grad
+                rec = views.get(id(p)) if views else None
+                if rec is not None and g is not rec[0]:
+                    if self._restore_flat_grad(p, *rec):
+                        restored = True
+                        continue
+                    del views[id(p)]  # p left that buffer (or the view moved): forget it
                 if g is None:
                     continue
                 if set_to_none and flat_buffer_of(p) is None:
@@ -561,8 +575,24 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 else:
                     g.requires_grad_(False)
                 zero.append(g)
+            plan = self._plans.get(id(group)) if restored else None
+            if plan is not None and plan.flat is None:  # planned over separate gradients: plan again
+                del self._plans[id(group)]
         for _, (_, (ts,)) in mt.group_by_device_dtype(zero).items() if zero else ():
             torch._foreach_zero_(ts)
+
+    @staticmethod
+    def _restore_flat_grad(p: Tensor, view: Tensor, ptr: int, storage: int) -> bool:
+        """Point ``p.grad`` back at its zeroed view of the flat gradient, recorded when the optimizer was
+        built (``model.zero_grad()`` set it to None, or the backward after it made a separate tensor): the
+        flat path then serves again. False, changing nothing, when the view moved or ``p`` is no longer in
+        the buffer it was in then (``p.data = ...``, ``flat_parameters`` again)."""
+        if view.data_ptr() != ptr or view.shape != p.shape or view.dtype != p.dtype \
+                or p.untyped_storage().data_ptr() != storage or flat_buffer_of(p) is None:
+            return False
+        view.zero_()
+        p.grad = view
+        return True
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
