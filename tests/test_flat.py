@@ -374,3 +374,22 @@ def test_zero_grad_does_not_point_a_parameter_back_into_a_buffer_it_left():
     w = model[5].weight
     assert flat_buffer_of(w) is None and w.grad is None and id(w) not in opt._flat_grad_views
     assert flat_buffer_of(model[4].weight) is not None and model[4].weight.grad is not None
+
+
+def test_flat_parameters_zero_grad_brings_a_plan_made_over_separate_gradients_back_to_the_flat_path():
+    """A first step over separate gradients (``model.zero_grad()`` before the first backward) plans without
+    a flat part; after ``FlatParameters.zero_grad()`` restored the views, the next step plans again and runs
+    over the flat gradient. torch's numbers throughout."""
+    model = _model()
+    twin, ref_opt = _twin(model)
+    flat = optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    model.zero_grad()
+    for k in range(3):
+        if k:
+            flat.zero_grad()
+        _loss(model, k).backward()
+        opt.step()
+        _ref_step(twin, ref_opt, k)
+        _assert_same(model, twin)
+        assert (opt.whole_grads() is not None) == (k > 0)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import _fused
 from . import _multi_tensor as mt
+from .flat import _VIEWS_RESTORED
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import Optimizer
@@ -289,6 +290,7 @@ class Plan:
 
     def __init__(self, opt: Optimizer, group: dict, idx, params, grads, blocked: bool, key) -> None:
         self.key = key
+        self.views_restored = _VIEWS_RESTORED[0]  # (see Optimizer._plan_for)
         self.names = [group["param_names"][i] for i in idx]
         st = opt.state
         for name, p in zip(self.names, params):

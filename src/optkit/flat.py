@@ -22,7 +22,8 @@ Rules:
   backward has a zero gradient, not None, and momentum and decay still move it). ``model.zero_grad()`` sets
   ``.grad`` to None; the next backward then creates separate gradients and the step falls back to the
   per-tensor path (correct, slower) until views come back: the optimizer's ``zero_grad()`` (for the views it
-  saw when it was built) and :meth:`FlatParameters.zero_grad` restore them;
+  saw when it was built) and :meth:`FlatParameters.zero_grad` restore them, and the next step runs over the
+  flat gradient again;
 * ``p.data = ...`` on a flat parameter takes it out of its buffer, and ``p.grad.data = ...`` or
   ``p.grad.set_(...)`` its gradient out of the flat gradient (the optimizer notices both and steps per
   tensor, correct but slower): call :func:`flat_parameters` again;
@@ -48,6 +49,10 @@ __all__ = ["flat_parameters", "FlatParameters", "flat_buffer_of"]
 #: the registry keeps no memory. A storage that later reuses the address and size is harmless: slots laid out
 #: in a buffer the size of a parameter's own storage are plain slots.
 _REGISTRY: set[tuple[int, int]] = set()
+
+#: bumped whenever :meth:`FlatParameters.zero_grad` points a ``.grad`` back at its view: a cached optimizer
+#: plan made over separate gradients (no flat part) is made again after it
+_VIEWS_RESTORED = [0]
 
 
 @dataclass
@@ -76,12 +81,16 @@ class FlatParameters:
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Zero every flat gradient (one fill per buffer) and point each ``.grad`` back at its view."""
+        restored = False
         for key, gflat in self.grads.items():
             gflat.zero_()
             for seg in self._segments[key]:
                 view = _segment_view(gflat, seg)
                 if seg.param.grad is not view and not _is_view_of(seg.param.grad, view):
                     seg.param.grad = view
+                    restored = True
+        if restored:
+            _VIEWS_RESTORED[0] += 1
 
     def views_intact(self) -> bool:
         """Whether every parameter and gradient is still its view into the flat buffers."""

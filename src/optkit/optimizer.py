@@ -56,7 +56,7 @@ from ._plan import FlatPart, Plan, PlanView, RowMultipliers, RunAux, check_slot_
 from ._state_dict import validate_state_dict
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
-from .flat import flat_buffer_of
+from .flat import _VIEWS_RESTORED, flat_buffer_of
 
 __all__ = ["Optimizer", "check_number", "autograd_pairs"]
 
@@ -956,7 +956,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         gradient no longer fits a chunking)."""
         key = (tuple(idx), self._plan_version, blocked, self.block_numel)
         plan = self._plans.get(id(group))
-        if plan is not None and plan.key == key and plan.grads_fit(grads) and plan.params_fit(params):
+        if plan is not None and plan.key == key and plan.grads_fit(grads) and plan.params_fit(params) \
+                and not (plan.flat is None and plan.views_restored != _VIEWS_RESTORED[0]
+                         and flat_buffer_of(params[0]) is not None):
+            # (a plan without a flat part over flat parameters is made again once FlatParameters.zero_grad
+            # restored gradient views)
             return plan
         plan = Plan(self, group, idx, params, grads, blocked, key)
         self._plans[id(group)] = plan
