@@ -338,10 +338,12 @@ def test_a_probe_check_does_not_outlive_its_step():
         _assert_same(model, twin)
 
 
-def test_the_optimizers_zero_grad_points_gradients_back_at_their_views():
+@pytest.mark.parametrize("clear", ["optimizer", "FlatParameters"])
+def test_gradients_come_back_to_their_views_after_model_zero_grad(clear):
     """As in Lightning, which calls ``model.zero_grad()`` once before the first backward: that first step
-    runs per tensor over separate gradients, then the optimizer's ``zero_grad()`` points every ``.grad`` back
-    at its (zeroed) view of the flat gradient, and the later steps run over the flat gradient. torch's
+    runs per tensor over separate gradients (its plan has no flat part), then the optimizer's
+    ``zero_grad()`` (or ``FlatParameters.zero_grad()``) points every ``.grad`` back at its zeroed view of the
+    flat gradient, the next step plans again, and the later steps run over the flat gradient. torch's
     numbers throughout."""
     model = _model()
     twin, ref_opt = _twin(model)
@@ -350,7 +352,7 @@ def test_the_optimizers_zero_grad_points_gradients_back_at_their_views():
     model.zero_grad()
     for k in range(4):
         if k:
-            opt.zero_grad()
+            (opt if clear == "optimizer" else flat).zero_grad()
         _loss(model, k).backward()
         assert flat.views_intact() == (k > 0)
         opt.step()
@@ -374,22 +376,3 @@ def test_zero_grad_does_not_point_a_parameter_back_into_a_buffer_it_left():
     w = model[5].weight
     assert flat_buffer_of(w) is None and w.grad is None and id(w) not in opt._flat_grad_views
     assert flat_buffer_of(model[4].weight) is not None and model[4].weight.grad is not None
-
-
-def test_flat_parameters_zero_grad_brings_a_plan_made_over_separate_gradients_back_to_the_flat_path():
-    """A first step over separate gradients (``model.zero_grad()`` before the first backward) plans without
-    a flat part; after ``FlatParameters.zero_grad()`` restored the views, the next step plans again and runs
-    over the flat gradient. torch's numbers throughout."""
-    model = _model()
-    twin, ref_opt = _twin(model)
-    flat = optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
-    model.zero_grad()
-    for k in range(3):
-        if k:
-            flat.zero_grad()
-        _loss(model, k).backward()
-        opt.step()
-        _ref_step(twin, ref_opt, k)
-        _assert_same(model, twin)
-        assert (opt.whole_grads() is not None) == (k > 0)

@@ -17,7 +17,9 @@ Nothing here calls ``.item()`` or branches on a tensor value: results stay on th
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -90,6 +92,19 @@ def values_of(t: Tensor) -> Tensor:
 def present(tensors: Iterable[Tensor | None]) -> list[Tensor]:
     """The non-``None`` entries of ``tensors``, in order."""
     return [t for t in tensors if t is not None]
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def with_grads(params: Sequence[Tensor]) -> tuple[list[int], list[Tensor], list[Tensor]]:
+    """(indices, parameters, gradients) of the entries of ``params`` that have a ``.grad``: one C-speed read
+    of every ``.grad`` and one ``None`` scan when all have one (the common case), a filter otherwise."""
+    grads = list(map(_GRAD, params))
+    if not any(map(operator.is_, grads, itertools.repeat(None))):
+        return list(range(len(params))), list(params), grads
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    return idx, [params[i] for i in idx], [grads[i] for i in idx]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -513,9 +513,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         this step's gradients are its views; None otherwise (then use the per-parameter gradients).
 
         ``seen``: a dict that receives what was read of each group (keyed by the group's id) when the result
-        is not None. A caller that steps this optimizer right after, with nothing in between that could
-        replace a gradient, may hand it to the step as ``_gathered`` (see :meth:`_apply`) to spare the step
-        reading the gradients again."""
+        is not None; optkit's wrappers and ``optimize_loss`` hand it to the step that follows, which then
+        does not read the gradients again."""
         out, got = [], {}
         for group in self.param_groups:
             plan = self._plans.get(id(group))
@@ -575,9 +574,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 else:
                     g.requires_grad_(False)
                 zero.append(g)
-            plan = self._plans.get(id(group)) if restored else None
-            if plan is not None and plan.flat is None:  # planned over separate gradients: plan again
-                del self._plans[id(group)]
+            if restored:  # a plan made over separate gradients is made again (see _plan_for)
+                _VIEWS_RESTORED[0] += 1
         for _, (_, (ts,)) in mt.group_by_device_dtype(zero).items() if zero else ():
             torch._foreach_zero_(ts)
 
@@ -625,11 +623,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 map(operator.is_, map(_GRAD, ps), flat.grad_objs)) and flat.grads_in_place():
             # still the flat part's gradient views, still in the flat gradient: C-speed passes, no new list
             return flat.all_idx, list(ps), flat.grad_objs
-        grads = [p.grad for p in ps]
-        if not any(map(operator.is_, grads, itertools.repeat(None))):
-            return list(range(len(ps))), list(ps), grads
-        idx = [i for i, g in enumerate(grads) if g is not None]
-        return idx, [ps[i] for i in idx], [grads[i] for i in idx]
+        return mt.with_grads(ps)
     def _apply(
         self, grad_scale: Tensor | None, found_inf: Tensor | None, multipliers: dict | None = None
     ) -> None:
@@ -641,7 +635,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if self._any_dtensor:  # tensor + sequence parallel: Partial gradients are reduced before anything
             mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])
         # what a wrapper's _flat_part (or whole_grads, handed over as ``_gathered``) read this step
-        seen = getattr(multipliers, "gathered", None) or self.__dict__.get("_gathered")
+        probed = getattr(multipliers, "gathered", None)
+        seen = probed or self.__dict__.get("_gathered")
         fit_seen, self._fit_seen = self._fit_seen, {}  # this step's only
         hooks = self._optimizer_step_pre_hooks or _torch_optimizer._global_optimizer_pre_hooks
         if seen and not hooks:
@@ -657,7 +652,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
         # groups whose gradients are still the views of a flat buffer (optkit.flat_parameters): their cached
         # plan holds one flat gradient, so the reductions below read it once instead of tensor by tensor
-        if not (seen and not hooks and seen is getattr(multipliers, "gathered", None)):
+        if hooks or not probed:
             fit_seen = {}  # storages checked by a probe count only for the probe's own gathered lists
         flat_plans = [self._flat_plan(group, *gath, multipliers, fit_seen.get(id(group)))
                       for group, gath in zip(self.param_groups, gathered)]
@@ -959,8 +954,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if plan is not None and plan.key == key and plan.grads_fit(grads) and plan.params_fit(params) \
                 and not (plan.flat is None and plan.views_restored != _VIEWS_RESTORED[0]
                          and flat_buffer_of(params[0]) is not None):
-            # (a plan without a flat part over flat parameters is made again once FlatParameters.zero_grad
-            # restored gradient views)
+            # (a plan without a flat part over flat parameters is made again once gradient views were
+            # restored: FlatParameters.zero_grad or this optimizer's zero_grad)
             return plan
         plan = Plan(self, group, idx, params, grads, blocked, key)
         self._plans[id(group)] = plan

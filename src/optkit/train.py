@@ -71,9 +71,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import itertools
 import numbers
-import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -95,7 +93,6 @@ __all__ = ["optimize_loss", "TrainOp", "StepResult"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, "mixed")
 _HALF = (torch.float16, torch.bfloat16)
-_GRAD = operator.attrgetter("grad")
 _LARC_REQUIRED = {"larc_eta": float}
 _LARC_OPTIONAL = {"larc_mode": ["clip", "scale"], "min_update": float, "epsilon": float}
 _DYNAMIC_OPTIONAL = {
@@ -621,13 +618,8 @@ class TrainOp:
     # ---- the update ---------------------------------------------------------------------------------------
 
     def _with_grads(self) -> tuple[list[int], list[Tensor], list[Tensor]]:
-        """(indices, masters, gradients) of the masters that have a gradient (C-speed passes when all do)."""
-        masters = self.masters
-        grads = list(map(_GRAD, masters))
-        if not any(map(operator.is_, grads, itertools.repeat(None))):
-            return list(range(len(masters))), list(masters), grads
-        idx = [i for i, g in enumerate(grads) if g is not None]
-        return idx, [masters[i] for i in idx], [grads[i] for i in idx]
+        """(indices, masters, gradients) of the masters that have a gradient."""
+        return mt.with_grads(self.masters)
 
     def _update(self, loss: Tensor, scale: Tensor) -> StepResult:
         if self._dtensor:  # Partial (tensor-parallel) gradients: reduced before any norm or update
