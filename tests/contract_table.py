@@ -237,6 +237,13 @@ ROWS: list[Row] = [
                                                            variant="tf1.14"),
         "lars", {"eeta": 0.01, "use_nesterov": True, "variant": "tf1.14"}, sparse="rows",
         sparse_rule="momentum", sparse_hp={"momentum": 0.9, "use_nesterov": True}),
+    # a binding global clip (the gradients' global norm is ~12) and momentum 0 with a large decay: the
+    # kernel's grad_scale carries s·k, the decay enters as (wd/k)·w
+    Row("LARS-wd-globalclip-m0", lambda ps, lr: optkit.LARS(
+        _named(ps), lr, momentum=0.0, weight_decay=0.05, eeta=0.01, skip_list=["bias"], global_clipnorm=4.0),
+        "lars", {"eeta": 0.01, "momentum": 0.0, "weight_decay": 0.05}, {"global_clipnorm": 4.0},
+        per_tensor=_lars_skip_bias, sparse="rows", sparse_rule="momentum", sparse_hp={"momentum": 0.0},
+        uses_names=True),
     Row("LAMB", lambda ps, lr: optkit.LAMB(_plain(ps), lr, weight_decay=0.01), "lamb",
         {"weight_decay": 0.01}),
     Row("LAMB-skiplist-clamp-nvlamb", lambda ps, lr: optkit.LAMB(
@@ -254,6 +261,10 @@ ROWS: list[Row] = [
     Row("LossScale(SGD,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
         optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), optkit.DynamicLossScale(256.0)),
         "keras_sgd", {"momentum": 0.9}, feed_scale=256.0),
+    Row("LossScale(LARS-wd,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
+        optkit.LARS(_plain(ps), lr, eeta=0.01, weight_decay=0.05), optkit.DynamicLossScale(256.0)),
+        "lars", {"eeta": 0.01, "weight_decay": 0.05}, feed_scale=256.0, sparse="rows", sparse_rule="momentum",
+        sparse_hp={"momentum": 0.9}),
     Row("LossScale(Adam,fixed)", lambda ps, lr: optkit.LossScaleOptimizer(optkit.Adam(_plain(ps), lr), 64.0),
         "adam", feed_scale=64.0),
     Row("LARC(Momentum)", lambda ps, lr: optkit.LARC(optkit.Momentum(_plain(ps), lr, 0.9), 0.02),

@@ -281,7 +281,8 @@ def test_sparse_gradients(row_id):
     rows = sorted(set(SPARSE_ROWS))
     others = [i for i in range(SPARSE_SHAPE[0]) if i not in rows]
     assert torch.equal(w.detach()[others], w0[others]), "untouched rows must not change"
-    sub = Reference(row.sparse_rule, [w0[rows].numpy()], row.sparse_hp or row.hp, {"lr": LR})
+    clip = {k: v for k, v in row.base.items() if k in ("clipnorm", "clipvalue", "global_clipnorm")}
+    sub = Reference(row.sparse_rule, [w0[rows].numpy()], row.sparse_hp or row.hp, {"lr": LR, **clip})
     for g in dense:
         sub.step([g[rows].numpy()])
     np.testing.assert_allclose(w.detach()[rows].numpy(), sub.ws[0], rtol=1e-10, atol=1e-12)

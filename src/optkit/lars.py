@@ -23,7 +23,10 @@ Implementation (the point is speed): all per-tensor norms come from two read-onl
 stacked vectors (no host sync, no per-parameter Python arithmetic). The elementwise part then runs block by
 block over cache-sized chunks (the base's blocked pass): for TF 1.15 ``g ← s·k·g + s·wd·w`` (two in-cache
 foreach kernels) and torch's fused SGD kernel with ``lr = 1`` (``a ← m·a + u; w ← w − a``) which also takes
-``found_inf``, so a skipped step changes nothing. Main memory sees the two norm passes plus one update sweep.
+``found_inf``, so a skipped step changes nothing. Blocks of at most four chunks (large tensors) write
+``u = s·k·(g + (wd/k)·w)`` instead: one in-cache pass adds the decay, and the kernel takes ``s·k`` as
+``grad_scale = 1/(s·k)`` (it divides the gradient first); float32 and narrower only, since the kernel's
+``grad_scale`` is float32. Main memory sees the two norm passes plus one update sweep.
 """
 
 from __future__ import annotations
@@ -42,24 +45,29 @@ from .optimizer import Optimizer, check_number
 __all__ = ["LARS"]
 
 _VARIANTS = ("tf1.15", "tf1.14")
+_SCALE_IN_KERNEL = 4  # blocks of at most this many chunks pass s·k to the fused kernel as 1/grad_scale
 
 
-def _fused(params, grads, bufs, *, weight_decay, momentum, lr, nesterov, found_inf) -> None:
+def _fused(params, grads, bufs, *, weight_decay, momentum, lr, nesterov, found_inf, grad_scale=None) -> None:
     """``torch._fused_sgd_`` with dampening 0 (``bufs`` empty: no momentum buffer); callers are inside the
-    optimizer's fused-kernel gate."""
+    optimizer's fused-kernel gate. The kernel divides the gradient by ``grad_scale`` before anything else."""
     torch._fused_sgd_(
         params, grads, bufs,
         weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0, nesterov=nesterov,
-        maximize=False, is_first_step=False, grad_scale=None, found_inf=found_inf,
+        maximize=False, is_first_step=False, grad_scale=grad_scale, found_inf=found_inf,
     )
 
 
-def _momentum_step(p, u, a, m, nesterov, found_inf) -> None:
-    """``a ← m·a + u``; ``p ← p − a`` (Nesterov ``p ← p − u − m·a``); nothing changes when found_inf is 1."""
+def _momentum_step(p, u, a, m, nesterov, found_inf, grad_scale=None) -> None:
+    """``a ← m·a + u``; ``p ← p − a`` (Nesterov ``p ← p − u − m·a``), with ``u`` the given gradient divided
+    by ``grad_scale``; nothing changes when found_inf is 1."""
     if m != 0.0:
-        _fused(p, u, a, weight_decay=0.0, momentum=m, lr=1.0, nesterov=nesterov, found_inf=found_inf)
+        _fused(p, u, a, weight_decay=0.0, momentum=m, lr=1.0, nesterov=nesterov, found_inf=found_inf,
+               grad_scale=grad_scale)
         return
     # m == 0: a ← u (TF keeps the slot) and p ← p − u
+    if grad_scale is not None:  # (whether a kernel stores the divided gradient back differs by device)
+        torch._foreach_div_(u, grad_scale)
     _fused(a, u, [], weight_decay=-1.0, momentum=0.0, lr=-1.0, nesterov=False, found_inf=found_inf)
     _fused(p, u, [], weight_decay=0.0, momentum=0.0, lr=1.0, nesterov=False, found_inf=found_inf)
 
@@ -157,6 +165,7 @@ class LARS(Optimizer):
         if "weight_decay" in kwargs:  # pragma: no cover - guarded by the signature
             raise TypeError("`weight_decay` given twice")
         self._static_cache: dict = {}
+        self._inv_cache: dict = {}  # id(s·k) -> (s·k, 1/(s·k)) within one step (see _update)
         super().__init__(
             params, learning_rate, weight_decay=float(weight_decay), momentum=float(momentum),
             eeta=float(eeta), epsilon=float(epsilon), skip_list=skip_list, use_nesterov=use_nesterov,
@@ -177,6 +186,12 @@ class LARS(Optimizer):
             "skip_list": None if d["skip_list"] is None else list(d["skip_list"]),
             "use_nesterov": d["use_nesterov"], "variant": d["variant"], "exclude_1d": d["exclude_1d"],
         }
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_static_cache"] = {}
+        state["_inv_cache"] = {}
+        return state
 
     def _pointwise_hyper(self, group: dict) -> tuple:
         return (float(group["momentum"]), bool(group["use_nesterov"]), group["variant"])
@@ -206,7 +221,7 @@ class LARS(Optimizer):
         wd_vec = torch.tensor([0.0 if sk else wd for sk in skipped], dtype=dtype, device=dev)
         index = torch.tensor(adapt, dtype=torch.long, device=dev)
         mask = torch.tensor([not sk for sk in skipped], dtype=torch.bool, device=dev)
-        value = (adapt, len(adapt) == len(params), index, wd_vec, mask)
+        value = (adapt, len(adapt) == len(params), index, wd_vec, mask, [0.0 if sk else wd for sk in skipped])
         self._static_cache[id(group)] = (key, value, plan)
         return value
 
@@ -217,11 +232,12 @@ class LARS(Optimizer):
         ``s = lr·trust``. One grouped norm call (two read-only passes: weights and gradients), stacked
         vector arithmetic, no host sync."""
         n = len(params)
+        self._inv_cache.clear()
         dev = mt.local(params[0]).device
         dtype = torch.float64 if mt.local(params[0]).dtype == torch.float64 else torch.float32
         if not plan.flat_active:
             dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        adapt, all_adapt, index, wd_vec, mask = self._static(group, plan, params, dev, dtype)
+        adapt, all_adapt, index, wd_vec, mask, _ = self._static(group, plan, params, dev, dtype)
         lr = lr.to(device=dev, dtype=dtype)
         if plan.flat_active and plan.flat.rows_pay:
             return self._prepare_rows(group, plan.flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask)
@@ -281,14 +297,33 @@ class LARS(Optimizer):
         nesterov = bool(group["use_nesterov"])
         b15 = group["variant"] == "tf1.15"
         lists = (params, grads, slots["momentum"])
-        for device, _, mode, ix, (p, g, a) in self._kernel_parts("sgd", lists, (0, 2)):
+        for device, dtype, mode, ix, (p, g, a) in self._kernel_parts("sgd", lists, (0, 2)):
             fi = None if found_inf is None else found_inf.to(device)
             part_aux = aux if len(ix) == len(params) else [aux[i] for i in ix]
             if mode == "fallback":
                 self._pointwise_fallback(group, p, g, [a], lr, k, fi, part_aux)
                 continue
             f1, f2 = (list(x) for x in zip(*part_aux))  # (s·k, s·wd) for TF 1.15, (s, s·m) for TF 1.14
-            if b15:
+            if b15 and len(p) <= _SCALE_IN_KERNEL and self._block is not None and dtype != torch.float64 \
+                    and f1[0].dim() == 0:  # (not the (rows, 1) columns of a flat buffer's row runs)
+                # chunks of a few large tensors: u = s·k·(g + (wd/k)·w), the decay added in cache and s·k
+                # taken by the kernel as 1/grad_scale (one in-cache pass fewer than the form below)
+                wd_of = self._static_cache[id(group)][1][5]
+                kinv = None if k is None else torch.reciprocal(k.to(device=device, dtype=torch.float32))
+                for j, o in enumerate(self._block.owners if len(ix) == len(params) else
+                                      [self._block.owners[i] for i in ix]):
+                    wd = wd_of[o]
+                    if wd != 0.0:
+                        if kinv is None:
+                            g[j].add_(p[j], alpha=wd)
+                        else:
+                            g[j].addcmul_(p[j], (kinv * wd).to(g[j].dtype))
+                    inv = self._inv_cache.get(id(f1[j]))  # (a tensor's chunks share its factor)
+                    if inv is None or inv[0] is not f1[j]:
+                        inv = (f1[j], torch.reciprocal(f1[j].to(device=device, dtype=torch.float32)))
+                        self._inv_cache[id(f1[j])] = inv
+                    _momentum_step(p[j:j + 1], g[j:j + 1], a[j:j + 1], m, nesterov, fi, inv[1])
+            elif b15:
                 # u = s·k·g + s·wd·w (in cache), then a ← m·a + u; w ← w − a (or − u − m·a) in one fused pass
                 torch._foreach_mul_(g, f1)
                 torch._foreach_addcmul_(g, p, f2)
