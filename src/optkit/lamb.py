@@ -210,6 +210,7 @@ class LAMB(Optimizer):
         self._global_grad_norm_clip = None if global_grad_norm_clip is None else float(global_grad_norm_clip)
         self._static_cache: dict[int, tuple] = {}
         self._block_cache: dict[int, tuple] = {}
+        self._direct_cache: dict[int, tuple] = {}  # id(group) -> (plan, (flags, all)): see _direct_flags
         self._skip: Tensor | None = None
         super().__init__(
             params, learning_rate, weight_decay=float(weight_decay), beta1=float(beta1), beta2=float(beta2),
@@ -247,6 +248,7 @@ class LAMB(Optimizer):
         state = super().__getstate__()
         state["_static_cache"] = {}
         state["_block_cache"] = {}  # scratch buffers and views of the cached plans
+        state["_direct_cache"] = {}
         return state
 
     def _pointwise_hyper(self, group: dict) -> tuple:
@@ -390,13 +392,31 @@ class LAMB(Optimizer):
                 0, st.index, trust) * lr
         else:
             s = lr.expand(n)
+        e = eps * bc2_sqrt
+        direct = self._direct_flags(group, plan, params) if self._cpu_direct and not tracing else None
+        if self._skip is not None:  # s = 1 on a skipped step: pass 2 then leaves the gradient as it is
+            s = torch.where(self._skip.to(dev) > 0, torch.ones_like(s), s)  # (exactly 1 where s is NaN too)
+        if direct is not None and direct[1]:  # every tensor direct: pass 2 reads only s (no c, s·wd lists)
+            return [(None, None, e, si, False, True) for si in s.unbind()]
         c = (s * (bc2_sqrt / bc1)).unbind()
         swd = (s * st.wd_vec).unbind()
-        e = eps * bc2_sqrt
-        direct = self._cpu_direct and not tracing
-        return [(ci, wi, e, si, p.dtype in _HALF,
-                 direct and p.dtype not in _HALF and mt.local(p).device.type == "cpu")
-                for ci, wi, si, p in zip(c, swd, s.unbind(), params)]
+        flags = direct[0] if direct is not None else [False] * n
+        return [(ci, wi, e, si, p.dtype in _HALF, d)
+                for ci, wi, si, p, d in zip(c, swd, s.unbind(), params, flags)]
+
+    def _direct_flags(self, group: dict, plan: Any, params: list[Tensor]) -> tuple[list[bool], bool]:
+        """Per tensor: whether pass 2 finds ``u`` in the gradient chunk (float32/float64 on the CPU, where the
+        fused SGD kernel exists), and whether all do; cached per plan (a dtype or device change replaces
+        the storage, and so the plan)."""
+        hit = self._direct_cache.get(id(group))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        loc = [mt.local(p) for p in params]
+        flags = [t.device.type == "cpu" and t.dtype not in _HALF
+                 and _fused.native_dtype_ok("sgd", t.device, t.dtype) for t in loc]
+        value = (flags, all(flags))
+        self._direct_cache[id(group)] = (plan, value)
+        return value
 
     # ------------------------------------------------------------------------------ flat buffers: row runs
 
@@ -684,11 +704,8 @@ class LAMB(Optimizer):
                         torch._fused_sgd_([p[j]], [g[j]], [], weight_decay=0.0, momentum=0.0, lr=a[3],
                                           dampening=0.0, nesterov=False, maximize=False, is_first_step=False,
                                           grad_scale=None, found_inf=fi)
-                else:  # (times 1 on a skipped step: the gradient is then left as it was)
-                    s_vec = torch.stack([a[3] for a in part_aux])
-                    if fi is not None:
-                        s_vec = torch.where(fi > 0, torch.ones_like(s_vec), s_vec)  # (1 where s is NaN too)
-                    torch._foreach_mul_(g, list(s_vec.unbind()))
+                else:  # (s is 1 on a skipped step, see _prepare: the gradient is then left as it was)
+                    torch._foreach_mul_(g, [a[3] for a in part_aux])
                     torch._fused_sgd_(p, g, [], weight_decay=0.0, momentum=0.0, lr=1.0, dampening=0.0,
                                       nesterov=False, maximize=False, is_first_step=False, grad_scale=None,
                                       found_inf=fi)
