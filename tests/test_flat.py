@@ -189,6 +189,32 @@ def test_a_gradient_moved_out_of_the_flat_gradient_is_followed(how):
         _assert_same(model, twin)
 
 
+@pytest.mark.parametrize("how", ["param.data", "param.t_", "grad.t_"])
+def test_a_tensor_restrided_in_place_is_followed(how):
+    """An alias of the same memory with other strides (``p.data = p.data.t()`` or ``p.t_()`` on a square
+    weight, ``p.grad.t_()``) keeps every data pointer: the step follows the new strides per tensor, as torch
+    does, instead of pairing parameter and gradient memory laid out differently."""
+    model = _model()
+    twin, ref_opt = _twin(model)
+    optkit.flat_parameters(model)
+    opt = optkit.Momentum(model.parameters(), LR, MU)
+    for k in range(4):
+        for m, o in ((model, opt), (twin, ref_opt)):
+            w = m[4].weight  # 5 x 5
+            if k == 2 and how.startswith("param"):
+                with torch.no_grad():
+                    if how == "param.data":
+                        w.data = w.data.t()
+                    else:
+                        w.t_()
+            o.zero_grad()
+            _loss(m, k).backward()
+            if k == 2 and how == "grad.t_":
+                w.grad.t_()
+            o.step()
+        _assert_same(model, twin)
+
+
 def test_a_loaded_state_goes_back_into_the_flat_buffers():
     """``load_state_dict`` into an optimizer over flat parameters puts the loaded slots and EMA averages back
     into their flat buffers (a resumed run keeps the one-run step), and the run continues exactly as the
@@ -259,23 +285,49 @@ def test_optimize_loss_over_a_subset_of_flat_parameters():
         assert torch.equal(p.detach(), f)
 
 
-@pytest.mark.parametrize("hook", [False, True])
+def test_optimize_loss_honours_a_step_pre_hook_on_its_wrapper():
+    """A step pre-hook on the train op's optimizer (here LARC around SGD) runs after the train op read the
+    flat gradients: when it replaces a gradient, the update uses the replacement (nothing read before the
+    hook is handed to the inner step), as on a plain copy of the model."""
+    models = [_model(), _model()]
+    models[1].load_state_dict(models[0].state_dict())
+    optkit.flat_parameters(models[0])
+    ops = []
+    for m in models:
+        op = optkit.optimize_loss(lambda k, m=m: _loss(m, k), "SGD", {"momentum": MU}, LR,
+                                  larc_params={"larc_eta": 0.002}, loss_scaling="dynamic", model=m)
+        calls = []
+
+        def zero_one(opt, args, kwargs, m=m, calls=calls):  # from the third update on
+            calls.append(1)
+            if len(calls) >= 3:
+                m[3].weight.grad = torch.zeros_like(m[3].weight)
+        op.optimizer.register_step_pre_hook(zero_one)
+        ops.append(op)
+    for k in range(5):
+        for op in ops:
+            op(k)
+        _assert_same(*models)
+
+
+@pytest.mark.parametrize("hook", [None, "inner", "middle wrapper"])
 def test_loss_scale_optimizer_hands_what_it_read_to_the_step(hook):
     """``LossScaleOptimizer`` over flat buffers checks the flat gradients and hands what it read of the
-    groups to the inner step (which then reads no gradient again); a step pre-hook on the inner optimizer
-    that replaces a gradient is honoured (the hand-over is ignored then). Either way the updates are
-    torch's, and nothing of the hand-over stays on the optimizer."""
+    groups to the inner step (which then reads no gradient again); a step pre-hook that replaces a gradient,
+    on the inner optimizer or on a wrapper between (it runs after the read), is honoured (nothing is handed
+    over then). Either way the updates are torch's, and nothing of the hand-over stays on the optimizer."""
     model = _model()
     twin, ref_opt = _twin(model)
     flat = optkit.flat_parameters(model)
     inner = optkit.Momentum(model.parameters(), LR, MU)
+    middle = optkit.VariableClippingOptimizer(inner, {}, max_norm=1.0)  # clips nothing
     steps = []
     if hook:  # from the second step on (the first builds the plan over the views)
         def double_one(opt, args, kwargs):
             if steps:
                 model[3].weight.grad = model[3].weight.grad * 2.0  # a new tensor: out of the flat gradient
-        inner.register_step_pre_hook(double_one)
-    opt = optkit.LossScaleOptimizer(inner, optkit.FixedLossScale(8.0))
+        (inner if hook == "inner" else middle).register_step_pre_hook(double_one)
+    opt = optkit.LossScaleOptimizer(middle, optkit.FixedLossScale(8.0))
     gathers = []
     gather = inner._gather
     inner._gather = lambda group: gathers.append(1) or gather(group)

@@ -33,6 +33,22 @@ def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
     return [mt.local(p).data_ptr() for p in params] if dtensor else list(map(Tensor.data_ptr, params))
 
 
+def _permutable(ts: list[Tensor]) -> list[int]:
+    """Positions of the tensors whose strides can change while their address and shape stay (two equal
+    dimensions of size > 1: ``p.data = p.data.t()`` on a square weight, ``p.t_()``), which a pointer check
+    misses; their strides are compared too (others cannot be re-strided in place without ``as_strided``)."""
+    out = []
+    for i, t in enumerate(ts):
+        dims = [d for d in t.shape if d > 1]
+        if len(dims) != len(set(dims)):
+            out.append(i)
+    return out
+
+
+def _strides(ts: list[Tensor], idx: list[int]) -> list[tuple[int, ...]]:
+    return [mt.local(ts[i]).stride() for i in idx]
+
+
 def check_slot_fits(name: str, slot: str, p: Tensor, t: object) -> None:
     """Raise ``ValueError`` naming the parameter and slot unless ``t`` is a tensor with ``p``'s shape, dtype
     and device (local shards compared for DTensors)."""
@@ -198,6 +214,8 @@ class FlatPart:
         #: but moves its storage out of the flat gradient)
         self.grad_ptrs = list(map(Tensor.data_ptr, grad_objs))
         self._grad_layout = [(g.shape, g.stride()) for g in grad_objs]  # each view's shape and strides
+        self._grad_perm = _permutable(grad_objs)
+        self._grad_perm_strides = _strides(grad_objs, self._grad_perm)
         self.all_idx = list(range(len(grad_objs)))  # the gather's indices when every gradient is a view
         self.all_wd = uniform_wd
         self.runs: list[tuple[int, int, int]] = []
@@ -256,7 +274,8 @@ class FlatPart:
     def grads_in_place(self) -> bool:
         """Whether every gradient view still points into the flat gradient (a C-speed pointer scan, about
         70 ns per parameter)."""
-        return list(map(Tensor.data_ptr, self.grad_objs)) == self.grad_ptrs
+        return list(map(Tensor.data_ptr, self.grad_objs)) == self.grad_ptrs and (
+            not self._grad_perm or _strides(self.grad_objs, self._grad_perm) == self._grad_perm_strides)
 
     def same_grads(self, grads: list[Tensor]) -> bool:
         """Whether ``grads`` are this plan's gradient objects, still in the flat gradient (C-speed identity
@@ -308,6 +327,8 @@ class Plan:
         self.uniform_wd = self.use_wd[0] if all(w == self.use_wd[0] for w in self.use_wd) else None
         self.any_dtensor = any(mt.is_dtensor(t) for t in params) or any(mt.is_dtensor(g) for g in grads)
         self._ptrs = _data_ptrs(params, self.any_dtensor)
+        self._perm = _permutable(params)
+        self._perm_strides = _strides(params, self._perm)
         loc = mt.local
         lists = [[loc(p) for p in params], [loc(g) for g in grads]]
         lists += [[loc(t) for t in self.slots[s]] for s in slot_keys]
@@ -330,8 +351,10 @@ class Plan:
 
     def params_fit(self, params: list[Tensor]) -> bool:
         """Whether the parameters still live where the plan's chunk views point (``p.data = ...`` or a move
-        to another device replaces the storage)."""
-        return self._ptrs == _data_ptrs(params, self.any_dtensor)
+        to another device replaces the storage), with the same strides (an alias of the same memory with
+        other strides, such as ``p.data = p.data.t()`` on a square weight)."""
+        return self._ptrs == _data_ptrs(params, self.any_dtensor) and (
+            not self._perm or _strides(params, self._perm) == self._perm_strides)
 
     def grads_fit(self, grads: list[Tensor]) -> bool:
         """Whether this step's gradients can be cut like the plan's (contiguous, same shape)."""

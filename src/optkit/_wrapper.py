@@ -85,6 +85,15 @@ def step_inner(opt: torch.optim.Optimizer) -> Any:
     return out
 
 
+def _wrapper_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` or a wrapper inside it (above the innermost optimizer) has a step pre-hook."""
+    while isinstance(opt, OptimizerWrapper):
+        if opt._optimizer_step_pre_hooks:
+            return True
+        opt = opt.optimizer
+    return False
+
+
 def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     while isinstance(opt, OptimizerWrapper):
         opt = opt.optimizer
@@ -96,10 +105,11 @@ def handed_over(opt: torch.optim.Optimizer, gathered: dict | None) -> Iterator[N
     """Inside the block, the innermost optkit optimizer of ``opt`` takes ``gathered`` (what its
     :meth:`~optkit.Optimizer.whole_grads` just read of its groups) as ``_gathered``, so that its next step
     does not read the gradients again; removed after, also when the step raises. For a caller whose code
-    between ``whole_grads`` and the step replaces no gradient (the step itself ignores it when a step
-    pre-hook could have)."""
+    between ``whole_grads`` and the step replaces no gradient. Nothing is handed over when a wrapper between
+    ``opt`` and the innermost optimizer has a step pre-hook (it runs after the read and may replace a
+    gradient); the innermost step itself ignores it under its own or global pre-hooks."""
     inner = _innermost(opt) if gathered else None
-    if not isinstance(inner, Optimizer):
+    if not isinstance(inner, Optimizer) or _wrapper_hooks(opt):
         yield
         return
     inner._gathered = gathered

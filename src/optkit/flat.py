@@ -25,8 +25,10 @@ Rules:
   saw when it was built) and :meth:`FlatParameters.zero_grad` restore them, and the next step runs over the
   flat gradient again;
 * ``p.data = ...`` on a flat parameter takes it out of its buffer, and ``p.grad.data = ...`` or
-  ``p.grad.set_(...)`` its gradient out of the flat gradient (the optimizer notices both and steps per
-  tensor, correct but slower): call :func:`flat_parameters` again;
+  ``p.grad.set_(...)`` its gradient out of the flat gradient; an alias of the same memory with other strides
+  (``p.data = p.data.t()`` or ``p.t_()`` on a square weight, ``p.grad.t_()``) no longer matches the buffer's
+  layout. The optimizer notices each and steps per tensor, correct but slower: call :func:`flat_parameters`
+  again;
 * DDP works (its reduced gradients are copied into the views), but not with ``gradient_as_bucket_view=True``
   (that replaces the views); FSDP2 / DTensor parameters are refused (FSDP2 keeps flat shards of its own);
   sparse gradients fall back to the per-tensor path for their parameter's group.
