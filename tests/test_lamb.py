@@ -16,6 +16,7 @@ Upstream sources of the golden values:
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -434,10 +435,15 @@ def test_timm_rosenbrock():
 
 
 def test_jit_compile_and_compiled_step_match_eager():
-    """``jit_compile=True`` (the pointwise rule) and ``torch.compile(opt.step)`` give the eager result."""
+    """``jit_compile=True`` (the pointwise rule) and ``torch.compile(opt.step)`` give the eager result; the
+    update really compiles (a failed compile falls back to eager with a warning, and would match too)."""
     ws, grads = _problem(7, steps=3)
     eager, _ = _opt_run(ws, grads, dtype=torch.float32, learning_rate=0.05, weight_decay=0.01)
-    jit, _ = _opt_run(ws, grads, dtype=torch.float32, learning_rate=0.05, weight_decay=0.01, jit_compile=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="jit_compile")
+        jit, jopt = _opt_run(ws, grads, dtype=torch.float32, learning_rate=0.05, weight_decay=0.01,
+                             jit_compile=True)
+    assert jopt._compile_state == "ok"
     for a, b in zip(eager, jit):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     ts = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in ws]

@@ -394,3 +394,35 @@ def test_config_keeps_options():
         "exclude_1d": True,
     }
     assert LARS.from_config(cfg, [("w", torch.ones(2, requires_grad=True))]).get_config() == cfg
+
+
+@pytest.mark.parametrize("variant,nesterov", [("tf1.15", False), ("tf1.14", True)])
+def test_jit_compile_matches_eager(variant, nesterov):
+    """``jit_compile=True`` (LARS's pointwise rule in one compiled graph) really compiles and gives the eager
+    result, with a skip list, under a loss scale's unscaling factor (global clipping) and a skipped step."""
+    import warnings
+
+    torch.manual_seed(3)
+    shapes = [(6, 5), (5,), (4, 3, 2)]
+    w0 = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
+    runs = []
+    for jit in (False, True):
+        ts = [w.clone().requires_grad_() for w in w0]
+        opt = LARS(list(zip(["a.weight", "a.bias", "b.weight"], ts)), 0.5, momentum=0.9, weight_decay=0.01,
+                   eeta=0.01, skip_list=["bias"], use_nesterov=nesterov, variant=variant, global_clipnorm=2.0,
+                   jit_compile=jit)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="jit_compile")
+            for k, gs in enumerate(grads):
+                for t, g in zip(ts, gs):
+                    t.grad = g.clone()
+                if k == 2:
+                    opt.found_inf = torch.ones(())
+                opt.step()
+                opt.__dict__.pop("found_inf", None)
+        if jit:
+            assert opt._compile_state == "ok"
+        runs.append([t.detach() for t in ts])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -147,6 +147,33 @@ def test_found_inf_leaves_everything_bit_identical(kind):
     assert bool(opt.step_applied) and int(opt.iterations) == 2
 
 
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_skipped_step_leaves_a_scheduled_learning_rate_as_it_was(wrapped):
+    """With a schedule, each applied step writes the value it used to the group's ``lr`` (Keras reads the
+    schedule the same way); a skipped step (``found_inf``, here also through LARC, which reads the rate
+    first) writes nothing, so its ``state_dict()`` equals the one before it, and the next applied step
+    writes the schedule's value at the unchanged iteration count."""
+    import optkit
+
+    sched = PolicySchedule("poly_decay", learning_rate=0.5, decay_steps=10, warmup_steps=2, begin_decay_at=2)
+    params = make_params()
+    inner = SGD(params, learning_rate=sched, momentum=0.5)
+    opt = optkit.LARC(inner, 0.02) if wrapped else inner
+    for k in range(2):
+        do_step(opt, params, k)
+    before = inner.state_dict()["param_groups"][0]["lr"]
+    for (_, p), g in zip(params, grads_for(params, 2)):
+        p.grad = g
+    opt.found_inf = torch.ones(())
+    opt.step()
+    del opt.found_inf
+    assert torch.equal(torch.as_tensor(inner.state_dict()["param_groups"][0]["lr"]), torch.as_tensor(before))
+    do_step(opt, params, 3)
+    lr = torch.as_tensor(inner.param_groups[0]["lr"])
+    assert float(lr) == pytest.approx(float(sched(torch.tensor(2))))
+    assert float(lr) != pytest.approx(float(torch.as_tensor(before)))
+
+
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
 def test_grad_scale_unscales(kind):
     a, b = make_params(), make_params()

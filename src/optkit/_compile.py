@@ -27,7 +27,8 @@ __all__ = ["chain", "compiled_chain", "warn_compile_fallback"]
 def warn_compile_fallback(err: Exception) -> None:
     """One ``RuntimeWarning``: ``jit_compile`` falls back to eager execution."""
     warnings.warn(
-        f"jit_compile=True: torch.compile unavailable ({type(err).__name__}: {err}); running eagerly",
+        f"jit_compile=True: the update could not be compiled ({type(err).__name__}: {err}); running eagerly "
+        "from now on",
         RuntimeWarning, stacklevel=4,
     )
 

@@ -115,7 +115,7 @@ class TFSurface:
             raise ValueError(
                 f"gradient shape {tuple(gradient.shape)} != variable shape {tuple(variable.shape)}"
             )
-        lr = self._current_lr(group) if learning_rate is None else torch.as_tensor(
+        lr = self._current_lr(group, commit=True) if learning_rate is None else torch.as_tensor(
             learning_rate, dtype=torch.float32, device=self._state_device)
         g = gradient.to_dense() if gradient.is_sparse else gradient.detach().clone()
         g = g if g.dtype == variable.dtype else g.to(variable.dtype)

@@ -234,11 +234,11 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
                 return mt.local(p).device
         return torch.device("cpu")
 
-    def _current_lr(self, group: dict) -> Tensor:
+    def _current_lr(self, group: dict, commit: bool = False, found_inf: Tensor | None = None) -> Tensor:
         """This step's learning rate of ``group`` as a 0-d fp32 tensor (the inner optimizer's own rule)."""
         inner = self.optimizer
         if hasattr(inner, "_current_lr"):
-            return inner._current_lr(group)
+            return inner._current_lr(group, commit, found_inf)
         lr = group["lr"]
         if isinstance(lr, Tensor):
             return lr.detach().to(device=self._device(), dtype=torch.float32).reshape(())

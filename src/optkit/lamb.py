@@ -393,10 +393,12 @@ class LAMB(Optimizer):
         else:
             s = lr.expand(n)
         e = eps * bc2_sqrt
+        # (a compiled pass 2 reads c and s·wd: the jit_compile rule, _lamb_pointwise)
+        compiled = self.jit_compile and self._compile_state != "failed"
         direct = self._direct_flags(group, plan, params) if self._cpu_direct and not tracing else None
         if self._skip is not None:  # s = 1 on a skipped step: pass 2 then leaves the gradient as it is
             s = torch.where(self._skip.to(dev) > 0, torch.ones_like(s), s)  # (exactly 1 where s is NaN too)
-        if direct is not None and direct[1]:  # every tensor direct: pass 2 reads only s (no c, s·wd lists)
+        if direct is not None and direct[1] and not compiled:  # pass 2 reads only s (no c, s·wd lists)
             return [(None, None, e, si, False, True) for si in s.unbind()]
         c = (s * (bc2_sqrt / bc1)).unbind()
         swd = (s * st.wd_vec).unbind()

@@ -422,19 +422,19 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         v = fn(step) if (is_schedule(fn) or _callable_arity(fn) >= 1) else fn()
         return float(v)
 
-    def _current_lr(self, group: dict) -> Tensor:
+    def _current_lr(self, group: dict, commit: bool = False, found_inf: Tensor | None = None) -> Tensor:
         """The learning rate of this step as a 0-d fp32 tensor on the state device (fp64 when the group holds
-        fp64 parameters): the group's ``lr`` (or the schedule's value, written to ``lr``) times the group's
-        ``lr_scale`` when it has one (layer-wise decay, :func:`optkit.param_groups`)."""
+        fp64 parameters): the group's ``lr`` (or the schedule's value) times the group's ``lr_scale`` when
+        it has one (layer-wise decay, :func:`optkit.param_groups`). ``commit`` (the step itself) writes a
+        schedule's value to the group's ``lr``; a skipped step (``found_inf`` 1) keeps the old tensor (a
+        device-side select, no host read; see :meth:`_commit_lr`)."""
         fn = self._learning_rate
         if isinstance(fn, (float, Tensor)):
             lr = group["lr"]
-        elif is_schedule(fn) or _callable_arity(fn) >= 1:
-            lr = fn(self._iterations)
-            group["lr"] = lr
         else:
-            lr = fn()
-            group["lr"] = lr
+            lr = fn(self._iterations) if is_schedule(fn) or _callable_arity(fn) >= 1 else fn()
+            if commit:
+                self._commit_lr(group, lr, found_inf)
         dtype = torch.float64 if self._has_fp64(group) else torch.float32
         scale = group.get("lr_scale", 1.0)  # layer-wise decay (optkit.param_groups)
         if isinstance(lr, Tensor) or isinstance(scale, Tensor):
@@ -447,6 +447,18 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         out = torch.tensor(value, dtype=dtype, device=self._state_device)
         out.host_value = value  # the number itself, for kernels that take a Python float (no device read)
         return out
+
+    def _commit_lr(self, group: dict, lr: Any, found_inf: Tensor | None) -> None:
+        """``group["lr"] = lr``; when ``found_inf`` is given and both values are tensors (a schedule's value
+        after the first step), ``lr`` where it is 0 and the old value where it is 1. A Python number (a
+        callable that returns one, or the constructor's value before the first step) is written as it is:
+        choosing would need a host read of ``found_inf``."""
+        old = group.get("lr")
+        if found_inf is None or not isinstance(lr, Tensor) or not isinstance(old, Tensor):
+            group["lr"] = lr
+            return
+        prev = old.detach().to(device=lr.device, dtype=lr.dtype).reshape(lr.shape)
+        group["lr"] = torch.where(found_inf.to(lr.device) > 0, prev, lr)
 
     def _has_fp64(self, group: dict) -> bool:
         """Whether ``group`` holds float64 parameters (they get float64 hyperparameters); cached per group
@@ -700,7 +712,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 if self.use_ema:
                     self._ema_group(group, list(range(len(group["params"]))), applied)
                 continue
-            lr = self._current_lr(group)
+            lr = self._current_lr(group, commit=True, found_inf=found_inf)
             if multipliers is None:
                 mult = None
             elif fp is not None:  # RowMultipliers over the flat part (checked by _flat_plan)
