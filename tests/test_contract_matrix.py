@@ -451,6 +451,56 @@ def test_misfit_state_is_refused_and_nothing_changes(row_id):
     assert_bitwise(snapshot(params, opt), before)
 
 
+def _corrupt_step(value):
+    def apply(entry, group):
+        entry["step"] = value
+    return apply
+
+
+def _corrupt_lr(value):
+    def apply(entry, group):
+        group["lr"] = value
+    return apply
+
+
+def _meta_slot(entry, group):
+    slot = next(k for k in entry if k != "step")
+    entry[slot] = torch.empty(entry[slot].shape, device="meta")
+
+
+HOSTILE = {
+    "step-inf": _corrupt_step(float("inf")), "step-huge-int": _corrupt_step(10**400),
+    "step-meta": _corrupt_step(torch.empty((), device="meta")), "slot-meta": _meta_slot,
+    "lr-nan": _corrupt_lr(float("nan")), "lr-negative": _corrupt_lr(-0.5),
+    "lr-huge-int": _corrupt_lr(10**400),
+    "lr-meta": _corrupt_lr(torch.empty((), device="meta")),
+}
+
+
+@pytest.mark.parametrize("what", sorted(HOSTILE))
+@pytest.mark.parametrize("row_id", ROW_IDS)
+def test_hostile_values_are_refused_and_nothing_changes(row_id, what):
+    """Values a file may hold but no run makes (a step of inf or 10**400, meta tensors that hold no data, a
+    NaN, negative or unrepresentable learning rate) raise ``ValueError`` before anything is loaded: the
+    optimizer is bitwise as before and trains on."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    params, opt = train(row, dtype, steps=1)
+    sd = copy.deepcopy(opt.state_dict())  # (torch's own optimizers hand out their live per-parameter dicts)
+    inner_sd = sd
+    while "optimizer" in inner_sd and "wrapper" in inner_sd:
+        inner_sd = inner_sd["optimizer"]
+    entry = next((e for e in inner_sd["state"].values() if "step" in e and len(e) > 1), None)
+    if entry is None and not what.startswith("lr"):
+        pytest.skip("no per-parameter state with a step and a slot")
+    HOSTILE[what](entry, inner_sd["param_groups"][0])
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError):
+        opt.load_state_dict(sd)
+    assert_bitwise(snapshot(params, opt), before)
+    train(row, dtype, steps=1, params=params, opt=opt, start=1)
+
+
 @pytest.mark.parametrize("row_id", ROW_IDS)
 def test_python_number_step_loads(row_id):
     """Older checkpoints store ``step`` as a Python number."""

@@ -210,3 +210,26 @@ def test_buffers_through_a_loss_scale_wrapper():
     assert "ema_buffers" in inner.state_dict()
     with opt.ema_weights():
         assert torch.equal(model.bn.running_mean, inner.state_dict()["ema_buffers"]["bn.running_mean"])
+
+
+@pytest.mark.parametrize("bad", ["meta", "complex", "sparse"])
+def test_a_buffer_average_that_holds_no_real_data_is_refused_before_anything_loads(bad):
+    """A buffer average that is a meta tensor (no data), complex or sparse raises ``ValueError`` naming the
+    buffer before the optimizer state changes."""
+    model = _net()
+    opt = optkit.SGD(model.named_parameters(), learning_rate=0.05, momentum=0.9, use_ema=True,
+                     ema_buffers=model)
+    _train(model, opt, 1)
+    sd = copy.deepcopy(opt.state_dict())
+    _train(model, opt, 2, start=1)
+    before = copy.deepcopy(opt.state_dict())
+    v = sd["ema_buffers"]["bn.running_var"]
+    sd["ema_buffers"]["bn.running_var"] = {"meta": lambda: torch.empty(v.shape, device="meta"),
+                                           "complex": lambda: v.to(torch.complex128),
+                                           "sparse": lambda: v.to_sparse()}[bad]()
+    with pytest.raises(ValueError, match="running_var"):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    assert int(after["state"][0]["step"]) == int(before["state"][0]["step"]) == 3
+    for k, t in before["ema_buffers"].items():
+        assert torch.equal(after["ema_buffers"][k], t)

@@ -719,3 +719,29 @@ def test_cyclic_gc_state_is_restored_when_the_update_raises_or_was_disabled(monk
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("key,value", [("variant", "zzz"), ("skip_list", "weight"), ("skip_list", [3]),
+                                       ("max_coeff", "zzz"), ("max_coeff", float("nan")),
+                                       ("min_coeff", -1.0), ("eeta", float("inf"))])
+def test_loaded_hyperparameters_of_options_that_are_off_or_enumerated_are_checked(key, value):
+    """An option that is off in the live group (LAMB's ``max_coeff`` None, LARS's ``skip_list`` None) takes
+    only None or its own kind from a file, numbers must be finite and in range, and an enumerated string
+    (LARS's ``variant``) one of its values: otherwise ``ValueError`` naming the key, nothing changed."""
+    import copy
+
+    import optkit
+
+    params = make_params()
+    cls = optkit.LARS if key in ("variant", "skip_list", "eeta") else optkit.LAMB
+    opt = cls(params, 0.1)
+    do_step(opt, params, 0)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0][key] = value
+    before = snapshot(opt, params)
+    group_before = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    with pytest.raises(ValueError, match=key):
+        opt.load_state_dict(sd)
+    assert_same(snapshot(opt, params), before)
+    assert {k: v for k, v in opt.param_groups[0].items() if k != "params"} == group_before
+    do_step(opt, params, 1)

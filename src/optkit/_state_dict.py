@@ -19,6 +19,8 @@ check of its parameter-shaped slots (:func:`validate_torch_state_dict`).
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -117,17 +119,63 @@ def validate_torch_state_dict(opt: torch.optim.Optimizer, sd: Any) -> None:
 
 def _check_step(where: str, name: str, value: Any) -> int:
     if isinstance(value, Tensor):
-        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
-            raise ValueError(f"{where}: 'step' of parameter {name!r} must be a real scalar")
-        v = float(value.detach().reshape(()).cpu())
+        if value.is_meta or value.layout != torch.strided or value.numel() != 1 or value.is_complex() \
+                or value.dtype == torch.bool:
+            raise ValueError(f"{where}: 'step' of parameter {name!r} must be a real scalar holding data")
+        v = value.detach().reshape(()).cpu().item()
     elif is_number(value):
-        v = float(value)
+        v = value
     else:
         raise ValueError(f"{where}: 'step' of parameter {name!r} must be a number, got "
                          f"{type(value).__name__}")
-    if not (v >= 0 and v == int(v) and v < 2**62):
-        raise ValueError(f"{where}: 'step' of parameter {name!r} must be a non-negative integer, got {v}")
+    if not _integral_in_range(v, 0, 2**62):
+        raise ValueError(f"{where}: 'step' of parameter {name!r} must be a non-negative integer below 2**62, "
+                         f"got {str(v)[:40]}")
     return int(v)
+
+
+def _integral_in_range(v: Any, low: int, high: int) -> bool:
+    """Whether the real number ``v`` is an integer in ``[low, high)`` (no float conversion of huge ints, no
+    overflow on inf)."""
+    if isinstance(v, numbers.Integral):
+        return low <= int(v) < high
+    f = float(v)
+    return math.isfinite(f) and f == math.floor(f) and low <= f < high
+
+
+#: bounds of the numeric hyperparameters optkit's optimizers keep in their param groups (the constructors'
+#: own ranges): a loaded value outside them (a NaN, a negative learning rate) is refused, not trained with
+_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "lr": (0.0, None), "weight_decay": (0.0, None), "momentum": (0.0, None),
+    "beta1": (0.0, 1.0), "beta2": (0.0, 1.0), "beta": (0.0, None), "rho": (0.0, None),
+    "epsilon": (0.0, None), "eps": (0.0, None), "eeta": (0.0, None), "lr_scale": (0.0, None),
+    "initial_accumulator_value": (0.0, None), "learning_rate_power": (None, 0.0),
+    "l1_regularization_strength": (0.0, None), "l2_regularization_strength": (0.0, None),
+    "l2_shrinkage_regularization_strength": (0.0, None), "max_coeff": (0.0, None), "min_coeff": (0.0, None),
+}
+#: string hyperparameters with a fixed set of values
+_CHOICES: dict[str, frozenset[str]] = {"variant": frozenset({"tf1.15", "tf1.14"})}
+
+
+def _check_number_value(where: str, gi: int, key: str, value: Any) -> None:
+    """A loaded numeric hyperparameter (a number or a one-element real floating tensor holding data): finite
+    and within :data:`_RANGES`."""
+    if isinstance(value, Tensor):
+        if value.is_meta or value.layout != torch.strided or value.is_complex() \
+                or not value.is_floating_point():
+            raise ValueError(f"{where}: param group {gi} key {key!r} must be a real number or a real "
+                             "floating-point scalar tensor holding data")
+        v = float(value.detach().reshape(()).cpu())
+    else:
+        try:
+            v = float(value)
+        except OverflowError:
+            v = math.inf
+    if not math.isfinite(v):
+        raise ValueError(f"{where}: param group {gi} key {key!r} must be finite, got {str(value)[:40]}")
+    low, high = _RANGES.get(key, (None, None))
+    if (low is not None and v < low) or (high is not None and v > high):
+        raise ValueError(f"{where}: param group {gi} key {key!r} must be in [{low}, {high}], got {value!r}")
 
 
 def _check_group_values(where: str, gi: int, saved: dict, live: dict) -> None:
@@ -138,18 +186,29 @@ def _check_group_values(where: str, gi: int, saved: dict, live: dict) -> None:
             continue
         cur = live[key]
         ok = True
+        numeric = False
         if isinstance(cur, bool):
             ok = isinstance(value, bool)
         elif is_number(cur) or (isinstance(cur, Tensor) and cur.numel() == 1):
-            ok = is_number(value) or (isinstance(value, Tensor) and value.numel() == 1
-                                      and value.is_floating_point())
+            ok = numeric = is_number(value) or (isinstance(value, Tensor) and value.numel() == 1
+                                                and value.is_floating_point())
         elif isinstance(cur, str):
-            ok = isinstance(value, str)
+            ok = isinstance(value, str) and (key not in _CHOICES or value in _CHOICES[key])
         elif isinstance(cur, (list, tuple)):
             ok = isinstance(value, (list, tuple)) and len(value) == len(cur)
+        elif cur is None:  # an option that is off (LAMB's max_coeff, LARS's skip_list): off or its kind
+            if key in _RANGES:
+                ok = value is None or is_number(value)
+                numeric = ok and value is not None
+            else:
+                ok = value is None or (isinstance(value, (list, tuple))
+                                       and all(isinstance(x, str) for x in value))
         if not ok:
             raise ValueError(f"{where}: param group {gi} key {key!r} is {type(value).__name__} "
-                             f"({value!r}), expected {type(cur).__name__}")
+                             f"({value!r}), expected {type(cur).__name__}"
+                             + (f" (one of {sorted(_CHOICES[key])})" if key in _CHOICES else ""))
+        if numeric:
+            _check_number_value(where, gi, key, value)
     names = saved.get("param_names")
     if names is not None and (not isinstance(names, list) or len(names) != len(live["params"])
                               or not all(isinstance(n, str) for n in names)):
@@ -164,6 +223,8 @@ def _check_loaded_slot(where: str, name: str, slot: str, p: Tensor, value: Any) 
                          "not a tensor")
     if value.is_sparse or value.layout != torch.strided:
         raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} must be a dense tensor")
+    if value.is_meta:
+        raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} is a meta tensor (it holds no data)")
     if value.is_complex() != p.is_complex() or not (value.is_floating_point() or value.is_complex()):
         kind = "complex" if p.is_complex() else "floating-point"
         raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} has dtype {value.dtype}; expected a "

@@ -1361,9 +1361,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         out = []
         for n, b in self._ema_buffers:
             v = saved[n]
-            if not isinstance(v, Tensor) or tuple(v.shape) != tuple(b.shape) or not v.is_floating_point():
-                raise ValueError(f"load_state_dict: the average of buffer {n!r} must be a floating-point "
-                                 f"tensor of shape {tuple(b.shape)}")
+            if not isinstance(v, Tensor) or tuple(v.shape) != tuple(b.shape) or not v.is_floating_point() \
+                    or v.is_meta or v.layout != torch.strided or mt.is_dtensor(v) != mt.is_dtensor(b):
+                raise ValueError(f"load_state_dict: the average of buffer {n!r} must be a dense real "
+                                 f"floating-point tensor holding data, of shape {tuple(b.shape)}")
             out.append(v)
         return out
 
