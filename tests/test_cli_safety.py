@@ -166,6 +166,26 @@ def test_checkpoint_layout_is_checked(trained, capsys, change, message):
     one_line_error(capsys, message)
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.update(global_step=torch.tensor(float("nan"))), "train_op.global_step is nan"),
+        (lambda t: t.update(global_step=torch.tensor(2.5)), "'global_step' must be a finite whole number"),
+        (lambda t: t.update(global_step=torch.tensor(-3)), "'global_step' must be in [0, 2**62)"),
+        (lambda t: t["scaler"].update(scale=torch.tensor(float("inf"))), "train_op.scaler.scale is inf"),
+        (lambda t: t.update(micro=7), "'micro' must be < iter_size"),
+    ],
+    ids=["nan-step", "fractional-step", "negative-step", "inf-scale", "micro"],
+)
+def test_non_finite_or_impossible_counters_are_refused(trained, capsys, change, message):
+    ckpt = trained / "checkpoints" / "step_000004.pt"
+    _rewrite(ckpt, lambda d: change(d["train_op"]))
+    before = snapshot(trained)
+    assert run("train", "--resume", trained, "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, f"--resume: {ckpt} does not fit this run", message)
+    assert snapshot(trained) == before
+
+
 # ------------------------------------------------------------------------------------------------------------
 # where a run writes
 

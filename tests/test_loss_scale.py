@@ -846,3 +846,64 @@ def test_would_apply_predicts_update_and_changes_nothing(name):
             assert bool(predicted)  # TF: a fixed scale applies every step
         else:
             assert bool(predicted) == (not overflow)
+
+
+def _bad_values(name, good):
+    """Entries that must be rejected for scaler ``name`` (key, value, error type, text naming the entry)."""
+    meta = torch.empty((), device="meta")
+    cases = [
+        ("scale", torch.tensor(float("nan")), ValueError, "'scale'"),
+        ("scale", torch.tensor(-4.0), ValueError, "'scale'"),
+        ("scale", torch.tensor(float("inf")), ValueError, "'scale'"),
+        ("scale", torch.tensor(1e300, dtype=torch.float64), ValueError, "'scale'"),
+        ("scale", torch.tensor(0.0), ValueError, "'scale'"),
+        ("scale", torch.tensor(2.0 + 1j), TypeError, "'scale'"),
+        ("scale", meta, ValueError, "'scale'"),
+        ("scale", torch.tensor([2.0]).to_sparse(), ValueError, "'scale'"),
+    ]
+    counters = [k for k, v in good.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()]
+    for k in counters:
+        low = -2 if k == "last_overflow_iteration" else -1
+        cases += [
+            (k, torch.tensor(low), ValueError, f"'{k}'"),
+            (k, torch.tensor(3 + 0j), TypeError, f"'{k}'"),
+            (k, torch.tensor(True), TypeError, f"'{k}'"),
+            (k, torch.tensor(2**62), ValueError, f"'{k}'"),
+            (k, torch.empty((), dtype=torch.int64, device="meta"), ValueError, f"'{k}'"),
+        ]
+    if "b1_correction" in good:
+        cases += [("b1_correction", torch.tensor(1.5, dtype=torch.float64), ValueError, "'b1_correction'"),
+                  ("x_hat", torch.tensor(float("-inf"), dtype=torch.float64), ValueError, "'x_hat'"),
+                  ("xsquared_hat", torch.tensor(-1.0, dtype=torch.float64), ValueError, "'xsquared_hat'")]
+    cases.append(("config", [1, 2], TypeError, "'config'"))
+    return cases
+
+
+@pytest.mark.parametrize("name", list(SCALERS))
+def test_bad_state_values_rejected_atomically(name):
+    """Every state value is validated before anything (config or scale) is assigned."""
+    flags, amaxes = _events(7, 12)
+    src = SCALERS[name]()
+    drive(src, flags, amaxes)
+    good = src.state_dict()
+    s = SCALERS[name]()
+    drive(s, flags[:4], amaxes[:4])
+    before, cfg = _state(s), s.get_config()
+    for key, value, exc, text in _bad_values(name, good):
+        # a config that would change the hyperparameters, so a half-done load is visible
+        bad = {**good, key: value}
+        if key != "config" and "config" in good:
+            cfg_bad = dict(good["config"])
+            if "params" in cfg_bad:
+                cfg_bad["params"] = {**cfg_bad["params"], "scale_max": 512.0}
+            else:
+                cfg_bad = {**cfg_bad, "max_loss_scale": None} if "max_loss_scale" in cfg_bad else cfg_bad
+            bad["config"] = cfg_bad
+        with pytest.raises(exc, match=text):
+            s.load_state_dict(bad)
+        after = _state(s)
+        assert set(after) == set(before)
+        assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in before.items()), key
+        assert s.get_config() == cfg
+    s.load_state_dict(good)  # still loads and runs, continuing like the source
+    assert drive(s, flags, amaxes) == drive(src, flags, amaxes)

@@ -239,3 +239,72 @@ def test_add_param_group_creates_masters(rng):
     np.testing.assert_allclose(opt.master_of(b).detach().numpy(), b0 - 0.5, rtol=1e-6)
     with pytest.raises(ValueError, match="master_of"):
         opt.master_of(torch.zeros(1))
+
+
+def _flat_state(opt):
+    """Every tensor and value of ``opt.state_dict()``, flattened to (path, value) pairs (tensors cloned)."""
+    out = []
+
+    def walk(path, v):
+        if isinstance(v, dict):
+            for k in v:
+                walk(f"{path}/{k}", v[k])
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(f"{path}/{i}", x)
+        else:
+            out.append((path, v.detach().clone() if isinstance(v, torch.Tensor) else v))
+
+    walk("", opt.state_dict())
+    return out
+
+
+def _same(a, b):
+    def eq(x, y):
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        return x == y
+
+    return len(a) == len(b) and all(pa == pb and eq(va, vb) for (pa, va), (pb, vb) in zip(a, b))
+
+
+def test_bad_masters_rejected_before_anything_loads():
+    """A meta, integer, complex or sparse master raises naming it; inner state, masters, model unchanged."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+        model = model.to(torch.bfloat16)
+        return model, MP(SGD(model.parameters(), 0.05, momentum=0.9), DynamicLossScale(64.0, 3))
+
+    def run(model, opt, n):
+        for _ in range(n):
+            opt.step(lambda: model(x).float().pow(2).sum())
+            opt.zero_grad()
+
+    src_model, src = make(0)
+    run(src_model, src, 4)
+    good = src.state_dict()
+    model, opt = make(1)
+    run(model, opt, 1)
+    before, params_before = _flat_state(opt), [p.detach().clone() for p in model.parameters()]
+    last = len(good["wrapper"]["masters"]) - 1
+    for idx, bad_master, exc in [
+        (last, lambda t: t.to("meta"), ValueError),
+        (0, lambda t: t.to(torch.int64), TypeError),
+        (1, lambda t: t.to(torch.complex64), TypeError),
+        (last, lambda t: t.to_sparse(), ValueError),
+        (0, lambda t: "x", TypeError),
+    ]:
+        masters = list(good["wrapper"]["masters"])
+        masters[idx] = bad_master(masters[idx])
+        bad = {"optimizer": good["optimizer"], "wrapper": dict(good["wrapper"], masters=masters)}
+        with pytest.raises(exc, match=rf"'masters'\[{idx}\]"):
+            opt.load_state_dict(bad)
+        assert _same(_flat_state(opt), before)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params_before))
+    opt.load_state_dict(good)  # still loads, then continues exactly like the source
+    run(model, opt, 2)
+    run(src_model, src, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), src_model.parameters()))

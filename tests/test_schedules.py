@@ -380,3 +380,46 @@ def test_transformer_schedule_with_tensor_steps():
     assert isinstance(got, torch.Tensor) and float(got) == pytest.approx(
         transformer_policy(1, 2.0, 512, 8000), rel=1e-6
     )
+
+
+def test_bad_state_values_and_unknown_keys_rejected_atomically():
+    """Bad base_lrs / last_epoch values and unknown keys raise naming the entry, before anything changes."""
+    s = PolicySchedule("poly_decay", learning_rate=1.0, decay_steps=100)
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(make_model().parameters(), lr=0.5)
+    sched = ScheduleLR(opt, s, mode="multiplier")
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    good = copy.deepcopy(sched.state_dict())
+    meta = torch.empty((), device="meta")
+    cases = [
+        (dict(good, base_lrs=["x"]), TypeError, r"base_lrs\[0\]"),
+        (dict(good, base_lrs=[float("nan")]), ValueError, r"base_lrs\[0\]"),
+        (dict(good, base_lrs=[-0.5]), ValueError, r"base_lrs\[0\]"),
+        (dict(good, base_lrs=[10**400]), ValueError, r"base_lrs\[0\]"),
+        (dict(good, base_lrs=[meta]), ValueError, r"base_lrs\[0\]"),
+        (dict(good, base_lrs=[torch.tensor(0.5 + 1j)]), TypeError, r"base_lrs\[0\]"),
+        (dict(good, last_epoch=10**400), ValueError, "last_epoch"),
+        (dict(good, last_epoch=2**62), ValueError, "last_epoch"),
+        (dict(good, last_epoch=True), TypeError, "last_epoch"),
+        (dict(good, _step_count=-1), ValueError, "_step_count"),
+        (dict(good, _last_lr=[float("inf")]), ValueError, "_last_lr"),
+        (dict(good, _scales_itself="x"), TypeError, "_scales_itself"),
+        (dict(good, get_lr=None), ValueError, "get_lr"),
+        (dict(good, step=None), ValueError, "'step'"),
+    ]
+    for bad, exc, match in cases:
+        if match != "last_epoch":
+            bad["last_epoch"] = 7  # a valid new position, so a half-done load would be visible
+        with pytest.raises(exc, match=match):
+            sched.load_state_dict(bad)
+        after = sched.state_dict()
+        assert set(after) == set(good) and all(after[k] == good[k] for k in good)
+        assert opt.param_groups[0]["lr"] == 0.5 * s(3)
+        assert "get_lr" not in vars(sched) and "step" not in vars(sched)
+    sched.load_state_dict(dict(good, last_epoch=7))  # still works: a valid load, then a step
+    assert opt.param_groups[0]["lr"] == 0.5 * s(7)
+    opt.step()
+    sched.step()
+    assert sched.last_step == 8 and opt.param_groups[0]["lr"] == 0.5 * s(8)

@@ -459,6 +459,146 @@ def test_load_state_dict_rejects_bad_input_untouched():
     assert int(op.global_step) == step
 
 
+def _assert_same(a, b, where="state"):
+    """``a`` and ``b`` are equal bit for bit (tensors: dtype, shape and values)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert type(a) is type(b) and a == b, where
+
+
+_BAD_ENTRIES = [
+    ("global_step", torch.tensor([1, 2]), ValueError, "global_step"),
+    ("global_step", torch.tensor(float("nan")), ValueError, "global_step"),
+    ("global_step", torch.tensor(float("inf")), ValueError, "global_step"),
+    ("global_step", torch.tensor(1.5), ValueError, "global_step"),
+    ("global_step", torch.tensor(-1), ValueError, "global_step"),
+    ("global_step", 2**62, ValueError, "global_step"),
+    ("global_step", torch.tensor(True), TypeError, "global_step"),
+    ("global_step", "3", TypeError, "global_step"),
+    ("host_step", "abc", TypeError, "host_step"),
+    ("host_step", -1, ValueError, "host_step"),
+    ("host_step", None, TypeError, "host_step"),
+    ("host_exact", 1, TypeError, "host_exact"),
+    ("host_exact", True, ValueError, "host_exact"),  # the dynamic scaler can skip updates
+    ("micro", None, TypeError, "micro"),
+    ("micro", 1.0, TypeError, "micro"),
+    ("micro", -1, ValueError, "micro"),
+    ("micro", 2, ValueError, "micro"),  # iter_size is 2
+    ("micro", 99, ValueError, "micro"),
+    ("summary_attempts", -1, ValueError, "summary_attempts"),
+    ("summary_attempts", 2.5, TypeError, "summary_attempts"),
+    ("accumulators", "nope", TypeError, "accumulators"),
+    ("items", torch.tensor(float("nan"), dtype=F64), ValueError, "items"),
+    ("items", torch.tensor(-1.0, dtype=F64), ValueError, "items"),
+    ("accumulators_world_size", "2", TypeError, "accumulators_world_size"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, "mixed"])
+@pytest.mark.parametrize("key,value,exc,match", _BAD_ENTRIES,
+                         ids=[f"{k}={v!r}" for k, v, _, _ in _BAD_ENTRIES])
+def test_load_state_dict_refuses_bad_entries_atomically(dtype, key, value, exc, match):
+    """Each bad entry of a train op state: the error names it, nothing changes (optimizer, scaler, counters,
+    accumulators, parameters), and the train op still loads a good state and continues bit-identically."""
+    model, data, build = _resume_setup(dtype)
+    m1 = copy.deepcopy(model)
+    op1 = build(m1)
+    for x, t in data[:5]:  # inside an accumulation window
+        op1(x, t)
+    good = copy.deepcopy(op1.state_dict())
+    good_model = copy.deepcopy(m1.state_dict())
+    for x, t in data[5:]:
+        op1(x, t)
+
+    m3 = copy.deepcopy(model)
+    op3 = build(m3)
+    for x, t in data[:2]:  # another state: a load that went through would change it
+        op3(x, t)
+    before = copy.deepcopy(op3.state_dict())
+    masters = [q.detach().clone() for q in op3.masters]
+    params = [p.detach().clone() for p in m3.parameters()]
+    bad = copy.deepcopy(good)
+    bad[key] = value
+    with pytest.raises(exc, match=match):
+        op3.load_state_dict(bad)
+    _assert_same(op3.state_dict(), before)
+    for q, q0 in zip(op3.masters, masters):
+        assert torch.equal(q, q0)
+    for p, p0 in zip(m3.parameters(), params):
+        assert torch.equal(p, p0)
+    assert op3.micro_steps == before["micro"]
+
+    m3.load_state_dict(good_model)
+    op3.load_state_dict(good)
+    for x, t in data[5:]:
+        op3(x, t)
+    for p1, p3 in zip(m1.parameters(), m3.parameters()):
+        torch.testing.assert_close(p1, p3, rtol=0, atol=0)
+    assert int(op1.global_step) == int(op3.global_step) == 5
+
+
+@pytest.mark.parametrize("part", ["optimizer", "scaler"])
+def test_load_state_dict_checks_optimizer_and_scaler_before_assigning(part):
+    """A bad optimizer or scaler part changes neither of them (nor the counters)."""
+    model, data, build = _resume_setup(torch.float32)
+    op1 = build(copy.deepcopy(model))
+    for x, t in data[:4]:
+        op1(x, t)
+    good = copy.deepcopy(op1.state_dict())
+    op3 = build(copy.deepcopy(model))
+    op3(*data[0])
+    before = copy.deepcopy(op3.state_dict())
+    bad = copy.deepcopy(good)
+    if part == "optimizer":
+        bad["optimizer"]["param_groups"][0]["momentum"] = "fast"
+    else:
+        bad["scaler"]["scale"] = torch.tensor([1.0, 2.0])
+    with pytest.raises((TypeError, ValueError)):
+        op3.load_state_dict(bad)
+    _assert_same(op3.state_dict(), before)
+
+
+def test_load_state_dict_micro_and_host_counter_rules():
+    """``micro`` must lie inside the window unless a skip-update placeholder decides the updates; an exact
+    host counter (no loss scaler that skips) must equal the step; a window at ``micro = iter_size - 1``
+    loads and the next micro-batch applies the update."""
+    X, y, w0, Xt, yt = lsq_problem()
+    w = make_param(w0)
+    op = optimize_loss(lsq_loss(w), SGD, None, 0.1, var_list=[w], iter_size=3)
+    op(Xt, yt)
+    sd = copy.deepcopy(op.state_dict())
+    assert sd["host_exact"] is True
+    with pytest.raises(ValueError, match="micro"):
+        op.load_state_dict(dict(sd, micro=3))
+    with pytest.raises(ValueError, match="host_step"):
+        op.load_state_dict(dict(sd, host_step=7))
+    with pytest.raises(ValueError, match="accumulators"):
+        op.load_state_dict(dict(sd, accumulators=[torch.full_like(w, float("nan"))]))
+    with pytest.raises(ValueError, match="accumulators"):
+        op.load_state_dict(dict(sd, accumulators=[torch.ones(w.shape, dtype=torch.int64)]))
+    assert op.micro_steps == 1 and int(op.global_step) == 0
+    op.load_state_dict(dict(sd, micro=2, global_step=torch.tensor(4.0), host_step=4))
+    assert int(op.global_step) == 4 and op.global_step.dtype == torch.int64
+    op(Xt, yt)
+    assert op.micro_steps == 0 and int(op.global_step) == 5
+
+    w2 = make_param(w0)
+    op2 = optimize_loss(lsq_loss(w2), SGD, None, 0.1, var_list=[w2], iter_size=3, skip_update_ph=True)
+    op2(Xt, yt)
+    op2.load_state_dict(dict(op2.state_dict(), micro=5))  # the placeholder decides: any count is possible
+    assert op2.micro_steps == 5
+
+
 # ------------------------------------------------------------------------------------------------------------
 # validation: ValueError/TypeError naming the argument, nothing built or changed
 

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from ._validation import check_int, check_params, check_real
+from ._validation import ParameterTypeError, check_int, check_params, check_real
 
 __all__ = [
     "LossScaleAtMinimumWarning",
@@ -86,6 +86,15 @@ _F32 = torch.float32
 _F64 = torch.float64
 # attributes that are run-time bookkeeping, not hyperparameters (see LossScale._adopt_hyperparameters)
 _RUNTIME_ATTRS = frozenset({"_state", "last_amax", "_updates", "_floor_seen", "floor_check_interval"})
+# what LossScale.load_state_dict accepts: integer dtypes of a counter, ranges of the floating state entries
+_INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+_COUNTER_LIMIT = 2**62
+_STATE_BOUNDS: dict[str, dict[str, Any]] = {
+    "scale": {"minimum": 0.0, "min_inclusive": False, "maximum": _FP32_MAX},
+    "b1_correction": {"minimum": 0.0, "maximum": 1.0},
+    "b2_correction": {"minimum": 0.0, "maximum": 1.0},
+    "xsquared_hat": {"minimum": 0.0},
+}
 
 
 class LossScaleAtMinimumWarning(RuntimeWarning):
@@ -265,34 +274,80 @@ class LossScale(ABC):
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore state (and hyperparameters, when ``"config"`` is present). Validates everything before
-        changing anything, so a bad dict leaves the scaler untouched. Continuation is bit-identical."""
+        """Restore state (and hyperparameters, when ``"config"`` is present). Continuation is bit-identical.
+
+        Nothing in ``state_dict`` is trusted. Checked, all before anything is changed (a failed load leaves
+        the scaler exactly as it was): exactly this scaler's state keys (plus an optional ``"config"``);
+        every entry a dense one-element tensor on a real device (not ``meta``), real, floating where the
+        state is floating and integer (not bool) where it is an int64 counter; the value after conversion to
+        the state's dtype: the scale finite and in ``(0, float32 max]``, counters integers in ``[0, 2^62)``
+        (``last_overflow_iteration`` from -1), LogMax's statistics finite (bias corrections in ``[0, 1]``,
+        ``xsquared_hat >= 0``); ``"config"`` a dict with this class's keys in the ranges the constructor
+        accepts. Wrong types raise :class:`~optkit._validation.ParameterTypeError` (a ``TypeError`` and a
+        ``ValueError``), bad values ``ValueError``, each naming the entry.
+        """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
+        where = f"{type(self).__name__}.load_state_dict"
         names = set(self._state)
         extra = set(state_dict) - names - {"config"}
         if extra:
-            raise ValueError(f"load_state_dict: unknown keys {sorted(extra)} for {type(self).__name__}")
+            raise ValueError(f"load_state_dict: unknown keys {', '.join(sorted(map(repr, extra)))} for "
+                             f"{type(self).__name__}")
         missing = names - set(state_dict)
         if missing:
             raise ValueError(f"load_state_dict: missing keys {sorted(missing)} for {type(self).__name__}")
-        for k in names:
-            v = state_dict[k]
-            if not isinstance(v, Tensor) or v.numel() != 1:
-                raise ValueError(f"load_state_dict: '{k}' must be a one-element tensor, got {v!r}")
-            if v.is_floating_point() != self._state[k].is_floating_point():
-                raise ValueError(f"load_state_dict: '{k}' must have a {self._state[k].dtype}-like dtype, "
-                                 f"got {v.dtype}")
+        values = {k: self._checked_state_entry(k, state_dict[k], where) for k in sorted(names)}
         template = None
         if "config" in state_dict:
-            template = type(self).from_config(dict(state_dict["config"]))  # validates the hyperparameters
+            config = state_dict["config"]
+            if not isinstance(config, Mapping):
+                raise ParameterTypeError(f"{where}: 'config' must be a dict, got {type(config).__name__}")
+            unknown = [key for key in config if key not in self.get_config()]
+            if unknown:
+                names_bad = ", ".join(sorted(map(repr, unknown)))
+                raise ValueError(f"{where}: 'config' has unknown keys {names_bad}; "
+                                 f"allowed: {sorted(self.get_config())}")
+            template = type(self).from_config(dict(config))  # the constructor validates the hyperparameters
+        # everything is valid: assign
         if template is not None:
             self._adopt_hyperparameters(template)
-        for k in names:
-            self._state[k].copy_(state_dict[k].reshape(()))
+        for k, v in values.items():
+            self._state[k].copy_(v)
         self.last_amax = None
         if "floor_overflows" in self._state:
             self._floor_seen = int(self._state["floor_overflows"])
+
+    def _checked_state_entry(self, name: str, value: Any, where: str) -> Tensor:
+        """``value`` checked as the state entry ``name`` (see :meth:`load_state_dict`), returned as a 0-d CPU
+        tensor of the state's dtype, ready to copy."""
+        target = self._state[name]
+        entry = f"'{name}'"
+        if not isinstance(value, Tensor):
+            raise ParameterTypeError(f"{where}: {entry} must be a one-element tensor, got "
+                                     f"{type(value).__name__} ({value!r})")
+        if value.numel() != 1:
+            raise ValueError(f"{where}: {entry} must be a one-element tensor, got shape {tuple(value.shape)}")
+        if value.layout != torch.strided:
+            raise ValueError(f"{where}: {entry} must be a dense tensor, got layout {value.layout}")
+        if value.is_meta or value.device.type == "meta":
+            raise ValueError(f"{where}: {entry} is a meta tensor (no data)")
+        if target.is_floating_point():
+            if not value.is_floating_point():
+                raise ParameterTypeError(f"{where}: {entry} must have a real floating dtype like "
+                                         f"{target.dtype}, got {value.dtype}")
+        elif value.dtype not in _INT_DTYPES:
+            raise ParameterTypeError(f"{where}: {entry} must have an integer dtype like {target.dtype}, got "
+                                     f"{value.dtype}")
+        v = value.detach().reshape(()).to("cpu", dtype=target.dtype)
+        x = v.item()
+        if target.is_floating_point():
+            check_real(entry, x, where=where, **_STATE_BOUNDS.get(name, {}))
+        else:
+            check_int(entry, x, where=where, minimum=-1 if name == "last_overflow_iteration" else 0)
+            if x >= _COUNTER_LIMIT:
+                raise ValueError(f"{where}: {entry} must be < 2**62, got {x}")
+        return v
 
     def _adopt_hyperparameters(self, other: LossScale) -> None:
         for k, v in vars(other).items():

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _multi_tensor as mt
-from ._validation import check_real
+from ._validation import ParameterTypeError, check_real
 from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 from .loss_scale_optimizer import loss_scaled_step, scaled_backward_step
@@ -417,15 +417,29 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
                 "loss_scale": self.loss_scaler.state_dict()}
 
     def _check_own_state(self, own: dict[str, Any]) -> None:
+        """Validate the wrapper part before anything is loaded (the base class runs this before the inner
+        optimizer's load): exactly ``'masters'`` and ``'loss_scale'``; one master per half parameter, each a
+        dense, real floating tensor on a real device (not ``meta``) of its master's shape; the loss-scale
+        state as :meth:`optkit.loss_scale.LossScale.load_state_dict` checks it (on a copy)."""
         where = f"{type(self).__name__}.load_state_dict"
         if set(own) != {"masters", "loss_scale"}:
             raise ValueError(f"{where}: wrapper part must hold 'masters' and 'loss_scale'")
         ms = own["masters"]
         if not isinstance(ms, (list, tuple)) or len(ms) != len(self._pairs):
             raise ValueError(f"{where}: expected {len(self._pairs)} masters")
-        for t, (_, m) in zip(ms, self._pairs):
-            if not isinstance(t, Tensor) or tuple(t.shape) != tuple(m.shape):
-                raise ValueError(f"{where}: master shape mismatch")
+        for i, (t, (_, m)) in enumerate(zip(ms, self._pairs)):
+            entry = f"'masters'[{i}]"
+            if not isinstance(t, Tensor):
+                raise ParameterTypeError(f"{where}: {entry} must be a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != tuple(m.shape):
+                raise ValueError(f"{where}: {entry} master shape mismatch: expected {tuple(m.shape)}, "
+                                 f"got {tuple(t.shape)}")
+            if t.layout != torch.strided:
+                raise ValueError(f"{where}: {entry} must be a dense tensor, got layout {t.layout}")
+            if t.is_meta or t.device.type == "meta":
+                raise ValueError(f"{where}: {entry} is a meta tensor (no data)")
+            if not t.is_floating_point():
+                raise ParameterTypeError(f"{where}: {entry} must have a real floating dtype, got {t.dtype}")
         copy.deepcopy(self.loss_scaler).load_state_dict(own["loss_scale"])
 
     def _load_own_state(self, own: dict[str, Any]) -> None:

@@ -26,10 +26,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from ._validation import ParameterTypeError, check_int, check_real
 from .lr_policies import LR, LR_POLICIES, Step, get_policy
 
 __all__ = ["LearningRateSchedule", "PolicySchedule", "build_schedule", "ScheduleLR"]
@@ -240,14 +242,15 @@ class ScheduleLR(LRScheduler):
         """The step whose learning rate the optimizer holds now (torch's ``last_epoch``)."""
         return self.last_epoch
 
-    def _closed_form(self) -> list[float | Tensor]:
-        lr = self.schedule(self.last_epoch)
+    def _closed_form(self, step: int | None = None, bases: list | None = None) -> list[float | Tensor]:
+        """Every group's lr at ``step`` (default ``last_epoch``) with ``bases`` (default ``base_lrs``)."""
+        lr = self.schedule(self.last_epoch if step is None else step)
         if self.mode == "absolute":
             if self._scales_itself:  # optkit optimizers multiply the group's lr_scale in themselves
                 return [lr for _ in self.optimizer.param_groups]
             return [lr if g.get("lr_scale", 1.0) == 1.0 else lr * g["lr_scale"]
                     for g in self.optimizer.param_groups]
-        return [base * lr for base in self.base_lrs]
+        return [base * lr for base in (self.base_lrs if bases is None else bases)]
 
     def get_lr(self) -> list[float | Tensor]:
         return self._closed_form()
@@ -262,18 +265,50 @@ class ScheduleLR(LRScheduler):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        last = state_dict.get("last_epoch")
-        if isinstance(last, bool) or not isinstance(last, numbers.Integral) or last < -1:
-            raise ValueError(f"ScheduleLR.load_state_dict: last_epoch must be an int >= -1, got {last!r}")
-        bases = state_dict.get("base_lrs", self.base_lrs)
-        if len(bases) != len(self.optimizer.param_groups):
-            raise ValueError(
-                f"ScheduleLR.load_state_dict: base_lrs has {len(bases)} entries for "
-                f"{len(self.optimizer.param_groups)} param groups"
-            )
-        state = {k: v for k, v in state_dict.items() if k not in ("schedule", "mode", "optimizer")}
-        super().load_state_dict(state)
-        for group, lr in zip(self.optimizer.param_groups, self._closed_form()):
+        """Load a :meth:`state_dict` and re-apply the closed-form lr of the loaded position to every group.
+
+        Nothing in ``state_dict`` is trusted; everything is checked before anything changes (a failed load
+        leaves scheduler and optimizer as they were): only the keys of :meth:`state_dict` are accepted
+        (``'schedule'``, ``'mode'`` and ``'optimizer'`` are ignored; any other key raises ``ValueError``
+        naming it, so a loaded dict cannot replace methods or attributes); ``last_epoch`` (required) an int
+        in ``[-1, 2^62)``; ``_step_count`` an int in ``[0, 2^62)``; ``base_lrs`` and ``_last_lr`` one entry
+        per param group, each a finite real number ``>= 0`` or a dense, real, non-meta one-element tensor
+        holding one; ``_is_initial`` and ``_get_lr_called_within_step`` bools; ``_scales_itself`` a bool
+        (not loaded: it is a property of the optimizer); ``verbose`` (older torch) a bool. Wrong types raise
+        :class:`~optkit._validation.ParameterTypeError` (a ``TypeError`` and a ``ValueError``), bad values
+        ``ValueError``. ``_last_lr`` is recomputed from the loaded position.
+        """
+        where = "ScheduleLR.load_state_dict"
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{where}: state_dict must be a dict, got {type(state_dict).__name__}")
+        unknown = [k for k in state_dict if k not in _SCHED_KEYS and k not in _SCHED_IGNORED]
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {', '.join(sorted(map(repr, unknown)))}; "
+                             f"allowed: {sorted(_SCHED_KEYS)}")
+        if "last_epoch" not in state_dict:
+            raise ValueError(f"{where}: last_epoch is missing")
+        loaded: dict[str, Any] = {}
+        for key in ("last_epoch", "_step_count"):
+            if key in state_dict:
+                loaded[key] = _sched_int(key, state_dict[key], -1 if key == "last_epoch" else 0, where)
+        for key in ("_is_initial", "_get_lr_called_within_step", "_scales_itself", "verbose"):
+            if key in state_dict and not isinstance(state_dict[key], bool):
+                value = state_dict[key]
+                raise ParameterTypeError(f"{where}: {key} must be a bool, got {type(value).__name__} "
+                                         f"({value!r})")
+            if key in state_dict and key in ("_is_initial", "_get_lr_called_within_step"):
+                loaded[key] = state_dict[key]
+        n = len(self.optimizer.param_groups)
+        for key in ("base_lrs", "_last_lr"):
+            if key in state_dict:
+                lrs = _sched_lrs(key, state_dict[key], n, where)
+                if key == "base_lrs":
+                    loaded[key] = lrs
+        # the lrs of the loaded position, computed before anything is assigned
+        lrs_now = self._closed_form(loaded["last_epoch"], loaded.get("base_lrs", self.base_lrs))
+        # everything is valid: assign
+        self.__dict__.update(loaded)
+        for group, lr in zip(self.optimizer.param_groups, lrs_now):
             if isinstance(group["lr"], Tensor):
                 group["lr"].fill_(lr)
             else:
@@ -281,3 +316,50 @@ class ScheduleLR(LRScheduler):
         self._last_lr = [
             g["lr"].clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in self.optimizer.param_groups
         ]
+
+
+# ScheduleLR.load_state_dict: the keys it loads or checks, and those it ignores (configuration, not state)
+_SCHED_KEYS = frozenset({"last_epoch", "_step_count", "base_lrs", "_last_lr", "_is_initial",
+                         "_get_lr_called_within_step", "_scales_itself", "verbose"})
+_SCHED_IGNORED = frozenset({"schedule", "mode", "optimizer"})
+_STEP_LIMIT = 2**62
+
+
+def _sched_int(key: str, value: Any, minimum: int, where: str) -> int:
+    try:
+        v = check_int(key, value, where=where, minimum=minimum)
+    except TypeError as e:
+        raise ParameterTypeError(str(e)) from None
+    if v >= _STEP_LIMIT:
+        got = v if v.bit_length() <= 128 else f"an int of {v.bit_length()} bits"
+        raise ValueError(f"{where}: {key} must be < 2**62, got {got}")
+    return v
+
+
+def _sched_lrs(key: str, value: Any, n: int, where: str) -> list[float | Tensor]:
+    """``value`` checked as ``base_lrs``/``_last_lr``: a list of ``n`` finite reals >= 0 or one-element
+    tensors holding one (returned as given, tensors detached and cloned)."""
+    if not isinstance(value, (list, tuple)):
+        raise ParameterTypeError(f"{where}: {key} must be a list, got {type(value).__name__}")
+    if len(value) != n:
+        raise ValueError(f"{where}: {key} has {len(value)} entries for {n} param groups")
+    out: list[float | Tensor] = []
+    for i, lr in enumerate(value):
+        name = f"{key}[{i}]"
+        if isinstance(lr, Tensor):
+            if lr.numel() != 1 or lr.layout != torch.strided or lr.is_meta or lr.device.type == "meta":
+                raise ValueError(f"{where}: {name} must be a dense one-element tensor with data, got "
+                                 f"shape {tuple(lr.shape)}, layout {lr.layout}, device {lr.device}")
+            if lr.is_complex() or lr.dtype == torch.bool:
+                raise ParameterTypeError(f"{where}: {name} must have a real dtype, got {lr.dtype}")
+            x = lr.detach().reshape(()).item()
+        else:
+            x = lr
+        try:
+            check_real(name, x, where=where, minimum=0.0)
+        except TypeError as e:
+            raise ParameterTypeError(str(e)) from None
+        except OverflowError:  # float() of a huge int
+            raise ValueError(f"{where}: {name} must be finite, got an int of {x.bit_length()} bits") from None
+        out.append(lr.detach().clone() if isinstance(lr, Tensor) else lr)
+    return out

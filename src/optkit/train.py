@@ -71,6 +71,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -79,7 +80,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _multi_tensor as mt
-from ._validation import check_params
+from ._validation import check_int, check_params
 from ._wrapper import OptimizerWrapper, handed_over, protocol_level
 from .clipping import clip_coefficient
 from .larc import LARC
@@ -970,31 +971,80 @@ class TrainOp:
         """Restore :meth:`state_dict` output (validated before anything changes). Load the model's own state
         (its half parameters) as well; the master copies come from here. A state holding every rank's
         accumulators (taken inside a window of a data-parallel run) must be loaded on the same number of
-        ranks; each rank takes its own."""
+        ranks; each rank takes its own.
+
+        Every entry is checked first (``TypeError`` for a wrong type, ``ValueError`` otherwise, naming the
+        entry): the counters, the accumulators, the window count, and the optimizer's and scaler's states
+        (loaded into deep copies first). A bad state leaves the train op, its optimizer and scaler as they
+        were."""
+        where = "TrainOp.load_state_dict"
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state_dict]
         if missing:
             raise ValueError(f"load_state_dict: missing keys {missing}")
+        # the train op's own entries
+        step = _check_count("global_step", state_dict["global_step"], where)
+        host_step = _check_count("host_step", state_dict["host_step"], where)
+        host_exact = state_dict["host_exact"]
+        if not isinstance(host_exact, bool):
+            raise TypeError(f"{where}: 'host_exact' must be a bool, got {type(host_exact).__name__} "
+                            f"({host_exact!r})")
+        if host_exact and self._checks:
+            raise ValueError(f"{where}: 'host_exact' is True, but this train op's loss scaler can skip "
+                             "updates (the host count cannot be exact)")
+        if host_exact and host_step != step:
+            raise ValueError(f"{where}: 'host_step' ({host_step}) must equal 'global_step' ({step}) when "
+                             "'host_exact' is True")
+        micro = check_int("'micro'", state_dict["micro"], where=where, minimum=0)
+        if self.skip_update_ph is None and micro >= self.iter_size:
+            raise ValueError(f"{where}: 'micro' must be < iter_size ({self.iter_size}) (micro-batches in the "
+                             f"open window), got {micro}")
+        attempts = check_int("'summary_attempts'", state_dict["summary_attempts"], where=where, minimum=0)
         acc = state_dict["accumulators"]
+        if not isinstance(acc, (list, tuple)):
+            raise TypeError(f"{where}: 'accumulators' must be a list, got {type(acc).__name__}")
         if len(acc) != len(self.masters):
             raise ValueError("load_state_dict: the state was saved for a different set of parameters")
         saved_world = state_dict.get("accumulators_world_size")
         if saved_world is not None:
-            acc = self._own_accumulators(acc, int(saved_world), state_dict.get("accumulators_present"))
-        for a, q in zip(acc, self.masters):
-            if a is not None and tuple(a.shape) != tuple(q.shape):
-                raise ValueError(f"load_state_dict: accumulator shape {tuple(a.shape)} != {tuple(q.shape)}")
-        copy.deepcopy(self.scaler).load_state_dict(state_dict["scaler"])  # validate before any change
+            saved_world = check_int("'accumulators_world_size'", saved_world, where=where, minimum=1)
+            acc = self._own_accumulators(acc, saved_world, state_dict.get("accumulators_present"))
+        for i, (a, q) in enumerate(zip(acc, self.masters)):
+            if a is None:
+                continue
+            if not isinstance(a, Tensor):
+                raise TypeError(f"{where}: 'accumulators'[{i}] must be a tensor or None, "
+                                f"got {type(a).__name__}")
+            if tuple(a.shape) != tuple(q.shape):
+                raise ValueError(f"load_state_dict: accumulator shape {tuple(a.shape)} != {tuple(q.shape)} "
+                                 f"('accumulators'[{i}])")
+            if not a.is_floating_point():
+                raise ValueError(f"{where}: 'accumulators'[{i}] must be a floating-point tensor, "
+                                 f"got {a.dtype}")
+            if not self._checks:  # no loss scaler skips a non-finite window here: it would reach the update
+                values = a.coalesce().values() if a.is_sparse else a
+                if not bool(torch.isfinite(values).all()):
+                    raise ValueError(f"{where}: 'accumulators'[{i}] holds NaN or inf values")
         items = self._saved_items(state_dict.get("items"), saved_world)
+        # the optimizer's and the scaler's states, on copies (their own load_state_dict checks them)
+        copy.deepcopy(self.scaler).load_state_dict(state_dict["scaler"])
+        try:
+            probe = copy.deepcopy(self.optimizer)
+        except Exception:  # noqa: BLE001 - an optimizer that cannot be copied is only checked by its own load
+            probe = None
+        if probe is not None:
+            probe.load_state_dict(state_dict["optimizer"])
+            del probe
+        # everything checked: assign
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.scaler.load_state_dict(state_dict["scaler"])
-        self._step.copy_(state_dict["global_step"])
-        self._host_step = int(state_dict["host_step"])
-        self._host_exact = bool(state_dict["host_exact"])
-        self._micro = int(state_dict["micro"])
+        self._step.fill_(step)
+        self._host_step = host_step
+        self._host_exact = host_exact
+        self._micro = micro
         self._items.copy_(items)
-        self.summaries.attempts = int(state_dict["summary_attempts"])
+        self.summaries.attempts = attempts
         pos = {id(q): j for j, q in enumerate(self.masters)}
         if self._mp is not None:
             self._mp.zero_grad(set_to_none=True)  # drops the wrapper's pending accumulation
@@ -1028,6 +1078,9 @@ class TrainOp:
                 saved.numel() != (1 if world is None or saved.dim() == 0 else world):
             raise ValueError("load_state_dict: 'items' must be a floating-point tensor (one entry per rank "
                              "inside a data-parallel window)")
+        if not bool(torch.isfinite(saved).all()) or bool((saved < 0).any()):
+            raise ValueError("TrainOp.load_state_dict: 'items' (tokens in the open window) must be finite "
+                             "and >= 0")
         if world is not None and saved.dim() == 1:
             _, group = self._window_group()
             import torch.distributed as dist
@@ -1057,6 +1110,34 @@ class TrainOp:
                 raise ValueError(f"{where}: per-rank accumulator {i} must have shape {(world, *q.shape)}")
             out.append(a[me] if a is not None and bool(present[i, me]) else None)
         return out
+
+
+_MAX_COUNT = 2**62
+
+
+def _check_count(name: str, value: Any, where: str) -> int:
+    """A saved step counter: a Python int or a real 0-d tensor holding an integral value in [0, 2**62)."""
+    if isinstance(value, Tensor):
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{where}: '{name}' must be an integer number, got a {value.dtype} tensor")
+        if value.is_meta or value.layout != torch.strided:
+            raise ValueError(f"{where}: '{name}' must be a dense tensor holding data")
+        if value.dim() != 0:
+            raise ValueError(f"{where}: '{name}' must be a single number (0-d tensor), got shape "
+                             f"{tuple(value.shape)}")
+        v = value.item()
+        if isinstance(v, float):
+            if not math.isfinite(v) or v != int(v):
+                raise ValueError(f"{where}: '{name}' must be a finite whole number, got {v!r}")
+            v = int(v)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: '{name}' must be a Python int or a 0-d tensor, got "
+                        f"{type(value).__name__} ({value!r})")
+    else:
+        v = int(value)
+    if not 0 <= v < _MAX_COUNT:
+        raise ValueError(f"{where}: '{name}' must be in [0, 2**62), got {v}")
+    return v
 
 
 def _chain(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

@@ -10,13 +10,15 @@ and whether the saved state fits the train op it is loaded into (checked before 
 * :func:`output_dir` is the run folder holding the checkpoint when it is a recognised optkit run, or a new
   folder given with ``--run-dir``; anything else is refused.
 * :func:`check_state_fits` compares every tensor of the saved model and train op with a freshly built one
-  (names, shapes, dtypes, the optimizer stack, one slot per parameter of the parameter's shape) and then
-  loads it into that throw-away copy, so a misfit file is reported in one line instead of reaching a kernel.
+  (names, shapes, dtypes, the optimizer stack, one slot per parameter of the parameter's shape, no NaN or
+  inf single number where the run's own is finite) and then loads it into that throw-away copy, so a misfit
+  file is reported in one line instead of reaching a kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping
 from pathlib import Path
@@ -149,6 +151,25 @@ def _is_scalar(value: Any) -> bool:
     return isinstance(value, numbers.Number)
 
 
+def _is_finite(value: Any) -> bool:
+    """Whether a single number (Python number or 0-d tensor) is finite; True for non-real values."""
+    if isinstance(value, Tensor):
+        if value.dtype == torch.bool or not (value.is_floating_point() or value.is_complex()):
+            return True
+        return bool(torch.isfinite(value).all())
+    if isinstance(value, numbers.Complex) and not isinstance(value, bool):
+        return math.isfinite(value.real) and math.isfinite(value.imag)
+    return True
+
+
+def _check_finite(saved: Any, ref: Any, where: str) -> None:
+    """A saved single number must be finite unless the freshly built run's own value is not (a documented
+    ``inf`` setting): no NaN/inf step, scale or hyperparameter reaches the continuation."""
+    if not _is_finite(saved) and (ref is None or _is_finite(ref)):
+        shown = saved.item() if isinstance(saved, Tensor) else saved
+        raise _Misfit(f"{where} is {shown!r}, it must be a finite number")
+
+
 def _check_tensor(saved: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None, where: str) -> None:
     if saved.layout != torch.strided or saved.is_sparse:
         raise _Misfit(f"{where} is not a dense tensor")
@@ -168,10 +189,13 @@ def _check_leaf(saved: Any, ref: Any, where: str, key: Any) -> None:
     elif isinstance(ref, Tensor) or isinstance(ref, numbers.Number):
         if not _is_scalar(saved):
             raise _Misfit(f"{where} should be a single number")
+        _check_finite(saved, ref, where)
     elif isinstance(ref, str) and key in ("type", "algorithm") and saved != ref:
         raise _Misfit(f"{where} is {saved!r}, the run has {ref!r} (another optimizer stack)")
     elif ref is not None and type(saved) is not type(ref) and not (_is_scalar(saved) and _is_scalar(ref)):
         raise _Misfit(f"{where} is a {type(saved).__name__}, the run has a {type(ref).__name__}")
+    elif ref is None and _is_scalar(saved):
+        _check_finite(saved, None, where)
 
 
 def _check_slots(saved: Any, ref: Mapping, where: str, params: list[Tensor]) -> None:
@@ -195,6 +219,8 @@ def _check_slots(saved: Any, ref: Mapping, where: str, params: list[Tensor]) -> 
                 _check_tensor(value, tuple(params[index].shape), None, at)
             elif not (value is None or isinstance(value, (numbers.Number, str, Tensor))):
                 raise _Misfit(f"{at} is a {type(value).__name__}")
+            elif _is_scalar(value):
+                _check_finite(value, None, at)
 
 
 def _walk(saved: Any, ref: Any, where: str, params: list[Tensor], key: Any = None) -> None:
