@@ -745,3 +745,41 @@ def test_loaded_hyperparameters_of_options_that_are_off_or_enumerated_are_checke
     assert_same(snapshot(opt, params), before)
     assert {k: v for k, v in opt.param_groups[0].items() if k != "params"} == group_before
     do_step(opt, params, 1)
+
+
+@pytest.mark.parametrize("where", ["constructor", "add_param_group"])
+@pytest.mark.parametrize("key,value,exc", [("lr", float("nan"), ValueError), ("lr", float("inf"), ValueError),
+                                           ("lr", -0.1, ValueError), ("lr", "x", TypeError),
+                                           ("momentum", -5.0, ValueError), ("weight_decay", -1.0, ValueError),
+                                           ("learning_rate", float("nan"), ValueError)])
+def test_param_group_hyperparameters_are_checked(where, key, value, exc):
+    """A param group's own settings get the constructor's checks (finite, in range, a number), with the key
+    named, before anything is built or added: a NaN learning rate in a group used to train to NaN."""
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    if where == "constructor":
+        with pytest.raises(exc, match=key):
+            SGD([{"params": [a], key: value}], learning_rate=0.1, momentum=0.9)
+        return
+    opt = SGD([a], learning_rate=0.1, momentum=0.9)
+    with pytest.raises(exc, match=key):
+        opt.add_param_group({"params": [b], key: value})
+    assert len(opt.param_groups) == 1 and b not in opt.state
+
+
+def test_a_tensor_listed_twice_in_a_group_is_refused():
+    """``[p, p]`` would update ``p`` twice per step (torch warns that it will become an error)."""
+    p, q = torch.nn.Parameter(torch.randn(2)), torch.nn.Parameter(torch.randn(2))
+    with pytest.raises(ValueError, match="twice"):
+        SGD([p, p], learning_rate=0.1)
+    opt = SGD([q], learning_rate=0.1)
+    with pytest.raises(ValueError, match="twice"):
+        opt.add_param_group({"params": [p, p]})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("kw", ["clipnorm", "global_clipnorm", "clipvalue", "weight_decay", "ema_momentum"])
+def test_infinite_options_are_refused(kw):
+    """``clipnorm=inf`` used to give NaN weights on the first step (``g·inf/inf``); every numeric option must
+    be finite."""
+    with pytest.raises(ValueError, match=kw):
+        SGD([torch.nn.Parameter(torch.randn(2))], learning_rate=0.1, **{kw: float("inf")})

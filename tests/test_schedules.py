@@ -423,3 +423,13 @@ def test_bad_state_values_and_unknown_keys_rejected_atomically():
     opt.step()
     sched.step()
     assert sched.last_step == 8 and opt.param_groups[0]["lr"] == 0.5 * s(8)
+
+
+def test_resuming_last_step_without_initial_lr_names_the_argument():
+    """torch's resume path needs each group's ``initial_lr``; without it the error names ``last_step``
+    (torch raises a bare ``KeyError``)."""
+    import optkit
+
+    opt = optkit.SGD([torch.nn.Parameter(torch.randn(2))], learning_rate=0.1)
+    with pytest.raises(ValueError, match="last_step"):
+        optkit.ScheduleLR(opt, lambda s: 0.1, last_step=5)

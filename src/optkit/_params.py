@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import Tensor
 
+from ._state_dict import check_group_hyperparameters
+
 __all__ = ["normalize_param_groups", "auto_name"]
 
 
@@ -84,6 +86,13 @@ def normalize_param_groups(params: Any, start: int = 0) -> tuple[list[dict], boo
             tensors.append(t)
             names.append(str(name) if name is not None else auto_name(counter))
             counter += 1
+        if len({id(t) for t in tensors}) != len(tensors):
+            first: dict[int, str] = {}
+            a, b = next((first[id(t)], n) for t, n in zip(tensors, names)
+                        if id(t) in first or first.setdefault(id(t), n) is None)
+            raise ValueError(f"`params`: one tensor appears twice in a param group (as {a!r} and {b!r}); it "
+                             "would be updated twice per step")
+        check_group_hyperparameters(g, "`params`")
         g["params"] = tensors
         g["param_names"] = names
     if len(named_flags) > 1:

@@ -29,7 +29,8 @@ from torch import Tensor
 from . import _multi_tensor as mt
 from ._validation import is_number
 
-__all__ = ["TORCH_PARAM_SHAPED", "validate_state_dict", "validate_torch_state_dict"]
+__all__ = ["TORCH_PARAM_SHAPED", "check_group_hyperparameters", "validate_state_dict",
+           "validate_torch_state_dict"]
 
 
 def validate_state_dict(opt: Any, sd: dict) -> int:
@@ -146,7 +147,7 @@ def _integral_in_range(v: Any, low: int, high: int) -> bool:
 #: bounds of the numeric hyperparameters optkit's optimizers keep in their param groups (the constructors'
 #: own ranges): a loaded value outside them (a NaN, a negative learning rate) is refused, not trained with
 _RANGES: dict[str, tuple[float | None, float | None]] = {
-    "lr": (0.0, None), "weight_decay": (0.0, None), "momentum": (0.0, None),
+    "lr": (0.0, None), "learning_rate": (0.0, None), "weight_decay": (0.0, None), "momentum": (0.0, None),
     "beta1": (0.0, 1.0), "beta2": (0.0, 1.0), "beta": (0.0, None), "rho": (0.0, None),
     "epsilon": (0.0, None), "eps": (0.0, None), "eeta": (0.0, None), "lr_scale": (0.0, None),
     "initial_accumulator_value": (0.0, None), "learning_rate_power": (None, 0.0),
@@ -157,13 +158,32 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
 _CHOICES: dict[str, frozenset[str]] = {"variant": frozenset({"tf1.15", "tf1.14"})}
 
 
-def _check_number_value(where: str, gi: int, key: str, value: Any) -> None:
-    """A loaded numeric hyperparameter (a number or a one-element real floating tensor holding data): finite
-    and within :data:`_RANGES`."""
+def check_group_hyperparameters(group: dict, where: str) -> None:
+    """The numeric hyperparameters a user puts into a param group (``{"params": ..., "lr": 0.1, ...}``, given
+    to the constructor or ``add_param_group``): a real number or a one-element real floating tensor, finite
+    and within :data:`_RANGES`; ``TypeError`` / ``ValueError`` naming the key, before anything changes."""
+    for key, value in group.items():
+        if key not in _RANGES:
+            continue
+        if value is None and key in ("max_coeff", "min_coeff"):
+            continue
+        if isinstance(value, bool) or not (is_number(value) or isinstance(value, Tensor)):
+            raise TypeError(f"{where}: param group key {key!r} must be a number, got "
+                            f"{type(value).__name__} ({value!r})")
+        if isinstance(value, Tensor) and value.numel() != 1:
+            raise ValueError(f"{where}: param group key {key!r} must be a single number, got a tensor of "
+                             f"shape {tuple(value.shape)}")
+        _check_number_value(where, None, key, value)
+
+
+def _check_number_value(where: str, gi: int | None, key: str, value: Any) -> None:
+    """A numeric hyperparameter (a number or a one-element real floating tensor holding data) of param group
+    ``gi`` (None: a group being added): finite and within :data:`_RANGES`."""
+    group = "param group" if gi is None else f"param group {gi}"
     if isinstance(value, Tensor):
         if value.is_meta or value.layout != torch.strided or value.is_complex() \
                 or not value.is_floating_point():
-            raise ValueError(f"{where}: param group {gi} key {key!r} must be a real number or a real "
+            raise ValueError(f"{where}: {group} key {key!r} must be a real number or a real "
                              "floating-point scalar tensor holding data")
         v = float(value.detach().reshape(()).cpu())
     else:
@@ -172,10 +192,10 @@ def _check_number_value(where: str, gi: int, key: str, value: Any) -> None:
         except OverflowError:
             v = math.inf
     if not math.isfinite(v):
-        raise ValueError(f"{where}: param group {gi} key {key!r} must be finite, got {str(value)[:40]}")
+        raise ValueError(f"{where}: {group} key {key!r} must be finite, got {str(value)[:40]}")
     low, high = _RANGES.get(key, (None, None))
     if (low is not None and v < low) or (high is not None and v > high):
-        raise ValueError(f"{where}: param group {gi} key {key!r} must be in [{low}, {high}], got {value!r}")
+        raise ValueError(f"{where}: {group} key {key!r} must be in [{low}, {high}], got {value!r}")
 
 
 def _check_group_values(where: str, gi: int, saved: dict, live: dict) -> None:

@@ -159,6 +159,7 @@ def check_number(
     low_open: bool = False,
     allow_none: bool = False,
     integer: bool = False,
+    allow_inf: bool = False,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is a number in ``[low, high]``
     (``(low, high]`` with ``low_open``); the optimizers' hyperparameter check (nothing is created before
@@ -170,9 +171,14 @@ def check_number(
             raise TypeError(f"`{name}` must be an int, got {value!r} ({type(value).__name__})")
     elif not is_number(value):
         raise TypeError(f"`{name}` must be a number, got {value!r} ({type(value).__name__})")
-    v = float(value)  # type: ignore[arg-type]
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except OverflowError:
+        v = math.inf
     if math.isnan(v):
         raise ValueError(f"`{name}` must not be NaN")
+    if math.isinf(v) and not allow_inf:
+        raise ValueError(f"`{name}` must be finite, got {value!r}")
     if low is not None and (v < low or (low_open and v == low)):
         op = ">" if low_open else ">="
         raise ValueError(f"`{name}` must be {op} {low}, got {value!r}")

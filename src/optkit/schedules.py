@@ -232,6 +232,11 @@ class ScheduleLR(LRScheduler):
             raise TypeError(f"ScheduleLR: last_step must be an int, got {last_step!r}")
         if last_step < -1:
             raise ValueError(f"ScheduleLR: last_step must be >= -1, got {last_step!r}")
+        if last_step != -1 and any("initial_lr" not in g for g in optimizer.param_groups):
+            raise ValueError(
+                f"ScheduleLR: last_step={last_step} resumes a schedule, which needs each param group's "
+                "'initial_lr' (set by a scheduler attached before, and restored with the optimizer's "
+                "state_dict); build it with last_step=-1 and load the scheduler's state_dict instead")
         self.schedule = schedule
         self.mode = mode
         self._scales_itself = _applies_lr_scale(optimizer)
