@@ -174,8 +174,10 @@ def test_checkpoint_layout_is_checked(trained, capsys, change, message):
         (lambda t: t.update(global_step=torch.tensor(-3)), "'global_step' must be in [0, 2**62)"),
         (lambda t: t["scaler"].update(scale=torch.tensor(float("inf"))), "train_op.scaler.scale is inf"),
         (lambda t: t.update(micro=7), "'micro' must be < iter_size"),
+        (lambda t: t["scaler"].update(scale=torch.empty((), device="meta")),
+         "train_op.scaler.scale is 'a tensor without data'"),
     ],
-    ids=["nan-step", "fractional-step", "negative-step", "inf-scale", "micro"],
+    ids=["nan-step", "fractional-step", "negative-step", "inf-scale", "micro", "meta-scale"],
 )
 def test_non_finite_or_impossible_counters_are_refused(trained, capsys, change, message):
     ckpt = trained / "checkpoints" / "step_000004.pt"

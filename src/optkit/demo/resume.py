@@ -154,6 +154,8 @@ def _is_scalar(value: Any) -> bool:
 def _is_finite(value: Any) -> bool:
     """Whether a single number (Python number or 0-d tensor) is finite; True for non-real values."""
     if isinstance(value, Tensor):
+        if value.is_meta or value.layout != torch.strided:
+            return False  # (no data to read: refused as not finite)
         if value.dtype == torch.bool or not (value.is_floating_point() or value.is_complex()):
             return True
         return bool(torch.isfinite(value).all())
@@ -166,13 +168,16 @@ def _check_finite(saved: Any, ref: Any, where: str) -> None:
     """A saved single number must be finite unless the freshly built run's own value is not (a documented
     ``inf`` setting): no NaN/inf step, scale or hyperparameter reaches the continuation."""
     if not _is_finite(saved) and (ref is None or _is_finite(ref)):
-        shown = saved.item() if isinstance(saved, Tensor) else saved
+        shown = saved if not isinstance(saved, Tensor) else (
+            "a tensor without data" if saved.is_meta or saved.layout != torch.strided else saved.item())
         raise _Misfit(f"{where} is {shown!r}, it must be a finite number")
 
 
 def _check_tensor(saved: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None, where: str) -> None:
     if saved.layout != torch.strided or saved.is_sparse:
         raise _Misfit(f"{where} is not a dense tensor")
+    if saved.is_meta:
+        raise _Misfit(f"{where} is a meta tensor (it holds no data)")
     if tuple(saved.shape) != tuple(shape):
         raise _Misfit(f"{where} has shape {tuple(saved.shape)}, the run needs {tuple(shape)}")
     if dtype is not None and saved.dtype != dtype:
