@@ -428,3 +428,9 @@ def test_zero_grad_does_not_point_a_parameter_back_into_a_buffer_it_left():
     w = model[5].weight
     assert flat_buffer_of(w) is None and w.grad is None and id(w) not in opt._flat_grad_views
     assert flat_buffer_of(model[4].weight) is not None and model[4].weight.grad is not None
+
+
+@pytest.mark.parametrize("bad", [None, 3, "weights", torch.zeros(2)])
+def test_params_that_are_not_a_module_or_an_iterable_of_tensors_are_named(bad):
+    with pytest.raises(TypeError, match="`params` must be"):
+        optkit.flat_parameters(bad)

@@ -313,3 +313,9 @@ def test_optimize_loss_accepts_rules_and_layer_decay():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         optkit.optimize_loss(lambda i, t: m1(i).sum(), torch.optim.SGD, None, 0.1, model=m1, rules=[])
+
+
+@pytest.mark.parametrize("bad", [None, 3, torch.zeros(2)])
+def test_a_model_that_is_not_a_module_or_named_pairs_is_named(bad):
+    with pytest.raises(TypeError, match="`model`"):
+        optkit.create_optimizer(bad, "SGD", lr=0.1)

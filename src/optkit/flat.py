@@ -133,6 +133,9 @@ def flat_parameters(params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, T
     """
     if isinstance(params, nn.Module):
         items = list(params.parameters())
+    elif isinstance(params, (Tensor, str, bytes)) or not isinstance(params, Iterable):
+        raise TypeError("flat_parameters: `params` must be an nn.Module or an iterable of tensors or (name, "
+                        f"tensor) pairs, got {type(params).__name__}")
     else:
         items = [x[1] if isinstance(x, tuple) else x for x in params]
     seen: set[int] = set()

@@ -64,7 +64,7 @@ RuleList = Sequence[tuple[str | re.Pattern, Mapping[str, Any]]]
 def _named(model: Any, include_frozen: bool) -> list[tuple[str, Tensor]]:
     if isinstance(model, nn.Module):
         items = list(model.named_parameters())
-    elif isinstance(model, Tensor) or isinstance(model, (str, bytes)):
+    elif isinstance(model, (Tensor, str, bytes)) or not isinstance(model, Iterable):
         raise TypeError("`model` must be an nn.Module or an iterable of (name, tensor) pairs")
     else:
         items = list(model)
