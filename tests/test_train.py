@@ -947,3 +947,19 @@ def test_wrapper_hooks_used_by_the_train_op():
     del larc.grad_scale
     torch.testing.assert_close(larc.last_ratios, r, rtol=0, atol=0)
     assert float(larc.last_clip_on[0]) == 1.0
+
+
+@pytest.mark.parametrize("fn", [float("nan"), float("inf"), -1.0, lambda s: float("nan"),
+                                lambda s: 0.1 if s < 2 else -0.5, lambda s: "x"])
+def test_a_learning_rate_that_is_not_a_finite_non_negative_number_is_refused(fn):
+    """``learning_rate_decay_fn`` as a number, or a callable's value (a Python number; tensors are not read),
+    must be finite and >= 0: a NaN learning rate trained the weights to NaN; the error names the argument,
+    and raises no later than the update that would use the value."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with pytest.raises((ValueError, TypeError), match="learning_rate_decay_fn"):
+        op = optimize_loss(lambda: m(x).pow(2).sum(), "SGD", {}, learning_rate_decay_fn=fn, model=m)
+        for _ in range(3):
+            op()
+    assert bool(torch.isfinite(m.weight).all())

@@ -368,13 +368,28 @@ def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
     if isinstance(fn, bool):
         raise TypeError(f"`learning_rate_decay_fn` must be a callable or a number, got {fn!r}")
     if isinstance(fn, numbers.Real):
-        if not fn >= 0:
-            raise ValueError(f"the learning rate must be >= 0, got {fn!r}")
+        if not (math.isfinite(fn) and fn >= 0):
+            raise ValueError(f"`learning_rate_decay_fn`: the learning rate must be a finite number >= 0, "
+                             f"got {fn!r}")
         value = float(fn)
         return lambda _step: value
     if not callable(fn):
         raise TypeError(f"`learning_rate_decay_fn` must be a callable or a number, got {fn!r}")
-    return fn
+
+    def checked(step: Any) -> Any:
+        """``fn(step)``, refused when it is not a number or a tensor, or a Python number that is NaN, infinite
+        or negative (the weights would turn NaN); tensor values are not read (no host sync)."""
+        lr = fn(step)
+        if isinstance(lr, bool) or not (isinstance(lr, (numbers.Real, Tensor))):
+            raise TypeError(f"`learning_rate_decay_fn` returned {type(lr).__name__} ({lr!r}); it must return "
+                            "a number or a 0-d tensor")
+        if isinstance(lr, numbers.Real) and not (math.isfinite(lr) and lr >= 0):
+            at = f" at step {step}" if not isinstance(step, Tensor) else ""
+            raise ValueError(f"`learning_rate_decay_fn` returned {lr!r}{at}; a learning rate must be a "
+                             "finite number >= 0")
+        return lr
+
+    return checked
 
 
 # ------------------------------------------------------------------------------------------------------------
