@@ -249,7 +249,7 @@ def test_finalize_variable_values_passes_through_wrappers_and_refreshes_half_par
 @pytest.mark.parametrize("slot,value,match", [
     ("exp_avg", torch.zeros(3), "shape"),
     ("exp_avg_sq", torch.zeros(4, 3, dtype=torch.int64), "dtype"),
-    ("step", torch.tensor(-1.0), "non-negative"),
+    ("step", torch.tensor(-1.0), "whole number in"),
     ("exp_avg", [0.0] * 12, "not a tensor"),
 ])
 def test_torch_inner_state_is_validated_before_loading(rng, slot, value, match):

@@ -20,14 +20,13 @@ check of its parameter-shaped slots (:func:`validate_torch_state_dict`).
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from ._validation import is_number
+from ._validation import check_count, is_number
 
 __all__ = ["TORCH_PARAM_SHAPED", "check_group_hyperparameters", "validate_state_dict",
            "validate_torch_state_dict"]
@@ -119,29 +118,7 @@ def validate_torch_state_dict(opt: torch.optim.Optimizer, sd: Any) -> None:
 
 
 def _check_step(where: str, name: str, value: Any) -> int:
-    if isinstance(value, Tensor):
-        if value.is_meta or value.layout != torch.strided or value.numel() != 1 or value.is_complex() \
-                or value.dtype == torch.bool:
-            raise ValueError(f"{where}: 'step' of parameter {name!r} must be a real scalar holding data")
-        v = value.detach().reshape(()).cpu().item()
-    elif is_number(value):
-        v = value
-    else:
-        raise ValueError(f"{where}: 'step' of parameter {name!r} must be a number, got "
-                         f"{type(value).__name__}")
-    if not _integral_in_range(v, 0, 2**62):
-        raise ValueError(f"{where}: 'step' of parameter {name!r} must be a non-negative integer below 2**62, "
-                         f"got {str(v)[:40]}")
-    return int(v)
-
-
-def _integral_in_range(v: Any, low: int, high: int) -> bool:
-    """Whether the real number ``v`` is an integer in ``[low, high)`` (no float conversion of huge ints, no
-    overflow on inf)."""
-    if isinstance(v, numbers.Integral):
-        return low <= int(v) < high
-    f = float(v)
-    return math.isfinite(f) and f == math.floor(f) and low <= f < high
+    return check_count(f"'step' of parameter {name!r}", value, where=where, whole_floats=True)
 
 
 #: bounds of the numeric hyperparameters optkit's optimizers keep in their param groups (the constructors'

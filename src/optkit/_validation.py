@@ -27,6 +27,9 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from torch import Tensor
+
 __all__ = ["ParameterTypeError", "check_params", "check_real", "check_int", "check_number", "is_number"]
 
 
@@ -184,3 +187,39 @@ def check_number(
         raise ValueError(f"`{name}` must be {op} {low}, got {value!r}")
     if high is not None and v > high:
         raise ValueError(f"`{name}` must be <= {high}, got {value!r}")
+
+
+#: the largest count (steps, iterations, counters) a loaded state may hold: beyond it int64 arithmetic and
+#: float32 step counts lose meaning
+COUNT_LIMIT = 2**62
+
+
+def check_count(name: str, value: Any, *, where: str, minimum: int = 0, tensors: bool = True,
+                whole_floats: bool = False) -> int:
+    """A loaded count as a Python int in ``[minimum, 2**62)``: a Python int, a one-element real tensor holding
+    data (``tensors``), or a float with a whole value (``whole_floats``: older checkpoints). Without a float
+    conversion of huge ints, so 10**400 and inf are a ``ValueError`` too. Wrong types raise
+    :class:`ParameterTypeError` (a ``TypeError`` and a ``ValueError``), bad values ``ValueError``, naming
+    ``name``."""
+    if isinstance(value, Tensor) and tensors:
+        if value.dtype == torch.bool or value.is_complex():
+            raise ParameterTypeError(f"{where}: {name} must be a whole number, got a {value.dtype} tensor")
+        if value.is_meta or value.layout != torch.strided or value.numel() != 1:
+            raise ValueError(f"{where}: {name} must be a single number in a dense tensor holding data, got "
+                             f"shape {tuple(value.shape)}, layout {value.layout}, device {value.device}")
+        v: Any = value.detach().reshape(()).cpu().item()
+    elif isinstance(value, bool) or not (isinstance(value, numbers.Integral)
+                                         or (whole_floats and isinstance(value, numbers.Real))):
+        raise ParameterTypeError(f"{where}: {name} must be a Python int{' or a tensor' if tensors else ''}, "
+                                 f"got {type(value).__name__} ({str(value)[:40]})")
+    else:
+        v = value
+    if not isinstance(v, numbers.Integral):
+        f = float(v)
+        if not (math.isfinite(f) and f == math.floor(f)):
+            raise ValueError(f"{where}: {name} must be a whole number in [{minimum}, 2**62), got {v!r}")
+        v = int(f)
+    v = int(v)
+    if not minimum <= v < COUNT_LIMIT:
+        raise ValueError(f"{where}: {name} must be a whole number in [{minimum}, 2**62), got {str(v)[:40]}")
+    return v

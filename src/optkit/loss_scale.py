@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from ._validation import ParameterTypeError, check_int, check_params, check_real
+from ._validation import ParameterTypeError, check_count, check_int, check_params, check_real
 
 __all__ = [
     "LossScaleAtMinimumWarning",
@@ -88,7 +88,6 @@ _F64 = torch.float64
 _RUNTIME_ATTRS = frozenset({"_state", "last_amax", "_updates", "_floor_seen", "floor_check_interval"})
 # what LossScale.load_state_dict accepts: integer dtypes of a counter, ranges of the floating state entries
 _INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
-_COUNTER_LIMIT = 2**62
 _STATE_BOUNDS: dict[str, dict[str, Any]] = {
     "scale": {"minimum": 0.0, "min_inclusive": False, "maximum": _FP32_MAX},
     "b1_correction": {"minimum": 0.0, "maximum": 1.0},
@@ -330,7 +329,7 @@ class LossScale(ABC):
             raise ValueError(f"{where}: {entry} must be a one-element tensor, got shape {tuple(value.shape)}")
         if value.layout != torch.strided:
             raise ValueError(f"{where}: {entry} must be a dense tensor, got layout {value.layout}")
-        if value.is_meta or value.device.type == "meta":
+        if value.is_meta:
             raise ValueError(f"{where}: {entry} is a meta tensor (no data)")
         if target.is_floating_point():
             if not value.is_floating_point():
@@ -344,9 +343,7 @@ class LossScale(ABC):
         if target.is_floating_point():
             check_real(entry, x, where=where, **_STATE_BOUNDS.get(name, {}))
         else:
-            check_int(entry, x, where=where, minimum=-1 if name == "last_overflow_iteration" else 0)
-            if x >= _COUNTER_LIMIT:
-                raise ValueError(f"{where}: {entry} must be < 2**62, got {x}")
+            check_count(entry, x, where=where, minimum=-1 if name == "last_overflow_iteration" else 0)
         return v
 
     def _adopt_hyperparameters(self, other: LossScale) -> None:

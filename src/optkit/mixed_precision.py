@@ -436,7 +436,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
                                  f"got {tuple(t.shape)}")
             if t.layout != torch.strided:
                 raise ValueError(f"{where}: {entry} must be a dense tensor, got layout {t.layout}")
-            if t.is_meta or t.device.type == "meta":
+            if t.is_meta:
                 raise ValueError(f"{where}: {entry} is a meta tensor (no data)")
             if not t.is_floating_point():
                 raise ParameterTypeError(f"{where}: {entry} must have a real floating dtype, got {t.dtype}")

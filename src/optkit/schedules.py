@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ._validation import ParameterTypeError, check_int, check_real
+from ._validation import ParameterTypeError, check_count, check_real
 from .lr_policies import LR, LR_POLICIES, Step, get_policy
 
 __all__ = ["LearningRateSchedule", "PolicySchedule", "build_schedule", "ScheduleLR"]
@@ -295,7 +295,8 @@ class ScheduleLR(LRScheduler):
         loaded: dict[str, Any] = {}
         for key in ("last_epoch", "_step_count"):
             if key in state_dict:
-                loaded[key] = _sched_int(key, state_dict[key], -1 if key == "last_epoch" else 0, where)
+                loaded[key] = check_count(key, state_dict[key], where=where, tensors=False,
+                                          minimum=-1 if key == "last_epoch" else 0)
         for key in ("_is_initial", "_get_lr_called_within_step", "_scales_itself", "verbose"):
             if key in state_dict and not isinstance(state_dict[key], bool):
                 value = state_dict[key]
@@ -327,18 +328,6 @@ class ScheduleLR(LRScheduler):
 _SCHED_KEYS = frozenset({"last_epoch", "_step_count", "base_lrs", "_last_lr", "_is_initial",
                          "_get_lr_called_within_step", "_scales_itself", "verbose"})
 _SCHED_IGNORED = frozenset({"schedule", "mode", "optimizer"})
-_STEP_LIMIT = 2**62
-
-
-def _sched_int(key: str, value: Any, minimum: int, where: str) -> int:
-    try:
-        v = check_int(key, value, where=where, minimum=minimum)
-    except TypeError as e:
-        raise ParameterTypeError(str(e)) from None
-    if v >= _STEP_LIMIT:
-        got = v if v.bit_length() <= 128 else f"an int of {v.bit_length()} bits"
-        raise ValueError(f"{where}: {key} must be < 2**62, got {got}")
-    return v
 
 
 def _sched_lrs(key: str, value: Any, n: int, where: str) -> list[float | Tensor]:
@@ -352,7 +341,7 @@ def _sched_lrs(key: str, value: Any, n: int, where: str) -> list[float | Tensor]
     for i, lr in enumerate(value):
         name = f"{key}[{i}]"
         if isinstance(lr, Tensor):
-            if lr.numel() != 1 or lr.layout != torch.strided or lr.is_meta or lr.device.type == "meta":
+            if lr.numel() != 1 or lr.layout != torch.strided or lr.is_meta:
                 raise ValueError(f"{where}: {name} must be a dense one-element tensor with data, got "
                                  f"shape {tuple(lr.shape)}, layout {lr.layout}, device {lr.device}")
             if lr.is_complex() or lr.dtype == torch.bool:

@@ -80,7 +80,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _multi_tensor as mt
-from ._validation import check_int, check_params
+from ._validation import check_count, check_int, check_params
 from ._wrapper import OptimizerWrapper, handed_over, protocol_level
 from .clipping import clip_coefficient
 from .larc import LARC
@@ -999,8 +999,8 @@ class TrainOp:
         if missing:
             raise ValueError(f"load_state_dict: missing keys {missing}")
         # the train op's own entries
-        step = _check_count("global_step", state_dict["global_step"], where)
-        host_step = _check_count("host_step", state_dict["host_step"], where)
+        step = check_count("'global_step'", state_dict["global_step"], where=where)
+        host_step = check_count("'host_step'", state_dict["host_step"], where=where)
         host_exact = state_dict["host_exact"]
         if not isinstance(host_exact, bool):
             raise TypeError(f"{where}: 'host_exact' must be a bool, got {type(host_exact).__name__} "
@@ -1125,34 +1125,6 @@ class TrainOp:
                 raise ValueError(f"{where}: per-rank accumulator {i} must have shape {(world, *q.shape)}")
             out.append(a[me] if a is not None and bool(present[i, me]) else None)
         return out
-
-
-_MAX_COUNT = 2**62
-
-
-def _check_count(name: str, value: Any, where: str) -> int:
-    """A saved step counter: a Python int or a real 0-d tensor holding an integral value in [0, 2**62)."""
-    if isinstance(value, Tensor):
-        if value.dtype == torch.bool or value.is_complex():
-            raise TypeError(f"{where}: '{name}' must be an integer number, got a {value.dtype} tensor")
-        if value.is_meta or value.layout != torch.strided:
-            raise ValueError(f"{where}: '{name}' must be a dense tensor holding data")
-        if value.dim() != 0:
-            raise ValueError(f"{where}: '{name}' must be a single number (0-d tensor), got shape "
-                             f"{tuple(value.shape)}")
-        v = value.item()
-        if isinstance(v, float):
-            if not math.isfinite(v) or v != int(v):
-                raise ValueError(f"{where}: '{name}' must be a finite whole number, got {v!r}")
-            v = int(v)
-    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: '{name}' must be a Python int or a 0-d tensor, got "
-                        f"{type(value).__name__} ({value!r})")
-    else:
-        v = int(value)
-    if not 0 <= v < _MAX_COUNT:
-        raise ValueError(f"{where}: '{name}' must be in [0, 2**62), got {v}")
-    return v
 
 
 def _chain(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
