@@ -170,8 +170,8 @@ def test_checkpoint_layout_is_checked(trained, capsys, change, message):
     "change, message",
     [
         (lambda t: t.update(global_step=torch.tensor(float("nan"))), "train_op.global_step is nan"),
-        (lambda t: t.update(global_step=torch.tensor(2.5)), "'global_step' must be a whole number in [0, 2**62)"),
-        (lambda t: t.update(global_step=torch.tensor(-3)), "'global_step' must be a whole number in [0, 2**62)"),
+        (lambda t: t.update(global_step=torch.tensor(2.5)), "'global_step' must be a whole number in"),
+        (lambda t: t.update(global_step=torch.tensor(-3)), "'global_step' must be a whole number in"),
         (lambda t: t["scaler"].update(scale=torch.tensor(float("inf"))), "train_op.scaler.scale is inf"),
         (lambda t: t.update(micro=7), "'micro' must be < iter_size"),
         (lambda t: t["scaler"].update(scale=torch.empty((), device="meta")),

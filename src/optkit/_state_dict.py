@@ -28,7 +28,7 @@ from torch import Tensor
 from . import _multi_tensor as mt
 from ._validation import check_count, is_number
 
-__all__ = ["TORCH_PARAM_SHAPED", "check_group_hyperparameters", "validate_state_dict",
+__all__ = ["TORCH_PARAM_SHAPED", "check_group_hyperparameters", "check_loaded_slot", "validate_state_dict",
            "validate_torch_state_dict"]
 
 
@@ -51,7 +51,7 @@ def validate_state_dict(opt: Any, sd: dict) -> int:
             if slot == "step":
                 steps.add(_check_step(where, name, value))
                 continue
-            _check_loaded_slot(where, name, slot, p, value)
+            check_loaded_slot(where, name, slot, p, value)
     if len(steps) > 1:
         raise ValueError(f"{where}: parameters hold different step counts {sorted(steps)}; an optkit "
                          "optimizer keeps one count of applied updates")
@@ -114,7 +114,7 @@ def validate_torch_state_dict(opt: torch.optim.Optimizer, sd: Any) -> None:
             if slot == "step":
                 _check_step(where, name, value)
             elif slot in TORCH_PARAM_SHAPED:
-                _check_loaded_slot(where, name, slot, p, value)
+                check_loaded_slot(where, name, slot, p, value)
 
 
 def _check_step(where: str, name: str, value: Any) -> int:
@@ -212,7 +212,7 @@ def _check_group_values(where: str, gi: int, saved: dict, live: dict) -> None:
         raise ValueError(f"{where}: param group {gi} 'param_names' must list one string per parameter")
 
 
-def _check_loaded_slot(where: str, name: str, slot: str, p: Tensor, value: Any) -> None:
+def check_loaded_slot(where: str, name: str, slot: str, p: Tensor, value: Any) -> None:
     """A slot from a state dict must be a dense real floating tensor of the parameter's (global) shape, a
     DTensor exactly when the parameter is one."""
     if not isinstance(value, Tensor):

@@ -53,7 +53,7 @@ from ._compile import chain, compiled_chain, warn_compile_fallback
 from ._gc import gc_paused
 from ._params import normalize_param_groups
 from ._plan import FlatPart, Plan, PlanView, RowMultipliers, RunAux, check_slot_fits
-from ._state_dict import validate_state_dict
+from ._state_dict import check_loaded_slot, validate_state_dict
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
 from .flat import _VIEWS_RESTORED, flat_buffer_of
@@ -1359,13 +1359,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             want = sorted(n for n, _ in self._ema_buffers)
             raise ValueError(f"load_state_dict: 'ema_buffers' must hold {want}, got {got}")
         out = []
-        for n, b in self._ema_buffers:
-            v = saved[n]
-            if not isinstance(v, Tensor) or tuple(v.shape) != tuple(b.shape) or not v.is_floating_point() \
-                    or v.is_meta or v.layout != torch.strided or mt.is_dtensor(v) != mt.is_dtensor(b):
-                raise ValueError(f"load_state_dict: the average of buffer {n!r} must be a dense real "
-                                 f"floating-point tensor holding data, of shape {tuple(b.shape)}")
-            out.append(v)
+        for n, b in self._ema_buffers:  # (the checks of a loaded slot: dense, real floating, data, shape)
+            check_loaded_slot(f"{type(self).__name__}.load_state_dict", n, "average", b, saved[n])
+            out.append(saved[n])
         return out
 
     def __repr__(self) -> str:
