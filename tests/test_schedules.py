@@ -374,6 +374,27 @@ def test_bad_state_dict_leaves_scheduler_untouched():
         assert sched.state_dict() == before and opt.param_groups[0]["lr"] == s(1)
 
 
+@pytest.mark.parametrize("bad, exc", [(float("nan"), ValueError), (float("inf"), ValueError),
+                                        (-0.1, ValueError), (10**400, ValueError), ("0.1", TypeError),
+                                        (torch.ones(2), TypeError)])
+def test_refused_schedule_value_changes_nothing(bad, exc):
+    """A user schedule whose value at some step is not a learning rate raises at that ``step()``, naming the
+    step, with the position and every group's lr as before (a NaN lr trained to NaN)."""
+    opt = torch.optim.SGD(make_model().parameters(), lr=0.5)
+    sched = ScheduleLR(opt, lambda t: bad if t == 2 else 0.1 * (t + 1))
+    opt.step()
+    sched.step()
+    before = copy.deepcopy(sched.state_dict())
+    with pytest.raises(exc, match="at step 2" if exc is ValueError else "schedule returned"):
+        sched.step()
+    assert sched.state_dict() == before and sched.last_step == 1
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.2)
+    with pytest.raises(exc):  # the same step is refused again, not skipped over
+        sched.step()
+    with pytest.raises(exc):
+        ScheduleLR(torch.optim.SGD(make_model().parameters(), lr=0.5), lambda t: bad)
+
+
 def test_transformer_schedule_with_tensor_steps():
     s = build_schedule("transformer_policy", learning_rate=2.0, d_model=512, warmup_steps=8000)
     got = s(torch.arange(3)[1])

@@ -189,6 +189,28 @@ def check_number(
         raise ValueError(f"`{name}` must be <= {high}, got {value!r}")
 
 
+def check_lr_value(who: str, lr: Any, step: Any) -> Any:
+    """``lr`` (what a schedule ``who`` returned for ``step``) as it is, refused with a ``TypeError`` when it
+    is not a real number or a tensor and a ``ValueError`` when it is a Python number that is NaN, infinite
+    or negative (the weights would turn NaN). Tensor values are not read (no host sync)."""
+    if isinstance(lr, bool) or not isinstance(lr, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"{who} returned {type(lr).__name__} ({lr!r}); it must return a number or a 0-d "
+                        "tensor")
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or lr.is_complex() or lr.dtype == torch.bool:
+            raise TypeError(f"{who} returned a tensor of shape {tuple(lr.shape)} and dtype {lr.dtype}; it "
+                            "must return a one-element real tensor")
+        return lr
+    try:
+        finite = math.isfinite(lr)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not (finite and lr >= 0):
+        at = f" at step {step}" if not isinstance(step, torch.Tensor) else ""
+        raise ValueError(f"{who} returned {lr!r}{at}; a learning rate must be a finite number >= 0")
+    return lr
+
+
 #: the largest count (steps, iterations, counters) a loaded state may hold: beyond it int64 arithmetic and
 #: float32 step counts lose meaning
 COUNT_LIMIT = 2**62

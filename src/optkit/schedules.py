@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ._validation import ParameterTypeError, check_count, check_real
+from ._validation import ParameterTypeError, check_count, check_lr_value, check_real
 from .lr_policies import LR, LR_POLICIES, Step, get_policy
 
 __all__ = ["LearningRateSchedule", "PolicySchedule", "build_schedule", "ScheduleLR"]
@@ -249,7 +249,8 @@ class ScheduleLR(LRScheduler):
 
     def _closed_form(self, step: int | None = None, bases: list | None = None) -> list[float | Tensor]:
         """Every group's lr at ``step`` (default ``last_epoch``) with ``bases`` (default ``base_lrs``)."""
-        lr = self.schedule(self.last_epoch if step is None else step)
+        at = self.last_epoch if step is None else step
+        lr = check_lr_value("ScheduleLR: the schedule", self.schedule(at), at)
         if self.mode == "absolute":
             if self._scales_itself:  # optkit optimizers multiply the group's lr_scale in themselves
                 return [lr for _ in self.optimizer.param_groups]
@@ -259,6 +260,17 @@ class ScheduleLR(LRScheduler):
 
     def get_lr(self) -> list[float | Tensor]:
         return self._closed_form()
+
+    def step(self, epoch: int | None = None) -> None:
+        """torch's ``step``; when the schedule's value is refused (a NaN, infinite or negative Python number,
+        or not a number: :func:`~optkit._validation.check_lr_value`), the error is raised with the position
+        (``last_epoch``, ``_step_count``) as it was and no group's ``lr`` changed."""
+        position = (self.last_epoch, self._step_count)
+        try:
+            super().step(epoch)
+        except (TypeError, ValueError):
+            self.last_epoch, self._step_count = position
+            raise
 
     def _get_closed_form_lr(self) -> list[float | Tensor]:
         return self._closed_form()

@@ -80,7 +80,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _multi_tensor as mt
-from ._validation import check_count, check_int, check_params
+from ._validation import check_count, check_int, check_lr_value, check_params
 from ._wrapper import OptimizerWrapper, handed_over, protocol_level
 from .clipping import clip_coefficient
 from .larc import LARC
@@ -377,17 +377,8 @@ def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
         raise TypeError(f"`learning_rate_decay_fn` must be a callable or a number, got {fn!r}")
 
     def checked(step: Any) -> Any:
-        """``fn(step)``, refused when it is not a number or a tensor, or a Python number that is NaN, infinite
-        or negative (the weights would turn NaN); tensor values are not read (no host sync)."""
-        lr = fn(step)
-        if isinstance(lr, bool) or not (isinstance(lr, (numbers.Real, Tensor))):
-            raise TypeError(f"`learning_rate_decay_fn` returned {type(lr).__name__} ({lr!r}); it must return "
-                            "a number or a 0-d tensor")
-        if isinstance(lr, numbers.Real) and not (math.isfinite(lr) and lr >= 0):
-            at = f" at step {step}" if not isinstance(step, Tensor) else ""
-            raise ValueError(f"`learning_rate_decay_fn` returned {lr!r}{at}; a learning rate must be a "
-                             "finite number >= 0")
-        return lr
+        """``fn(step)``, checked by :func:`~optkit._validation.check_lr_value` (tensor values not read)."""
+        return check_lr_value("`learning_rate_decay_fn`", fn(step), step)
 
     return checked
 
