@@ -110,6 +110,9 @@ def test_num_layers_regexes_and_frozen():
     (dict(rules="head"), TypeError, "rules"),
     (dict(layer_decay=0.0), ValueError, "layer_decay"),
     (dict(layer_decay=1.5), ValueError, "layer_decay"),
+    (dict(layer_decay="0.5"), TypeError, "layer_decay"),
+    (dict(layer_decay=0.5, num_layers="3"), TypeError, "num_layers"),
+    (dict(layer_decay=0.5, num_layers=3.0), TypeError, "num_layers"),
     (dict(layer_decay=0.5, layer_regex=r"nothing\.(\d+)"), ValueError, "layer_regex"),
     (dict(layer_decay=0.5, layer_regex=r"layer"), ValueError, "first group"),
     (dict(layer_decay=0.5, num_layers=2), ValueError, "num_layers"),
@@ -122,6 +125,25 @@ def test_bad_input_raises_naming_it(kwargs, err, match):
         optkit.param_groups(_model(), **kwargs)
 
 
+def test_shadowed_rule_warning_says_an_earlier_rule_took_its_names():
+    with pytest.warns(UserWarning, match="decides nothing.*earlier rule") as caught:
+        optkit.param_groups(_model(), [("head", {"lr_scale": 2.0}), (r"head\.bias", {"lr_scale": 3.0})])
+    assert not any("matches no parameter" in str(w.message) for w in caught)
+
+
+def test_electra_and_beit_embedding_names_are_layer_zero():
+    """ELECTRA's ``embeddings_project`` and BEiT's ``mask_token`` sit with the embeddings (layer 0), as in
+    the originals' layer-wise decay."""
+    pairs = [(n, torch.zeros(2, 2, requires_grad=True)) for n in (
+        "electra.embeddings.word_embeddings.weight", "electra.embeddings_project.weight", "mask_token",
+        "encoder.layer.0.w", "encoder.layer.1.w", "classifier.weight")]
+    by = {n: g for g in optkit.param_groups(pairs, layer_decay=0.8) for n, _ in g["params"]}
+    for name in ("electra.embeddings.word_embeddings.weight", "electra.embeddings_project.weight",
+                 "mask_token"):
+        assert by[name]["lr_scale"] == pytest.approx(0.8**3)
+    assert by["classifier.weight"]["lr_scale"] == 1.0
+
+
 def test_unmatched_rule_warns_and_describe_prints_a_table():
     with pytest.warns(UserWarning, match="matches no parameter"):
         groups = optkit.param_groups(_model(), [("decoder", {"lr_scale": 2.0})])
@@ -130,6 +152,10 @@ def test_unmatched_rule_warns_and_describe_prints_a_table():
     assert "embeddings.weight" in text
     rows = groups.describe(per_parameter=True).splitlines()
     assert len(rows) == 2 + len(list(_model().parameters()))
+    narrow = groups.describe(width=8)  # names cut to the width, with the count left out; never "(+0)"
+    assert "(+0)" not in narrow and "… (+" in narrow
+    solo = optkit.param_groups([("a_rather_long_parameter_name", torch.zeros(2, requires_grad=True))])
+    assert solo.describe(width=8).splitlines()[2].endswith("| a_rather_long_parameter_name |")
 
 
 # ------------------------------------------------------------------------------------------------ lr_scale
@@ -166,7 +192,7 @@ def test_optkit_optimizers_apply_lr_scale(lr_kind):
     assert opt.param_groups[0]["lr_scale"] == 0.25  # the group keeps its own lr unscaled
 
 
-@pytest.mark.parametrize("torch_opt", [False, True])
+@pytest.mark.parametrize("torch_opt", [False, True, "by hand", "tensor lr"])
 @pytest.mark.parametrize("mode", ["absolute", "multiplier"])
 def test_schedulelr_honours_lr_scale(torch_opt, mode):
     """``ScheduleLR`` with optkit optimizers (they scale) and torch optimizers (it scales); the multiplier
@@ -180,7 +206,17 @@ def test_schedulelr_honours_lr_scale(torch_opt, mode):
     base = 1.0 if mode == "multiplier" else 0.2
     sched = optkit.PolicySchedule("exp_decay", learning_rate=base, decay_steps=1, decay_rate=0.5,
                                    use_staircase_decay=False)
-    if torch_opt:
+    if torch_opt in ("by hand", "tensor lr"):
+        # param_groups() handed to a torch optimizer: the lr does not hold lr_scale, ScheduleLR multiplies it
+        # in; a tensor lr is one tensor shared by both groups (torch's add_param_group), which ScheduleLR
+        # must split before writing each group's value
+        groups = [{**g, "params": [p for _, p in g["params"]]}
+                  for g in optkit.param_groups(pairs, layer_decay=0.5, no_decay_1d=False)]
+        lr = torch.tensor(0.2, dtype=torch.float64) if torch_opt == "tensor lr" else 0.2
+        opt = torch.optim.SGD(groups, lr=lr)
+        if torch_opt == "tensor lr":
+            assert opt.param_groups[0]["lr"] is opt.param_groups[1]["lr"]
+    elif torch_opt:
         opt = optkit.create_optimizer(pairs, torch.optim.SGD, lr=0.2, layer_decay=0.5, no_decay_1d=False)
     else:
         opt = optkit.create_optimizer(pairs, "SGD", lr=0.2, layer_decay=0.5, no_decay_1d=False)

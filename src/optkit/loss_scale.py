@@ -43,9 +43,9 @@ non-finite gradients, as in TF (opt in to skipping with ``skip_non_finite=True``
 ``LogMaxScaler`` (§6.3, with the fixes of §9 #2), starting at ``S = 1``. With ``x = log_max`` on overflow,
 else ``x = log2(amax)``: ``x̂ ← β1 x̂ + (1−β1) x``, ``μ = x̂ / (1 − β1^t)``; ``s ← β2 s + (1−β2) x``,
 ``q ← β2 q + (1−β2) x²``, ``μ_s = s / (1 − β2^t)``, ``σ = sqrt(max(q/(1 − β2^t) − μ_s², 0))``;
-``S ← clip(2^(log_max − (μ + z σ)), min, max)``. A finite step with ``amax == 0`` carries no information
-about the gradient range and leaves the EMAs and ``S`` unchanged (the original took
-``log2(0) = −inf`` and became NaN).
+``S ← clip(2^(log_max − (μ + z σ)), min, max)``. A finite step with ``amax == 0`` (every scaled gradient
+underflowed) leaves the EMAs unchanged and grows the scale: ``S ← clip(S·2^(log_max − log_min), min, max)``
+(the original took ``log2(0) = −inf`` and became NaN).
 
 Floor warning: when a step overflows while ``S`` already sits at its minimum, the scaler cannot help any more
 (DeepSpeed raises here). optkit counts these events on the device (``floor_overflow_count``) and emits a

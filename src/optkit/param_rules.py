@@ -56,7 +56,8 @@ RULE_KEYS = ("lr_scale", "weight_decay", "exclude_from_adaptation", "clip")
 DEFAULT_LAYER_REGEX = r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)(?:\.|$)"
 #: embeddings (layer 0)
 DEFAULT_EMBED_REGEX = (r"(?:^|\.)(?:embeddings?|embed_tokens|word_embeddings|position_embeddings|"
-                       r"token_type_embeddings|patch_embed|pos_embed|cls_token|dist_token|wte|wpe)(?:\.|$)")
+                       r"token_type_embeddings|embeddings_project|patch_embed|pos_embed|cls_token|dist_token|mask_token|wte|"
+                       r"wpe)(?:\.|$)")
 
 RuleList = Sequence[tuple[str | re.Pattern, Mapping[str, Any]]]
 
@@ -168,7 +169,8 @@ class ParamGroups(list):
                         break
                     shown.append(n)
                     used += len(n) + 2
-                text = ", ".join(shown) + f", … (+{len(names) - len(shown)})"
+                if len(shown) < len(names):  # a single long name is shown whole
+                    text = ", ".join(shown) + f", … (+{len(names) - len(shown)})"
             numel = sum(p.numel() for _, p in g["params"])
             lines.append(f"| {gi} | {len(names)} | {numel:,} | {opt(g, 'lr_scale')} | "
                          f"{opt(g, 'weight_decay')} | {other(g)} | {text} |")
@@ -218,8 +220,9 @@ def param_groups(
         raise TypeError(f"`no_decay_1d` must be a bool, got {no_decay_1d!r}")
     ids: list[int | None] = [None] * len(named)
     if layer_decay is not None:
-        if isinstance(layer_decay, bool) or not isinstance(layer_decay, numbers.Real) or \
-                not 0.0 < layer_decay <= 1.0:
+        if isinstance(layer_decay, bool) or not isinstance(layer_decay, numbers.Real):
+            raise TypeError(f"`layer_decay` must be a number in (0, 1], got {layer_decay!r}")
+        if not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"`layer_decay` must be a number in (0, 1], got {layer_decay!r}")
         try:
             lre = re.compile(layer_regex) if isinstance(layer_regex, str) else layer_regex
@@ -234,7 +237,9 @@ def param_groups(
                              "(pass layer_regex= for this model's block names)")
         if num_layers is None:
             num_layers = max(blocks) + 2
-        elif isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
+        elif isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral):
+            raise TypeError(f"`num_layers` must be an int >= 1, got {num_layers!r}")
+        elif num_layers < 1:
             raise ValueError(f"`num_layers` must be an int >= 1, got {num_layers!r}")
         elif max(blocks) + 1 > num_layers:
             raise ValueError(f"`num_layers`={num_layers} but a parameter is in block {max(blocks)} "
@@ -245,7 +250,8 @@ def param_groups(
     groups: list[dict] = []
     index: dict[tuple, int] = {}
     records = []
-    used = [False] * len(compiled)
+    used = [False] * len(compiled)  # the rule decided some parameter's options
+    seen = [False] * len(compiled)  # the rule's regex is found in some name
     for (name, p), lid in zip(named, ids):
         opts: dict[str, Any] = {}
         if weight_decay is not None:
@@ -254,11 +260,13 @@ def param_groups(
             opts["weight_decay"] = 0.0
         if lid is not None:
             opts["lr_scale"] = float(layer_decay) ** (int(num_layers) - lid)  # type: ignore[arg-type]
+        won = False
         for k, (pattern, rule_opts) in enumerate(compiled):
             if pattern.search(name):
-                opts.update(rule_opts)
-                used[k] = True
-                break
+                seen[k] = True
+                if not won:
+                    opts.update(rule_opts)
+                    used[k] = won = True
         if opts.get("clip", 1) is None:
             del opts["clip"]
         key = tuple(sorted(opts.items()))
@@ -268,9 +276,12 @@ def param_groups(
             groups.append({"params": [], **opts})
         groups[gi]["params"].append((name, p))
         records.append((name, tuple(p.shape), gi, lid))
-    for (pattern, _), hit in zip(compiled, used):
-        if not hit:
+    for (pattern, _), hit, found in zip(compiled, used, seen):
+        if not found:
             warnings.warn(f"param_groups: rule {pattern.pattern!r} matches no parameter name", stacklevel=2)
+        elif not hit:
+            warnings.warn(f"param_groups: rule {pattern.pattern!r} decides nothing: every parameter it "
+                          "matches is taken by an earlier rule (the first matching rule wins)", stacklevel=2)
     return ParamGroups(groups, records)
 
 
@@ -349,6 +360,7 @@ def build_optimizer(cls: Any, groups: Sequence[dict], lr: Any, **kwargs: Any) ->
             if scale != 1.0:
                 if isinstance(lr, numbers.Real):
                     g["lr"] = float(lr) * scale
+                    g["lr_scale_in_lr"] = True  # ScheduleLR's multiplier mode: do not multiply it again
                 else:
                     name = getattr(cls, "__name__", cls)
                     raise TypeError(f"{name}: lr_scale needs a number `lr` for a torch optimizer")

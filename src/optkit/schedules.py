@@ -203,7 +203,12 @@ class ScheduleLR(LRScheduler):
       ``lr_scale`` for optimizers that do not apply it themselves: everything but optkit optimizers and
       wrappers around them);
     * ``mode="multiplier"``: group ``g`` gets ``lr = initial_lr_g·schedule(t)`` (``LambdaLR``'s form; build
-      the schedule with ``learning_rate=1.0`` to use a policy as a per-group multiplier).
+      the schedule with ``learning_rate=1.0`` to use a policy as a per-group multiplier), times the group's
+      ``lr_scale`` for torch optimizers unless their ``lr`` already holds it (groups that
+      :func:`~optkit.create_optimizer` built, marked ``lr_scale_in_lr``), as timm's schedulers do.
+
+    Groups that share one tensor ``lr`` (torch puts the default tensor ``lr`` itself into every group without
+    its own) each get their own copy before the first write, so each group keeps its value.
 
     Call ``step()`` once per *applied* optimizer update: update ``k`` (0-based) then uses ``schedule(k)``.
     Tensor ``lr`` entries are updated in place (``fill_``), so a compiled step does not recompile.
@@ -256,16 +261,34 @@ class ScheduleLR(LRScheduler):
                 return [lr for _ in self.optimizer.param_groups]
             return [lr if g.get("lr_scale", 1.0) == 1.0 else lr * g["lr_scale"]
                     for g in self.optimizer.param_groups]
-        return [base * lr for base in (self.base_lrs if bases is None else bases)]
+        bases = self.base_lrs if bases is None else bases
+        if self._scales_itself:
+            return [base * lr for base in bases]
+        # a torch optimizer's group carries its lr_scale in its lr only when create_optimizer built it
+        return [base * lr if g.get("lr_scale", 1.0) == 1.0 or g.get("lr_scale_in_lr", False)
+                else base * lr * g["lr_scale"] for base, g in zip(bases, self.optimizer.param_groups)]
 
     def get_lr(self) -> list[float | Tensor]:
         return self._closed_form()
+
+    def _own_lr_tensors(self) -> None:
+        """Give every group its own ``lr`` tensor. torch's ``add_param_group`` puts the default tensor ``lr``
+        itself into every group that does not set one, and the lrs are written in place (``fill_``): groups
+        with different lrs (``lr_scale``, multiplier mode) would all get the last group's value."""
+        seen: set[int] = set()
+        for group in self.optimizer.param_groups:
+            lr = group.get("lr")
+            if isinstance(lr, Tensor):
+                if id(lr) in seen:
+                    group["lr"] = lr = lr.clone()
+                seen.add(id(lr))
 
     def step(self, epoch: int | None = None) -> None:
         """torch's ``step``; when the schedule's value is refused (a NaN, infinite or negative Python number,
         or not a number: :func:`~optkit._validation.check_lr_value`), the error is raised with the position
         (``last_epoch``, ``_step_count``) as it was and no group's ``lr`` changed."""
         position = (self.last_epoch, self._step_count)
+        self._own_lr_tensors()
         try:
             super().step(epoch)
         except (TypeError, ValueError):
@@ -326,6 +349,7 @@ class ScheduleLR(LRScheduler):
         lrs_now = self._closed_form(loaded["last_epoch"], loaded.get("base_lrs", self.base_lrs))
         # everything is valid: assign
         self.__dict__.update(loaded)
+        self._own_lr_tensors()
         for group, lr in zip(self.optimizer.param_groups, lrs_now):
             if isinstance(group["lr"], Tensor):
                 group["lr"].fill_(lr)
