@@ -245,6 +245,10 @@ def test_clip_by_global_norm_mixed_dtypes_and_use_norm(rng):
     out, n = clip_by_global_norm(ts, 0.5, use_norm=un)
     assert n is un
     np.testing.assert_allclose(np64(out[1]), arrays[1] * 0.5 / 123.0, rtol=1e-6)
+    # a Python-number use_norm: the float64 entry's factor is formed in float64, as for a computed norm
+    out, n = clip_by_global_norm(ts, 0.5, use_norm=0.7)
+    assert n.dtype == torch.float64
+    np.testing.assert_allclose(np64(out[2]), arrays[2] * (0.5 / 0.7), rtol=1e-15)
 
 
 @pytest.mark.parametrize("dims", [None, 0, [1], [0, 1], (-1, 0)])

@@ -287,3 +287,36 @@ def test_validation_and_surface():
     scaled_step(opt)
     sched.step()
     assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("wrapper", ["LossScaleOptimizer", "MixedPrecisionOptimizerWrapper"])
+def test_both_loss_scale_wrappers_refuse_an_unscaled_backward_from_the_first_step(rng, wrapper):
+    """``scaled_backward_step``'s check (shared by both wrappers) reads the model's gradients: a plain
+    ``loss.backward()`` raises on every step, the first included (the mixed-precision wrapper used to look at
+    its fp32 masters, which have no gradient before the first step, and silently divided by S there). After
+    the refusals the scaled path applies ``w - lr·g`` (float64 reference)."""
+    from optkit import MixedPrecisionOptimizerWrapper
+
+    S, lr = 512.0, 0.25
+    dtype = torch.float32 if wrapper == "LossScaleOptimizer" else torch.float16
+    w = torch.tensor(rng.normal(size=6), dtype=dtype, requires_grad=True)
+    c = rng.uniform(0.5, 2.0, size=6)
+    make = LossScaleOptimizer if wrapper == "LossScaleOptimizer" else MixedPrecisionOptimizerWrapper
+    opt = make(torch.optim.SGD([w], lr=lr), DynamicLossScale(S))
+    w0 = w.detach().clone()
+
+    def loss():  # ½Σ c·w²: gradient c·w
+        return 0.5 * (torch.tensor(c, dtype=torch.float32) * w.float() ** 2).sum()
+
+    for _ in range(2):
+        opt.zero_grad()
+        loss().backward()
+        with pytest.raises(RuntimeError, match="did not come from scale_loss"):
+            opt.step()
+        assert torch.equal(w.detach(), w0) and float(opt.loss_scale) == S
+    opt.zero_grad()
+    opt.scale_loss(loss()).backward()
+    opt.step()
+    w64 = w0.double().numpy()
+    got = w.detach().double().numpy() if dtype == torch.float32 else opt.master_params[0].detach().numpy()
+    np.testing.assert_allclose(got, w64 - lr * c * w64, rtol=2e-3 if dtype == torch.float16 else 1e-6)

@@ -3,6 +3,8 @@ saturating copy-back, skip semantics, the fp16 underflow training run, the model
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -308,3 +310,143 @@ def test_bad_masters_rejected_before_anything_loads():
     run(model, opt, 2)
     run(src_model, src, 2)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), src_model.parameters()))
+
+
+def _snapshot(opt, model_params):
+    return [p.detach().clone() for p in model_params], _flat_state(opt)
+
+
+def _unchanged(opt, model_params, snap):
+    params0, state0 = snap
+    return all(torch.equal(p.detach(), q) for p, q in zip(model_params, params0)) and _same(
+        _flat_state(opt), state0)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_unscaled_backward_raises_on_the_first_step(rng, dtype):
+    """Under a dynamic scale a plain ``loss.backward()`` (no ``scale_loss``) raises ``RuntimeError`` on the
+    FIRST step too (as LossScaleOptimizer): the check reads the model's gradients, not the fp32 masters',
+    which have none before the first step. The first step used to divide the gradients by S silently.
+    Nothing changes on the refused step; the same loss through ``scale_loss`` then matches a float64 SGD
+    reference."""
+    S, lr = 1024.0, 0.1
+    w = torch.tensor(rng.normal(size=(4, 3)), dtype=torch.float32).to(dtype).requires_grad_()
+    b = torch.tensor(rng.normal(size=3), dtype=torch.float32, requires_grad=True)  # an fp32 parameter
+    c = rng.uniform(0.5, 2.0, size=(4, 3))
+    ct = torch.tensor(c, dtype=torch.float32)
+
+    def half_part():
+        return 0.5 * (ct * w.float() ** 2).sum()
+
+    def fp32_part():
+        return 0.5 * (b ** 2).sum()
+
+    def loss():  # ½Σ c·w² + ½Σ b²: gradients c·w and b
+        return half_part() + fp32_part()
+
+    # gradients on the half parameter only (the case that slipped through), the fp32 one only, both
+    for part in (half_part, fp32_part, loss):
+        opt = MP(torch.optim.SGD([w, b], lr=lr), DynamicLossScale(S))
+        snap = _snapshot(opt, [w, b])
+        part().backward()
+        with pytest.raises(RuntimeError, match="scale_loss"):
+            opt.step()
+        assert _unchanged(opt, [w, b], snap) and float(opt.loss_scale) == S
+        opt.zero_grad()
+
+    # the same refusal when the unscaled gradients were folded by accumulate_grads() before the step
+    opt.zero_grad()
+    half_part().backward()
+    opt.accumulate_grads()
+    assert w.grad is None
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+    opt.zero_grad()
+
+    w64, b64 = w.detach().double().numpy(), b.detach().double().numpy()
+    opt.scale_loss(loss()).backward()
+    opt.step()
+    assert bool(opt.step_applied)
+    np.testing.assert_allclose(opt.master_of(w).detach().numpy(), w64 - lr * c * w64, rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(b.detach().numpy(), b64 - lr * b64, rtol=1e-6)
+    assert torch.equal(w.detach(), opt.master_of(w).detach().to(dtype))
+
+
+def test_restored_accumulation_steps_without_a_new_backward(rng):
+    """``accumulate_grads(grads=...)`` (an open window restored from a checkpoint, carrying the scale) is not
+    taken for an unscaled backward: ``step()`` divides it by S (float64 reference); an unscaled backward
+    after the restore still raises."""
+    S, lr = 256.0, 0.5
+    w = torch.tensor(rng.normal(size=5), dtype=torch.float16, requires_grad=True)
+    g = rng.normal(size=5)
+    saved = torch.tensor(g * S, dtype=torch.float32)  # a window's fp32 sum of scaled gradients
+    w64 = w.detach().double().numpy()
+
+    opt = MP(torch.optim.SGD([w], lr=lr), DynamicLossScale(S))
+    opt.accumulate_grads([saved])
+    (w.float() * torch.tensor(g, dtype=torch.float32)).sum().backward()  # an unscaled micro-batch
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+    w.grad = None  # drop it; the restored sum is still pending
+
+    opt.step()
+    assert bool(opt.step_applied)
+    np.testing.assert_allclose(opt.master_of(w).detach().numpy(), w64 - lr * g, rtol=1e-6, atol=1e-7)
+
+
+def test_add_param_group_rejects_a_half_parameter_already_managed(rng):
+    """A half parameter that already has a master (or appears twice in the new group) raises ValueError like
+    torch's "more than one parameter group"; the wrapper, inner optimizer and state are untouched, and the
+    parameter keeps one master (it used to get a second one and the two diverged)."""
+    lr = 0.1
+    a = torch.tensor(rng.normal(size=(2, 3)), dtype=torch.float16, requires_grad=True)
+    c = torch.tensor(rng.normal(size=4), dtype=torch.bfloat16, requires_grad=True)
+    f = torch.tensor(rng.normal(size=2), dtype=torch.float32, requires_grad=True)
+    opt = MP(torch.optim.SGD([a], lr=lr, momentum=0.9), DynamicLossScale(8.0))
+    a.grad = torch.tensor(rng.normal(size=(2, 3)) * 8.0, dtype=torch.float16)
+    scaled_step(opt)  # momentum state exists
+    opt.zero_grad()
+    masters = list(opt.master_params)
+    inner_groups = opt.optimizer.param_groups
+    n_groups, snap = len(inner_groups), _snapshot(opt, [a, c, f])
+
+    for group, msg in [({"params": [a], "lr": 1.0}, "more than one parameter group"),
+                       ({"params": [f, c, a]}, "more than one parameter group"),
+                       ({"params": a}, "more than one parameter group"),
+                       ({"params": [c, f, c]}, "twice")]:
+        with pytest.raises(ValueError, match=msg):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == n_groups and opt.optimizer.param_groups is inner_groups
+        assert len(opt.master_params) == 1 and opt.master_params[0] is masters[0] and opt.model_params[0] is a
+        assert _unchanged(opt, [a, c, f], snap)
+    with pytest.raises(ValueError, match="master_of"):
+        opt.master_of(c)
+
+    # still one master per half parameter: two more steps against a float64 momentum reference
+    m64 = opt.master_of(a).detach().double().numpy()
+    buf = opt.state[opt.master_of(a)]["momentum_buffer"].double().numpy()
+    opt.add_param_group({"params": [c], "lr": lr})  # a new half parameter is still welcome
+    for _ in range(2):
+        ga = rng.normal(size=(2, 3))
+        a.grad = torch.tensor(ga * 8.0, dtype=torch.float16)
+        seen = a.grad.double().numpy() / 8.0
+        scaled_step(opt)
+        opt.zero_grad()
+        buf = 0.9 * buf + seen
+        m64 = m64 - lr * buf
+        np.testing.assert_allclose(opt.master_of(a).detach().numpy(), m64, rtol=1e-6, atol=1e-7)
+        assert torch.equal(a.detach(), opt.master_of(a).detach().half())
+    assert len(opt.master_params) == 2
+
+
+def test_a_half_parameter_twice_in_the_wrapped_optimizer_is_refused():
+    """torch only warns about ``SGD([a, a])``; the wrapper would give ``a`` two fp32 masters that drift apart.
+    It raises ValueError before any master replaces a parameter in the inner optimizer."""
+    a = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    b = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's duplicate-parameter warning
+        inner = torch.optim.SGD([{"params": [b]}, {"params": [a, a]}], lr=0.1)
+    with pytest.raises(ValueError, match="twice"):
+        MP(inner)
+    assert inner.param_groups[0]["params"][0] is b and inner.param_groups[1]["params"] == [a, a]

@@ -228,3 +228,22 @@ def test_apply_gradients_tf_surface_with_duplicate_sparse_rows():
     assert v0.grad is None  # the caller's .grad is restored
     with pytest.raises(ValueError, match="No gradients"):
         o.apply_gradients([(None, v0)])
+
+
+def test_mixed_precision_wrapper_inside_raises_type_error_outermost():
+    """A MixedPrecisionOptimizerWrapper must be the outermost wrapper: VariableClippingOptimizer over it
+    raises the same TypeError as LossScaleOptimizer and LARC (the wrapper base's check) instead of a
+    misleading "not one of the optimizer's parameters" ValueError; the other order works."""
+    from optkit import LARC, MixedPrecisionOptimizerWrapper
+
+    p = torch.tensor([[3.0, 4.0], [0.3, 0.4], [1.0, -2.0]], dtype=torch.float16, requires_grad=True)
+    mp = MixedPrecisionOptimizerWrapper(torch.optim.SGD([p], lr=0.1))
+    for keys in ({p: [1]}, {mp.master_params[0]: [1]}):
+        with pytest.raises(TypeError, match="MixedPrecisionOptimizerWrapper must be the outermost") as vc_err:
+            VC(mp, keys, 1.0)
+        with pytest.raises(TypeError) as larc_err:
+            LARC(mp, 0.01)
+        assert str(vc_err.value) == str(larc_err.value).replace("LARC", "VariableClippingOptimizer")
+    q = torch.tensor([[3.0, 4.0], [0.3, 0.4]], dtype=torch.float16, requires_grad=True)
+    outer = MixedPrecisionOptimizerWrapper(VC(torch.optim.SGD([q], lr=0.1), {q: [1]}, 1.0))
+    assert list(outer.optimizer.vars_to_clip_dims.values()) == [[1]]

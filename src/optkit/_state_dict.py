@@ -28,8 +28,8 @@ from torch import Tensor
 from . import _multi_tensor as mt
 from ._validation import check_count, is_number
 
-__all__ = ["TORCH_PARAM_SHAPED", "check_group_hyperparameters", "check_loaded_slot", "validate_state_dict",
-           "validate_torch_state_dict"]
+__all__ = ["TORCH_PARAM_SHAPED", "adopt_torch_groups", "check_group_hyperparameters", "check_loaded_slot",
+           "validate_state_dict", "validate_torch_state_dict"]
 
 
 def validate_state_dict(opt: Any, sd: dict) -> int:
@@ -89,6 +89,59 @@ def _check_structure(where: str, opt: Any, sd: Any) -> dict[Any, tuple[Tensor, s
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: state of parameter {id_to_param[key][1]!r} must be a dict")
     return id_to_param
+
+
+#: torch.optim group keys that only choose an implementation (nothing in the math): dropped on load
+_TORCH_IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def adopt_torch_groups(opt: Any, sd: Any) -> Any:
+    """``sd`` with the param groups of a ``torch.optim`` checkpoint in ``opt``'s own keys (the others are
+    returned as they are; anything malformed is left for :func:`validate_state_dict` to refuse).
+
+    For each saved group: torch's name of a hyperparameter (``opt._torch_group_keys``: ``betas`` → ``beta1``,
+    ``beta2``; ``eps`` → ``epsilon``; ``nesterov`` → ``use_nesterov``) gives the optkit key when that is
+    missing; a torch switch that changes the math must hold the value optkit computes with
+    (``opt._torch_required``: ``maximize`` False, SGD's ``dampening`` 0, Adam's ``decoupled_weight_decay``),
+    else ``ValueError`` naming it; torch's implementation switches (``foreach``, ``fused``, ...) are dropped;
+    a key of ``opt``'s groups the file lacks (an option added since, or one torch does not have) takes the
+    live group's value, as torch's ``__setstate__`` fills new options."""
+    if not isinstance(sd, dict) or not isinstance(sd.get("param_groups"), list) \
+            or len(sd["param_groups"]) != len(opt.param_groups):
+        return sd
+    where = f"{type(opt).__name__}.load_state_dict"
+    aliases: dict[str, tuple[str, ...]] = getattr(opt, "_torch_group_keys", {})
+    required: dict[str, Any] = {"maximize": False, **getattr(opt, "_torch_required", {})}
+    groups = []
+    for gi, (saved, live) in enumerate(zip(sd["param_groups"], opt.param_groups)):
+        if not isinstance(saved, dict):
+            return sd
+        g = dict(saved)
+        for tk, keys in aliases.items():
+            if tk not in g or tk in live or all(k in g for k in keys):
+                continue
+            value = g.pop(tk)
+            if len(keys) > 1:
+                if not isinstance(value, (list, tuple)) or len(value) != len(keys):
+                    raise ValueError(f"{where}: param group {gi} key {tk!r} must hold {len(keys)} values, "
+                                     f"got {value!r}")
+                g.update({k: v for k, v in zip(keys, value) if k not in g})
+            else:
+                g.setdefault(keys[0], value)
+        for key, want in required.items():
+            if key in g and key not in live:
+                value = g.pop(key)
+                if value != want:
+                    raise ValueError(f"{where}: param group {gi} has {key}={value!r} (a torch.optim "
+                                     f"setting); {type(opt).__name__} computes with {key}={want!r}")
+        for key in _TORCH_IMPLEMENTATION_KEYS:
+            if key not in live:
+                g.pop(key, None)
+        for key, value in live.items():
+            if key not in g and key not in ("params", "param_names"):
+                g[key] = value
+        groups.append(g)
+    return {**sd, "param_groups": groups}
 
 
 #: per-parameter state of torch.optim optimizers that has the parameter's shape (SGD, Adam, AdamW, Adamax,

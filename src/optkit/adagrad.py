@@ -57,6 +57,8 @@ class Adagrad(Optimizer):
     """
 
     slot_names = ("sum",)
+    #: torch.optim.Adagrad's name for epsilon (its checkpoints load)
+    _torch_group_keys = {"eps": ("epsilon",)}
     _decoupled_weight_decay = False
     _sparse_rule = True
 

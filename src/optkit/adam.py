@@ -43,6 +43,8 @@ def _adam_pointwise(hyper, w, g, slots, lr, k, aux):
             w = w - w * (lr * wd)
         else:
             g = g + w * wd
+    if w.dtype == torch.float64:  # bias corrections in the parameter's precision (t is a float32 count)
+        t = t.to(torch.float64)
     m = slots[0] + (g - slots[0]) * (1.0 - beta1)
     v = slots[1] * beta2 + g * g * (1.0 - beta2)
     bc1 = 1.0 - torch.pow(beta1, t)
@@ -82,16 +84,36 @@ class Adam(Optimizer):
         check_number("weight_decay", weight_decay, low=0.0)
         if not isinstance(amsgrad, bool):
             raise TypeError(f"`amsgrad` must be a bool, got {amsgrad!r}")
-        self.slot_names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        self._amsgrad_default = amsgrad  # read by add_param_group, which torch's __init__ calls
         super().__init__(params, learning_rate, weight_decay=float(weight_decay), beta1=float(beta1),
                          beta2=float(beta2), epsilon=float(epsilon), amsgrad=amsgrad, **kwargs)
+        self.defaults["amsgrad"] = amsgrad
+
+    #: every slot an Adam group may keep; a group keeps ``max_exp_avg_sq`` when its ``amsgrad`` is on
+    slot_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    #: torch.optim.Adam's group keys (its checkpoints load) and the setting optkit's rule computes with
+    _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
+    _torch_required = {"decoupled_weight_decay": False}
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, with ``amsgrad`` a per-group option (as in ``torch.optim.Adam``): a bool, default the
+        constructor's."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        value = param_group.get("amsgrad", self._amsgrad_default)
+        if not isinstance(value, bool):
+            raise TypeError(f"param group key 'amsgrad' must be a bool, got {value!r}")
+        super().add_param_group({**param_group, "amsgrad": value})
+
+    def _active_slots(self, group: dict) -> tuple[str, ...]:
+        return self.slot_names if group["amsgrad"] else self.slot_names[:2]
 
     def _hyper_config(self) -> dict:
         d = self.defaults
         return {"beta1": d["beta1"], "beta2": d["beta2"], "epsilon": d["epsilon"], "amsgrad": self.amsgrad}
 
     def _pointwise_hyper(self, group: dict) -> tuple:
-        return (float(group["beta1"]), float(group["beta2"]), float(group["epsilon"]), self.amsgrad,
+        return (float(group["beta1"]), float(group["beta2"]), float(group["epsilon"]), bool(group["amsgrad"]),
                 float(group["weight_decay"]), self._kernel_name == "adamw")
 
     _pointwise = staticmethod(_adam_pointwise)
@@ -107,7 +129,7 @@ class Adam(Optimizer):
         beta1, beta2, eps, amsgrad, wd, _ = self._pointwise_hyper(group)
         t = aux[0][0]
         mask = [d for _, d in aux] if wd and not all(d for _, d in aux) else None
-        names = self.slot_names
+        names = self._active_slots(group)
         lists = (params, grads) + tuple(slots[s] for s in names)
         kernel = torch._fused_adamw_ if self._kernel_name == "adamw" else torch._fused_adam_
         for device, dtype, mode, ix, part in self._kernel_parts("adam", lists, (0, *range(2, len(lists)))):
@@ -131,6 +153,7 @@ class AdamW(Adam):
     ``weight_decay`` is required, as in TF; :meth:`exclude_from_weight_decay` takes parameters out of it."""
 
     _kernel_name = "adamw"
+    _torch_required = {"decoupled_weight_decay": True}
 
     def __init__(self, params: Any, weight_decay: float, learning_rate: Any = 0.001, beta1: float = 0.9,
                  beta2: float = 0.999, epsilon: float = 1e-8, *, amsgrad: bool = False,

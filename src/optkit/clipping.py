@@ -181,7 +181,9 @@ def clip_by_global_norm(
                             f"got a {use_norm.dtype} tensor of shape {tuple(use_norm.shape)}")
         norm = use_norm
     elif isinstance(use_norm, numbers.Real) and not isinstance(use_norm, bool):
-        norm = torch.tensor(float(use_norm), dtype=torch.float32)
+        # float64 when an entry is (its factor is then formed in float64, as for a computed norm)
+        f64 = any(isinstance(t, Tensor) and t.dtype == torch.float64 for t in ts)
+        norm = torch.tensor(float(use_norm), dtype=torch.float64 if f64 else torch.float32)
     else:
         raise TypeError(f"{where}: use_norm must be None, a number or a 0-d tensor, "
                         f"got {type(use_norm).__name__}")

@@ -135,7 +135,8 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
     """``step(closure)`` of a loss-scale wrapper, which divides the gradients by ``S``: they must come from
     ``loss·S``. A closure's loss is back-propagated as ``loss·S``; without a closure, ``scale_loss`` must have
     been called since the last step (``grads_scaled``). Gradients from an unscaled backward, the pattern of
-    training frameworks, would be divided by ``S`` and training would stall silently: ``RuntimeError``."""
+    training frameworks, would be divided by ``S`` and training would stall silently: ``RuntimeError``.
+    Which gradients count is the wrapper's ``_unscaled_grads_present()`` (the model's, not fp32 masters')."""
     loss = None
     scaler = wrapper.loss_scaler
     matters = not (isinstance(scaler, FixedLossScale) and scaler.loss_scale_value == 1)
@@ -149,7 +150,7 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
                     f"{type(wrapper).__name__}.step(closure): the closure returned a loss that does not "
                     "require grad, so it back-propagated by itself, unscaled; dividing those gradients by "
                     f"the loss scale would stall training. {_UNSCALED_HELP}")
-    elif matters and not wrapper.grads_scaled and wrapper._params_with_grads()[0]:
+    elif matters and not wrapper.grads_scaled and wrapper._unscaled_grads_present():
         raise RuntimeError(
             f"{type(wrapper).__name__}.step(): the gradients did not come from scale_loss(loss) (loss·S); "
             f"dividing them by the loss scale would stall training. {_UNSCALED_HELP}")
@@ -200,6 +201,11 @@ class LossScaleOptimizer(OptimizerWrapper):
         return self.loss_scaler.scale_loss(loss)
 
     get_scaled_loss = scale_loss
+
+    def _unscaled_grads_present(self) -> bool:
+        """Whether a ``step()`` without ``grads_scaled`` would divide gradients by ``S``
+        (:func:`scaled_backward_step`): any parameter has a gradient."""
+        return bool(self._params_with_grads()[0])
 
     def get_unscaled_gradients(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
         """``g / S`` for every non-``None`` gradient (new tensors; tf.keras 2 name)."""

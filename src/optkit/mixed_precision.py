@@ -87,6 +87,15 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         self._grad_bufs: list[Tensor] = []
         self._fp32_params: list[Tensor] = []
         self._accumulated: set[int] = set()  # pairs whose master gradient holds a pending accumulation
+        self._unscaled_fold = False  # the pending accumulation folded gradients while grads_scaled was False
+        seen: set[int] = set()
+        for gi, group in enumerate(self.param_groups):  # before any master replaces a parameter
+            for p in group["params"]:
+                if p.dtype in _HALF and id(p) in seen:
+                    raise ValueError(f"MixedPrecisionOptimizerWrapper: a half-precision parameter appears "
+                                     f"twice in the optimizer's param groups (again in group {gi}); it would "
+                                     "get two fp32 masters that drift apart")
+                seen.add(id(p))
         self._adopt_groups(self.param_groups, _masters or {})
 
     # ------------------------------------------------------------------------------------ masters
@@ -183,10 +192,26 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             self._copy_back()
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group of model parameters; half ones get masters first."""
+        """Add a group of model parameters; half ones get masters first.
+
+        A half parameter that already has a master, or is listed twice in the group, raises ``ValueError``
+        (torch's rule for parameters in more than one group) before anything changes."""
         g = dict(param_group)
         ps = g["params"]
         g["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
+        where = f"{type(self).__name__}.add_param_group"
+        managed = {id(p) for p, _ in self._pairs}
+        seen: set[int] = set()
+        for i, p in enumerate(g["params"]):
+            if not (isinstance(p, Tensor) and p.dtype in _HALF):
+                continue
+            if id(p) in managed:
+                raise ValueError(f"{where}: some parameters appear in more than one parameter group: "
+                                 f"params[{i}] is a half-precision parameter that already has an fp32 master")
+            if id(p) in seen:
+                raise ValueError(f"{where}: params[{i}] is a half-precision parameter listed twice in the "
+                                 "group (it would get two fp32 masters)")
+            seen.add(id(p))
         given = {}
         for i, p in enumerate(g["params"]):
             if isinstance(p, Tensor) and p.dtype in _HALF:
@@ -202,6 +227,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         for j in self._accumulated:
             self._pairs[j][1].grad = None
         self._accumulated.clear()
+        self._unscaled_fold = False
         ps = [p for p, _ in self._pairs] + self._fp32_params
         if set_to_none:
             for p in ps:
@@ -223,6 +249,18 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         """The current loss scale ``S`` (0-d float32 tensor)."""
         return self.loss_scaler()
 
+    def _unscaled_grads_present(self) -> bool:
+        """Whether a ``step()`` without ``grads_scaled`` would divide gradients by ``S``
+        (``loss_scale_optimizer.scaled_backward_step``): a model parameter (half or fp32) has a gradient, or
+        the pending :meth:`accumulate_grads` sum folded model gradients while ``grads_scaled`` was False.
+        The fp32 masters' own ``.grad`` does not count: it is this wrapper's reused buffer (kept after a
+        step) or a sum restored with ``accumulate_grads(grads=...)``, which carries the scale it was saved
+        with."""
+        if self._unscaled_fold:
+            return True
+        return any(p.grad is not None for p, _ in self._pairs) or any(
+            p.grad is not None for p in self._fp32_params)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step (module doc). A closure returns the unscaled loss and does not call ``backward``.
@@ -240,7 +278,10 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         (one tensor or ``None`` per master, in :attr:`master_params` order, e.g. restored from a checkpoint)
         those are folded instead and the half gradients are left alone. The next :meth:`step` uses the
         accumulated sum (plus any half gradient that arrived since) and starts over; :meth:`zero_grad`
-        drops it. fp32 parameters accumulate in their own ``.grad`` as usual.
+        drops it. fp32 parameters accumulate in their own ``.grad`` as usual. Folding the model's gradients
+        while ``grads_scaled`` is False (an unscaled ``backward``) makes that :meth:`step` raise
+        ``RuntimeError`` unless the scale is a fixed 1 or ``grads_scaled`` is set before it; gradients given
+        as ``grads`` are taken to carry the scale.
         """
         if grads is not None and len(grads) != len(self._pairs):
             raise ValueError(f"accumulate_grads: `grads` must hold {len(self._pairs)} entries "
@@ -250,6 +291,8 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             g = p.grad if grads is None else grads[j]
             if g is None:
                 continue
+            if grads is None and not self.grads_scaled:  # the model's gradients, not from scale_loss
+                self._unscaled_fold = True
             if g.is_sparse:
                 g = g.coalesce().to_dense()
             if j in self._accumulated:
@@ -272,6 +315,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         if self._accumulated:
             self.accumulate_grads()  # half gradients that arrived since the last fold
         pending, self._accumulated = self._accumulated, set()
+        self._unscaled_fold = False
         for j, ((p, m), buf) in enumerate(zip(self._pairs, self._grad_bufs)):
             g = p.grad
             if j in pending:

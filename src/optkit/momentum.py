@@ -61,6 +61,9 @@ class Momentum(Optimizer):
     """
 
     slot_names = ("momentum_buffer",)
+    #: torch.optim.SGD's group keys (its checkpoints load) and the setting this rule computes with
+    _torch_group_keys = {"nesterov": ("use_nesterov",)}
+    _torch_required = {"dampening": 0.0}
     _decoupled_weight_decay = False
     _sparse_rule = True
 

@@ -53,7 +53,7 @@ from ._compile import chain, compiled_chain, warn_compile_fallback
 from ._gc import gc_paused
 from ._params import normalize_param_groups
 from ._plan import FlatPart, Plan, PlanView, RowMultipliers, RunAux, check_slot_fits
-from ._state_dict import check_loaded_slot, validate_state_dict
+from ._state_dict import adopt_torch_groups, check_loaded_slot, validate_state_dict
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
 from .flat import _VIEWS_RESTORED, flat_buffer_of
@@ -84,6 +84,16 @@ def _callable_arity(fn: Callable) -> int:
         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return len(required)
+
+
+#: base options that hold for the whole optimizer (constructor arguments); a param group holding one would
+#: ignore it
+_WIDE_OPTIONS = frozenset({"clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
+                           "ema_overwrite_frequency", "ema_warmup", "ema_buffers", "jit_compile", "mesh",
+                           "block_numel"})
+#: constructor arguments that are not optimizer-wide options (``name`` is also a common user label of a group)
+_GROUP_KEYS_ANYWHERE = frozenset({"self", "params", "learning_rate", "kwargs", "name", "amsgrad",
+                                  "weight_decay"})
 
 
 class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
@@ -190,6 +200,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: argument(s) not recognized: {unknown}")
         groups, named = normalize_param_groups(params)
         for g in groups:
+            self._check_group_keys(g, hyper)
             self._group_lr_alias(g)
         if mesh is not None:
             self._check_mesh(mesh, groups)
@@ -298,6 +309,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return
         start = sum(len(g["params"]) for g in self.param_groups)
         (group,), named = normalize_param_groups([param_group], start=start)
+        self._check_group_keys(group, self.defaults)
         if named != self._named:
             raise ValueError(
                 "all optimizer params should be with/without names: this optimizer's parameters are "
@@ -309,6 +321,32 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         super().add_param_group(group)
         self._invalidate_plans()
         self._build_group(self.param_groups[-1])
+
+    def _check_group_keys(self, group: dict, own: Any) -> None:
+        """A param group must not hold what this optimizer would silently ignore there: an optimizer-wide
+        option (``clipnorm``, ``use_ema``, ...: constructor arguments) or torch's name of a hyperparameter
+        that optkit spells otherwise (``betas``, ``eps``, ``nesterov``; ``own``: this optimizer's group keys),
+        or a torch switch at a value this rule does not compute (``maximize=True``); ``ValueError`` naming
+        the key."""
+        cls = type(self).__name__
+        ctor = set(inspect.signature(type(self).__init__).parameters) - _GROUP_KEYS_ANYWHERE
+        for key in group:
+            if (key in _WIDE_OPTIONS or key in ctor) and key not in own:
+                raise ValueError(f"{cls}: param group key {key!r} is an optimizer-wide option; pass it to "
+                                 "the constructor (a group would ignore it)")
+        for key, value in group.items():
+            if isinstance(own.get(key), bool) and not isinstance(value, bool):
+                raise TypeError(f"{cls}: param group key {key!r} must be a bool, got {value!r}")
+        aliases = getattr(self, "_torch_group_keys", {})
+        for key, ours in aliases.items():
+            if key in group and key not in own:
+                raise ValueError(f"{cls}: param group key {key!r} is torch's name; {cls} takes "
+                                 f"{' and '.join(map(repr, ours))}")
+        required = {"maximize": False, **getattr(self, "_torch_required", {})}
+        for key, want in required.items():
+            if key in group and key not in own and group[key] != want:
+                raise ValueError(f"{cls}: param group key {key!r}={group[key]!r} is not supported (the rule "
+                                 f"computes with {key}={want!r})")
 
     def _build_group(self, group: dict) -> None:
         views = self.__dict__.setdefault("_flat_grad_views", {})
@@ -1075,7 +1113,13 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         """decay → rule → EMA of one group through :func:`optkit._compile.chain` (``fn``: it, or its
         ``torch.compile``-d form), with every changing hyperparameter as a tensor input."""
         rule = type(self)._pointwise
-        loc = mt.local
+
+        def loc(t: Tensor) -> Tensor:
+            # a 0-d tensor goes in as a (1,) view of itself: inductor drops the in-place writes to 0-d float64
+            # CPU inputs (torch 2.13), so their slots and weights would never change
+            t = mt.local(t)
+            return t.view(1) if t.dim() == 0 else t
+
         slot_lists = tuple([loc(t) for t in slots[s]] for s in self._active_slots(group))
         avgs = [loc(self.state[p]["average"]) for p in params] if self.use_ema else None
         dev = loc(params[0]).device
@@ -1298,6 +1342,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 sd = result
         sd = dict(sd)
         buffer_avgs = self._check_ema_buffers(sd.pop("ema_buffers", None))
+        sd = adopt_torch_groups(self, sd)
         step = validate_state_dict(self, sd)
         # own copies: torch would alias the given tensors (``Tensor.to`` returns the same tensor when nothing
         # changes), so two optimizers loaded from one live state dict would update one buffer

@@ -60,6 +60,8 @@ class RMSProp(Optimizer):
 
     _always_block = True
     _sparse_rule = True
+    #: every slot a group may keep; a group keeps ``mg`` when its ``centered`` is on
+    slot_names = ("rms", "momentum", "mg")
 
     def __init__(self, params: Any, learning_rate: Any = 0.001, decay: float = 0.9, momentum: float = 0.0,
                  epsilon: float = 1e-10, centered: bool = False, **kwargs: Any) -> None:
@@ -68,9 +70,11 @@ class RMSProp(Optimizer):
         check_number("epsilon", epsilon, low=0.0)
         if not isinstance(centered, bool):
             raise TypeError(f"`centered` must be a bool, got {centered!r}")
-        self.slot_names = ("rms", "momentum", "mg") if centered else ("rms", "momentum")
         super().__init__(params, learning_rate, decay=float(decay), momentum=float(momentum),
                          epsilon=float(epsilon), centered=centered, **kwargs)
+
+    def _active_slots(self, group: dict) -> tuple[str, ...]:
+        return self.slot_names if group["centered"] else self.slot_names[:2]
 
     def _slot_fill(self, slot: str, group: dict) -> float:
         return 1.0 if slot == "rms" else 0.0
@@ -86,7 +90,7 @@ class RMSProp(Optimizer):
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         decay, momentum, epsilon, centered = self._pointwise_hyper(group)
-        lists = [params, grads] + [slots[s] for s in self.slot_names]
+        lists = [params, grads] + [slots[s] for s in self._active_slots(group)]
         written = (0, *range(2, len(lists)))
         for device, dtype, _, _, grouped in self._kernel_parts("foreach", lists, written):
             w, g, ms, mom = grouped[:4]
@@ -129,7 +133,7 @@ class RMSProp(Optimizer):
         coalesced sparse gradients; other rows keep their weights and slots."""
         hyper = self._pointwise_hyper(group)
         skip = None if found_inf is None else found_inf > 0.5
-        names = self.slot_names
+        names = self._active_slots(group)
         for i, (p, g) in enumerate(zip(params, grads)):
             targets = [mt.local(p)] + [mt.local(slots[s][i]) for s in names]
             index = tuple(g._indices())

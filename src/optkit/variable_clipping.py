@@ -89,8 +89,9 @@ class VariableClippingOptimizer(OptimizerWrapper):
         if not isinstance(vars_to_clip_dims, Mapping):
             raise TypeError(f"{where}: vars_to_clip_dims must be a dict {{parameter: dims}}, "
                             f"got {type(vars_to_clip_dims).__name__}")
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"`opt` must be a torch.optim.Optimizer, got {type(opt).__name__}")
+        # the wrapper base's checks first (a torch.optim.Optimizer, not an outermost-only wrapper such as
+        # MixedPrecisionOptimizerWrapper: TypeError), before the keys are looked up among its parameters
+        super().__init__(opt)
         known = {id(p) for g in opt.param_groups for p in g["params"]}
         clips: list[tuple[Tensor, tuple[int, ...]]] = []
         for i, (v, dims) in enumerate(vars_to_clip_dims.items()):
@@ -100,7 +101,6 @@ class VariableClippingOptimizer(OptimizerWrapper):
             if id(v) not in known:
                 raise ValueError(f"{where}: vars_to_clip_dims[{i}] is not one of the optimizer's parameters")
             clips.append((v, _normalize_dims(dims, mt.local(v).dim(), i)))
-        super().__init__(opt)
         self.max_norm = c
         self.name = name
         self._clips = clips

@@ -1,0 +1,192 @@
+"""Per-group options and torch.optim interplay of the TF-named optimizers (Adam, AdamW, Adagrad, Momentum,
+RMSProp): torch.optim checkpoints load and continue as torch would, per-group ``amsgrad`` / ``centered`` are
+honoured, group keys that would be ignored are refused, and ``jit_compile`` keeps 0-d float64 state.
+
+References: ``torch.optim`` (whose rule these optimizers keep, module docs) continuing from the same
+checkpoint, and float64 NumPy written from the TF RMSProp formula (``spec/openseq2seq.md`` §3.9)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import optkit
+
+SHAPES = [(4, 3), (5,), ()]
+
+
+def _params(seed: int, dtype=torch.float64) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in SHAPES]
+
+
+def _grads(seed: int, k: int, dtype=torch.float64) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * seed + k)
+    return [torch.randn(s, generator=g, dtype=dtype) for s in SHAPES]
+
+
+def _run(opt, params, seed, steps, start=0):
+    for k in range(start, start + steps):
+        for p, g in zip(params, _grads(seed, k)):
+            p.grad = g.clone()
+        opt.step()
+
+
+TORCH_CHECKPOINTS = {
+    "Adam": (lambda ps: torch.optim.Adam(ps, lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01,
+                                         amsgrad=True),
+             lambda ps: optkit.Adam(ps, learning_rate=0.3)),
+    "AdamW": (lambda ps: torch.optim.AdamW(ps, lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+              lambda ps: optkit.AdamW(ps, weight_decay=0.5, learning_rate=0.3)),
+    "Adagrad": (lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, eps=1e-8, weight_decay=0.01,
+                                               initial_accumulator_value=0.2),
+                lambda ps: optkit.Adagrad(ps, learning_rate=0.7)),
+    "Momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+                 lambda ps: optkit.Momentum(ps, learning_rate=0.7, momentum=0.5)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TORCH_CHECKPOINTS))
+def test_a_torch_checkpoint_loads_and_continues_as_torch_does(kind):
+    """The module docs promise that torch.optim checkpoints load: torch's group keys (``betas``, ``eps``,
+    ``nesterov``) become optkit's, and the next steps match torch continuing from the same checkpoint (they
+    raised ``KeyError`` at the first step)."""
+    make_torch, make_optkit = TORCH_CHECKPOINTS[kind]
+    tp = _params(1)
+    topt = make_torch(tp)
+    _run(topt, tp, 1, 3)
+    sd = copy.deepcopy(topt.state_dict())
+    op = [torch.nn.Parameter(p.detach().clone()) for p in tp]
+    oopt = make_optkit(op)  # other hyperparameters: the checkpoint's must win
+    oopt.load_state_dict(sd)
+    _run(topt, tp, 1, 3, start=3)
+    _run(oopt, op, 1, 3, start=3)
+    for a, b in zip(op, tp):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-14)
+    assert "betas" not in oopt.param_groups[0] and "foreach" not in oopt.param_groups[0]
+    assert int(oopt.iterations) == (3 if kind == "Momentum" else 6)  # torch's SGD keeps no step count
+
+
+@pytest.mark.parametrize("kind,key,value", [
+    ("Adam", "maximize", True), ("Adam", "decoupled_weight_decay", True),
+    ("AdamW", "decoupled_weight_decay", False), ("Momentum", "dampening", 0.5), ("Adam", "betas", (0.9,)),
+])
+def test_a_torch_checkpoint_with_settings_optkit_does_not_compute_is_refused(kind, key, value):
+    make_torch, make_optkit = TORCH_CHECKPOINTS[kind]
+    tp = _params(2)
+    topt = make_torch(tp)
+    _run(topt, tp, 2, 1)
+    sd = topt.state_dict()
+    sd["param_groups"][0][key] = value
+    op = [torch.nn.Parameter(p.detach().clone()) for p in tp]
+    oopt = make_optkit(op)
+    before = copy.deepcopy(oopt.state_dict())
+    with pytest.raises(ValueError, match=key):
+        oopt.load_state_dict(sd)
+    after = oopt.state_dict()
+    assert after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys()
+
+
+def test_amsgrad_in_a_param_group_is_honoured_as_in_torch():
+    """``amsgrad`` is a per-group option of ``torch.optim.Adam``; a group's ``amsgrad=True`` was ignored."""
+    tp, op = _params(3), _params(3)
+    topt = torch.optim.Adam([{"params": tp[:2], "amsgrad": True}, {"params": tp[2:]}], lr=0.1)
+    oopt = optkit.Adam([{"params": op[:2], "amsgrad": True}, {"params": op[2:]}], learning_rate=0.1)
+    for k in range(6):  # large then small gradients: the running maximum matters
+        for ps in (tp, op):
+            for p, g in zip(ps, _grads(3, k)):
+                p.grad = g * (10.0 if k == 0 else 0.1)
+        topt.step()
+        oopt.step()
+    for a, b in zip(op, tp):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-14)
+    assert "max_exp_avg_sq" in oopt.state[op[0]] and "max_exp_avg_sq" not in oopt.state[op[2]]
+    assert oopt.get_slot_names() == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+
+
+def _tf_rmsprop(w, grads, lr, rho, mu, eps, centered):
+    """float64 TF RMSProp (module doc): ms starts at 1, mom and mg at 0."""
+    w = w.copy()
+    ms, mom, mg = np.ones_like(w), np.zeros_like(w), np.zeros_like(w)
+    for g in grads:
+        ms = ms + (1 - rho) * (g * g - ms)
+        if centered:
+            mg = mg + (1 - rho) * (g - mg)
+            denom = np.maximum(ms - mg * mg, 0.0) + eps
+        else:
+            denom = ms + eps
+        mom = mu * mom + lr * g / np.sqrt(denom)
+        w = w - mom
+    return w
+
+
+def test_rmsprop_centered_per_param_group():
+    """``centered`` set in one param group (it raised ``IndexError``), and turned off in another."""
+    ps = _params(4)
+    opt = optkit.RMSProp([{"params": ps[:1], "centered": True}, {"params": ps[1:2]},
+                          {"params": ps[2:], "centered": False}], learning_rate=0.01, momentum=0.5,
+                         epsilon=1e-6, centered=False)
+    w0 = [p.detach().numpy().copy() for p in ps]
+    grads = [_grads(4, k) for k in range(4)]
+    for gs in grads:
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        opt.step()
+    for i, centered in enumerate((True, False, False)):
+        ref = _tf_rmsprop(w0[i], [gs[i].numpy() for gs in grads], 0.01, 0.9, 0.5, 1e-6, centered)
+        np.testing.assert_allclose(ps[i].detach().numpy(), ref, rtol=1e-12, atol=1e-14)
+    assert "mg" in opt.state[ps[0]] and "mg" not in opt.state[ps[1]]
+
+
+@pytest.mark.parametrize("make,group,match", [
+    (lambda g: optkit.Adam(g), {"betas": (0.5, 0.9)}, "'betas' is torch's name"),
+    (lambda g: optkit.Adam(g), {"eps": 0.1}, "'eps' is torch's name"),
+    (lambda g: optkit.Momentum(g, 0.1, momentum=0.9), {"nesterov": True}, "'nesterov' is torch's name"),
+    (lambda g: optkit.SGD(g), {"clipnorm": 0.1}, "optimizer-wide"),
+    (lambda g: optkit.SGD(g), {"use_ema": True}, "optimizer-wide"),
+    (lambda g: optkit.LAMB(g), {"global_grad_norm_clip": 1.0}, "optimizer-wide"),
+    (lambda g: optkit.Adam(g), {"maximize": True}, "maximize"),
+])
+@pytest.mark.parametrize("where", ["constructor", "add_param_group"])
+def test_group_keys_that_would_be_ignored_are_refused(make, group, match, where):
+    a, b = _params(5)[:2]
+    if where == "constructor":
+        with pytest.raises(ValueError, match=match):
+            make([{"params": [a], **group}])
+        return
+    opt = make([a])
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [b], **group})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("make,key", [(lambda g: optkit.Adam(g), "amsgrad"),
+                                      (lambda g: optkit.RMSProp(g), "centered"),
+                                      (lambda g: optkit.SGD(g, momentum=0.9), "nesterov")])
+def test_boolean_group_options_must_be_bools(make, key):
+    with pytest.raises(TypeError, match=key):
+        make([{"params": [_params(6)[0]], key: 1}])
+
+
+@pytest.mark.parametrize("kind", ["Momentum", "Adam"])
+def test_jit_compile_updates_0d_float64_state(kind):
+    """Inductor drops in-place writes to 0-d float64 CPU inputs (torch 2.13): with ``jit_compile`` such a
+    parameter's slots stayed at their initial values. The compiled step must match ``torch.optim``."""
+    make = {"Momentum": (lambda ps, jit: optkit.Momentum(ps, 0.1, momentum=0.9, jit_compile=jit),
+                         lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+            "Adam": (lambda ps, jit: optkit.Adam(ps, learning_rate=0.01, jit_compile=jit),
+                     lambda ps: torch.optim.Adam(ps, lr=0.01))}[kind]
+    op, tp = _params(7), _params(7)
+    opt = make[0](op, True)
+    topt = make[1](tp)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="jit_compile")
+        _run(opt, op, 7, 4)
+    _run(topt, tp, 7, 4)
+    assert opt._compile_state == "ok"
+    for a, b in zip(op, tp):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-14)
