@@ -150,6 +150,12 @@ def _sgd_ema_buffers(params, lr):
     return opt
 
 
+def _bias_apart(params, bias_options):
+    """Two param groups: the non-bias tensors, and the bias with ``bias_options`` (a per-group option)."""
+    return [{"params": [p for n, p in params if "bias" not in n]},
+            {"params": [p for n, p in params if "bias" in n], **bias_options}]
+
+
 def _bias_mask(names):
     return ["bias" not in n for n in names]
 
@@ -214,6 +220,9 @@ ROWS: list[Row] = [
         "adam", {"beta1": 0.8, "amsgrad": True, "weight_decay": 0.01},
         torch_twin=lambda ps, lr: torch.optim.Adam(ps, lr=lr, betas=(0.8, 0.999), amsgrad=True,
                                                    weight_decay=0.01, foreach=False)),
+    Row("Adam-group-amsgrad", lambda ps, lr: optkit.Adam(_bias_apart(ps, {"amsgrad": False}), lr,
+                                                         amsgrad=True),
+        "adam", {"amsgrad": True}, per_tensor=lambda names: [{"amsgrad": "bias" not in n} for n in names]),
     Row("AdamW", lambda ps, lr: optkit.AdamW(_plain(ps), 0.1, lr), "adam",
         {"weight_decay": 0.1, "_decoupled": True},
         torch_twin=lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, foreach=False)),
@@ -226,6 +235,10 @@ ROWS: list[Row] = [
     Row("RMSProp-centered-momentum", lambda ps, lr: optkit.RMSProp(_plain(ps), lr, momentum=0.5,
                                                                    centered=True),
         "rmsprop", {"momentum": 0.5, "centered": True}, sparse="rows", sparse_rule="rmsprop"),
+    Row("RMSProp-group-centered", lambda ps, lr: optkit.RMSProp(_bias_apart(ps, {"centered": True}), lr,
+                                                                momentum=0.5),
+        "rmsprop", {"momentum": 0.5}, per_tensor=lambda names: [{"centered": "bias" in n} for n in names],
+        sparse="rows", sparse_rule="rmsprop"),
     Row("Ftrl", lambda ps, lr: optkit.Ftrl(_plain(ps), lr, l1_regularization_strength=0.01,
                                            l2_regularization_strength=0.02),
         "ftrl", {"l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02},
