@@ -4,7 +4,9 @@ one line on stderr naming the flag or file, exit status 2, and leaves every file
 
 from __future__ import annotations
 
+import builtins
 import errno
+import io
 import json
 import os
 from pathlib import Path
@@ -428,3 +430,281 @@ def test_atomic_write_leaves_the_old_file_on_failure(tmp_path):
         files.atomic_write(target, boom)
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# values no run makes (the file's own configuration says how far its run can have come)
+
+
+def _set(*path: object, value: object):
+    def change(data):
+        for key in path[:-1]:
+            data = data[key]
+        data[path[-1]] = value
+
+    return change
+
+
+def _fill(*path: object, value: float):
+    def change(data):
+        for key in path:
+            data = data[key]
+        data.fill_(value)
+
+    return change
+
+
+def _every_slot(slot: str, value: object):
+    def change(data):
+        for slots in data["train_op"]["optimizer"]["optimizer"]["state"].values():
+            slots[slot] = value.clone()
+
+    return change
+
+
+_OPT = ("train_op", "optimizer", "optimizer")
+_WRAPPER = ("train_op", "optimizer", "wrapper")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (_set("train_op", "global_step", value=torch.tensor(10**6)),
+         "train_op.global_step is 1000000, but at step 4 with --iter-size 1 the run has made at most 4 "
+         "updates"),
+        (_set("train_op", "global_step", value=torch.tensor(5)), "train_op.global_step is 5"),
+        (_set("train_op", "summary_attempts", value=9), "train_op.summary_attempts is 9"),
+        (_set("train_op", "scaler", "iteration", value=torch.tensor(50)), "train_op.scaler.iteration is 50"),
+        (_every_slot("step", torch.tensor(10**6)), "train_op.optimizer.optimizer.state[0].step is 1e+06"),
+        (_set("step", value=5), "it is at step 5, past the end of the run that wrote it (4 steps)"),
+        (_set("train_op", "scaler", "scale", value=torch.tensor(1e30)),
+         "train_op.scaler.scale is 1e+30, outside the scaler's range [1, 1.67772e+07]"),
+        (_set("train_op", "scaler", "scale", value=torch.tensor(0.25)),
+         "train_op.scaler.scale is 0.25, outside"),
+        (_fill(*_WRAPPER, "masters", 0, value=float("nan")),
+         "train_op.optimizer.wrapper.masters[0] holds NaN"),
+        (_fill("model", "3.weight", value=float("nan")), "model.3.weight holds NaN or inf values"),
+        (_fill("model", "8.bias", value=float("inf")), "model.8.bias holds NaN or inf values"),
+        (_fill(*_OPT, "state", 2, "momentum", value=float("nan")),
+         "train_op.optimizer.optimizer.state[2].momentum holds NaN values"),
+        (_fill(*_OPT, "state", 7, "average", value=float("-inf")), "state[7].average holds NaN or inf"),
+        (_set("train_op", "accumulators", 0, value=torch.full((16, 1, 3, 3), 1e3)),
+         "train_op.accumulators[0] holds gradients, but at step 4 with --iter-size 1 no accumulation window"),
+        (_set(*_WRAPPER, "loss_scale", value={
+            "scale": torch.tensor(1e30), "config": {"loss_scale_value": 1e30, "skip_non_finite": False}}),
+         "train_op.optimizer.wrapper.loss_scale.scale is"),
+    ],
+    ids=["step-1e6", "step-5", "summary-attempts", "scaler-iteration", "slot-step", "past-its-end",
+         "scale-above-max", "scale-below-min", "nan-master", "nan-weight", "inf-weight", "nan-momentum",
+         "inf-ema", "closed-window-sums", "wrapper-scale"],
+)
+def test_values_no_run_makes_are_refused(trained, capsys, change, message):
+    """A 4-step run at step 4 (iter_size 1: 4 update attempts, at most 4 updates) with the default Backoff
+    scaler (scale in [1, 2^24]) and fp16 weights with fp32 masters: each tampered value is refused, nothing
+    is written, even where a longer continuation (--max-steps 6) is asked for."""
+    ckpt = trained / "checkpoints" / "step_000004.pt"
+    _rewrite(ckpt, change)
+    before = snapshot(trained)
+    assert run("train", "--resume", trained, "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, f"--resume: {ckpt}", message)
+    assert snapshot(trained) == before
+
+
+def test_window_and_skip_free_counts_follow_the_step(tmp_path, capsys):
+    """--iter-size 2: a checkpoint at step 3 holds one micro-batch of the open window and 1 update attempt;
+    with a fixed loss scale no update is skipped, so the applied updates equal the attempts."""
+    out = tmp_path / "window"
+    assert run("train", "--iter-size", 2, "--max-steps", 3, "--checkpoint-every", 3, "--run-dir", out,
+               "--loss-scaling", 8, *QUIET) == 0
+    ckpt = out / "checkpoints" / "step_000003.pt"
+    good = ckpt.read_bytes()
+    state = torch.load(ckpt, weights_only=True)["train_op"]
+    assert (state["micro"], state["summary_attempts"], int(state["global_step"])) == (1, 1, 1)
+
+    _rewrite(ckpt, _set("train_op", "micro", value=0))
+    assert run("train", "--resume", out, "--max-steps", 5, *QUIET) == 2
+    one_line_error(capsys, "train_op.micro is 0, but at step 3 with --iter-size 2 the open window holds 1")
+
+    ckpt.write_bytes(good)
+    _rewrite(ckpt, _set("train_op", "global_step", value=torch.tensor(0)))
+    _rewrite(ckpt, _set("train_op", "host_step", value=0))
+    assert run("train", "--resume", out, "--max-steps", 5, *QUIET) == 2
+    one_line_error(capsys, "train_op.global_step is 0", "a run that skips no update has made 1")
+
+    ckpt.write_bytes(good)
+    assert run("train", "--resume", out, "--max-steps", 5, "--checkpoint-every", 5, *QUIET) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--loss-scaling", "dynamic", "--dtype", "float32"],
+        ["--loss-scaling", "LogMax", "--iter-size", "3"],
+        ["--optimizer", "Adam", "--loss-scaling", "1", "--loss-scaling-param", "none",
+         "--clip-gradients", "none", "--ema-momentum", "none"],
+    ],
+    ids=["default", "dynamic-fp32", "logmax-window", "adam-fixed"],
+)
+def test_continuations_of_continuations_are_accepted(tmp_path, capsys, argv):
+    """What the demo writes always resumes, also after a resume that made the run longer: the checkpoint
+    then records the longer run (step 6 of --max-steps 6 written by a continuation of a 4-step run)."""
+    out = tmp_path / "run"
+    assert run("train", *SHORT, *argv, "--run-dir", out) == 0
+    assert run("train", "--resume", out, "--max-steps", 7, "--checkpoint-every", 5, *QUIET) == 0
+    assert run("train", "--resume", out, "--max-steps", 8, *QUIET) == 0
+    assert run_folder.list_checkpoints(out)[-1].name == "step_000008.pt"
+    capsys.readouterr()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# a full disk inside torch.save, a read-only run folder
+
+
+def test_full_disk_inside_torch_save(tmp_path, monkeypatch, capsys):
+    """torch.save reports a stream that cannot be written as a RuntimeError ("[enforce fail at
+    inline_container.cc:672] . unexpected pos ..."), not as an OSError."""
+
+    def cut_short(data, fh, *args, **kwargs):
+        fh.write(b"PK\x03\x04" + bytes(4096))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    out = tmp_path / "run"
+    assert run("train", *SHORT, "--run-dir", out) == 2
+    one_line_error(capsys, f"cannot write {out / 'checkpoints' / 'step_000002.pt'}: ", "unexpected pos")
+    _no_temporaries(out)
+    assert run_folder.list_checkpoints(out) == []
+
+
+class _FillingDisk:
+    """A file object whose disk is full after ``room`` bytes (ENOSPC from ``write``/``flush``)."""
+
+    def __init__(self, fh, room: int) -> None:
+        self.fh, self.room = fh, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fh.close()
+
+
+def test_disk_filling_up_during_a_real_torch_save(tmp_path, monkeypatch, capsys):
+    real_fdopen = os.fdopen
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        fh = real_fdopen(fd, mode, *args, **kwargs)
+        return _FillingDisk(fh, 20_000) if "w" in mode else fh
+
+    monkeypatch.setattr(files.os, "fdopen", fdopen)
+    out = tmp_path / "run"
+    assert run("train", *SHORT, "--run-dir", out) == 2
+    one_line_error(capsys, f"cannot write {out / 'checkpoints' / 'step_000002.pt'}: No space left on device")
+    _no_temporaries(out)
+    assert run_folder.list_checkpoints(out) == []
+
+
+def _read_only(monkeypatch, folder: Path, folders: bool = True) -> None:
+    """Creating or writing any file (and with ``folders`` any folder) below ``folder`` fails as on a
+    read-only mount (os.open, open, os.mkdir)."""
+    real_os_open, real_open, real_mkdir = os.open, io.open, os.mkdir
+    inside = str(folder.resolve())
+
+    def refuse(path) -> None:
+        name = os.path.abspath(os.fsdecode(path))
+        if name == inside or name.startswith(inside + os.sep):
+            raise OSError(errno.EROFS, "Read-only file system", name)
+
+    def os_open(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def open_(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+"):
+            refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def mkdir(path, *args, **kwargs):
+        if not os.path.lexists(path):  # an existing name gives EEXIST, as on a read-only mount
+            refuse(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", os_open)
+    if folders:
+        monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(io, "open", open_)
+    monkeypatch.setattr(builtins, "open", open_)
+
+
+@pytest.fixture
+def writer_threads(monkeypatch) -> list:
+    """The TensorBoard event writers' background threads started during the test."""
+    from tensorboard.summary.writer import event_file_writer
+
+    started: list = []
+    real_start = event_file_writer._AsyncWriterThread.start
+
+    def start(self):
+        started.append(self)
+        return real_start(self)
+
+    monkeypatch.setattr(event_file_writer._AsyncWriterThread, "start", start)
+    return started
+
+
+def test_resume_in_a_read_only_run_folder_starts_no_writer(tmp_path, monkeypatch, capsys, writer_threads):
+    """One line, and no TensorBoard writer thread: its failing first write would print a second traceback
+    ("Exception in thread Thread-1") after the error."""
+    out = tmp_path / "run"
+    assert run("train", "--max-steps", 2, "--tensorboard", "--no-progress", "--no-plot", "--run-dir", out) \
+        == 0
+    assert (out / "tensorboard").is_dir()
+    before = snapshot(out)
+    writer_threads.clear()
+    _read_only(monkeypatch, out)
+    assert run("train", "--resume", out, "--max-steps", 4, "--no-progress", "--no-plot") == 2
+    assert writer_threads == []
+    one_line_error(capsys, f"cannot write {out}: Read-only file system")
+    monkeypatch.undo()
+    assert snapshot(out) == before
+
+
+def test_tensorboard_folder_without_room_for_files_starts_no_writer(
+    tmp_path, monkeypatch, capsys, writer_threads
+):
+    """The folder can be made but takes no file: the writer is not started either."""
+    out = tmp_path / "run"
+    _read_only(monkeypatch, out / "tensorboard", folders=False)
+    assert run("train", *SHORT, "--tensorboard", "--run-dir", out) == 2
+    assert writer_threads == []
+    one_line_error(capsys, f"cannot write {out / 'tensorboard'}: Read-only file system")
+
+
+def test_an_overflowed_second_moment_resumes(tmp_path, capsys):
+    """A float16 second moment (Adam's ``exp_avg_sq``) overflows to inf from finite gradients (|g| > 256)
+    and training goes on (the update of those elements is 0): a checkpoint holding one resumes (set here in
+    a float32 run's slot: the check is the same). NaN in it does not."""
+    out = tmp_path / "adam"
+    assert run("train", *SHORT, "--optimizer", "Adam", "--dtype", "float32", "--loss-scaling", "1",
+               "--loss-scaling-param", "none", "--run-dir", out) == 0
+    ckpt = run_folder.list_checkpoints(out)[-1]
+    good = ckpt.read_bytes()
+    _rewrite(ckpt, _fill("train_op", "optimizer", "state", 0, "exp_avg_sq", value=float("nan")))
+    assert run("train", "--resume", out, "--max-steps", 6, *QUIET) == 2
+    one_line_error(capsys, f"--resume: {ckpt}", "exp_avg_sq holds NaN values")
+    ckpt.write_bytes(good)
+    _rewrite(ckpt, _fill("train_op", "optimizer", "state", 0, "exp_avg_sq", value=float("inf")))
+    assert run("train", "--resume", out, "--max-steps", 6, "--checkpoint-every", 6, *QUIET) == 0
+    capsys.readouterr()

@@ -11,8 +11,13 @@ and whether the saved state fits the train op it is loaded into (checked before 
   folder given with ``--run-dir``; anything else is refused.
 * :func:`check_state_fits` compares every tensor of the saved model and train op with a freshly built one
   (names, shapes, dtypes, the optimizer stack, one slot per parameter of the parameter's shape, no NaN or
-  inf single number where the run's own is finite) and then loads it into that throw-away copy, so a misfit
-  file is reported in one line instead of reaching a kernel.
+  inf in a single number where the run's own is finite, nor in the weights, master copies and optimizer
+  slots) and then loads it into that throw-away copy, so a misfit file is reported in one line instead of
+  reaching a kernel. Then it refuses values no run makes: a position past the end of the run that wrote the
+  checkpoint, counters that the saved step and ``--iter-size`` cannot reach (applied updates, update
+  attempts, the open window, the loss scaler's and the optimizer's counts), a loss scale outside its
+  scaler's ``[min, max]``, and a mixed-precision wrapper's loss scale other than the fixed 1 it is built
+  with.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .checkpoint import Checkpoint
-from .config import FIELDS, ConfigError, TrainConfig, merge, same_name
+from .config import FIELDS, FP32_MAX, ConfigError, TrainConfig, check_values, merge, same_name
 from .run_folder import check_new_run_dir
 
 __all__ = [
@@ -186,11 +191,30 @@ def _check_tensor(saved: Tensor, shape: tuple[int, ...], dtype: torch.dtype | No
         raise _Misfit(f"{where} is not contiguous")
 
 
-def _check_leaf(saved: Any, ref: Any, where: str, key: Any) -> None:
+def _all_finite(t: Tensor, allow_inf: bool = False) -> bool:
+    if not t.is_floating_point():
+        return True
+    return bool((~torch.isnan(t)).all()) if allow_inf else bool(torch.isfinite(t).all())
+
+
+def _check_values_finite(saved: Tensor, ref: Tensor | None, where: str, allow_inf: bool = False) -> None:
+    """A weight, master copy or EMA average holds finite values, another optimizer slot (``allow_inf``) no
+    NaN, unless the freshly built run's own does not. A loss scaler that skips non-finite updates keeps them
+    so; a run without one that diverged holds NaN, and a continuation cannot train from it. A slot may hold
+    inf: a float16 second moment overflows from finite gradients (|g| > 256) and the run goes on."""
+    if not _all_finite(saved, allow_inf) and (ref is None or _all_finite(ref)):
+        what = "NaN" if allow_inf else "NaN or inf"
+        raise _Misfit(
+            f"{where} holds {what} values; a run cannot continue from non-finite weights or optimizer state"
+        )
+
+
+def _check_leaf(saved: Any, ref: Any, where: str, key: Any, slot: bool = False) -> None:
     if isinstance(ref, Tensor) and ref.dim() > 0:
         if not isinstance(saved, Tensor):
             raise _Misfit(f"{where} should be a tensor")
         _check_tensor(saved, tuple(ref.shape), ref.dtype, where)
+        _check_values_finite(saved, ref, where, allow_inf=slot and key != "average")
     elif isinstance(ref, Tensor) or isinstance(ref, numbers.Number):
         if not _is_scalar(saved):
             raise _Misfit(f"{where} should be a single number")
@@ -217,11 +241,12 @@ def _check_slots(saved: Any, ref: Mapping, where: str, params: list[Tensor]) -> 
         for slot, value in slots.items():
             at = f"{where}[{index}].{slot}"
             if slot in known:
-                _check_leaf(value, known[slot], at, slot)
+                _check_leaf(value, known[slot], at, slot, slot=True)
             elif isinstance(value, Tensor) and value.dim() > 0:
                 if not value.is_floating_point():
                     raise _Misfit(f"{at} is not a floating-point tensor")
                 _check_tensor(value, tuple(params[index].shape), None, at)
+                _check_values_finite(value, None, at, allow_inf=slot != "average")
             elif not (value is None or isinstance(value, (numbers.Number, str, Tensor))):
                 raise _Misfit(f"{at} is a {type(value).__name__}")
             elif _is_scalar(value):
@@ -240,6 +265,8 @@ def _walk(saved: Any, ref: Any, where: str, params: list[Tensor], key: Any = Non
             raise _Misfit(f"{where} has keys {extra} instead of {lacking} (state of another set-up)")
         for k in ref:
             _walk(saved[k], ref[k], f"{where}.{k}", params, k)
+        if key == "loss_scale":  # a wrapper's own scale: fixed at 1, the train op drives the loss scale
+            _check_unchanged(saved, ref, where)
     elif isinstance(ref, (list, tuple)):
         if not isinstance(saved, (list, tuple)) or len(saved) != len(ref):
             raise _Misfit(f"{where} should be a list of {len(ref)}")
@@ -252,8 +279,136 @@ def _walk(saved: Any, ref: Any, where: str, params: list[Tensor], key: Any = Non
         _check_leaf(saved, ref, where, key)
 
 
+def _check_unchanged(saved: Mapping, ref: Mapping, where: str) -> None:
+    """Every number of ``saved`` (already checked to have ``ref``'s layout) equals ``ref``'s: state that no
+    run ever changes from what the run builds."""
+    for k, r in ref.items():
+        s, at = saved[k], f"{where}.{k}"
+        if isinstance(r, Mapping):
+            _check_unchanged(s, r, at)
+            continue
+        value = s.item() if isinstance(s, Tensor) else s
+        expected = r.item() if isinstance(r, Tensor) else r
+        if value != expected:
+            raise _Misfit(f"{at} is {value!r}; a run keeps {expected!r} there (it never changes)")
+
+
+def _count(value: Any) -> int:
+    """A counter the library's own load has accepted (a whole number, possibly a 0-d tensor)."""
+    return int(value.item()) if isinstance(value, Tensor) else int(value)
+
+
+def _saved_length(ckpt: Checkpoint) -> tuple[int, int]:
+    """``(steps, iter_size)`` of the run that wrote ``ckpt``, from the configuration it saved (the one a
+    continuation ran with, so a longer ``--max-steps`` given on a resume is part of it)."""
+    from .components import planned_steps
+
+    saved = saved_config(ckpt)
+    length = dataclasses.replace(
+        TrainConfig(),
+        **{k: getattr(saved, k) for k in ("max_steps", "epochs", "batch_size", "test_fraction", "iter_size")},
+    )
+    errors = check_values(length)
+    if errors:
+        raise ConfigError(
+            f"--resume: {ckpt.path} is not a valid optkit checkpoint: its configuration says {errors[0]}"
+        )
+    return planned_steps(length)[0], length.iter_size
+
+
+def _check_position(ckpt: Checkpoint) -> None:
+    """The counters of a loaded (so well-typed) train op state against the checkpoint's step: the demo calls
+    the train op once per step, and every ``iter_size``-th call is an update attempt."""
+    total, iter_size = _saved_length(ckpt)
+    step = ckpt.step
+    if step > total:
+        raise _Misfit(f"it is at step {step}, past the end of the run that wrote it ({total} steps)")
+    attempts, micro = divmod(step, iter_size)
+    at = f"at step {step} with --iter-size {iter_size}"
+    state = ckpt.train_op
+    counts = {k: _count(state[k]) for k in ("micro", "summary_attempts", "global_step", "host_step")}
+    if counts["micro"] != micro:
+        raise _Misfit(f"train_op.micro is {counts['micro']}, but {at} the open window holds {micro}")
+    if counts["summary_attempts"] != attempts:
+        raise _Misfit(
+            f"train_op.summary_attempts is {counts['summary_attempts']}, but {at} the run has made "
+            f"{attempts} update attempts"
+        )
+    for name in ("global_step", "host_step"):
+        if counts[name] > attempts:
+            raise _Misfit(
+                f"train_op.{name} is {counts[name]}, but {at} the run has made at most {attempts} updates"
+            )
+    if micro == 0:  # a closed window: the update cleared (or zeroed) every gradient it summed
+        for i, acc in enumerate(state["accumulators"]):
+            if isinstance(acc, Tensor) and bool(acc.ne(0).any()):
+                raise _Misfit(
+                    f"train_op.accumulators[{i}] holds gradients, but {at} no accumulation window is open"
+                )
+    if state["host_exact"] is True and counts["global_step"] != attempts:
+        raise _Misfit(
+            f"train_op.global_step is {counts['global_step']}, but {at} a run that skips no update has made "
+            f"{attempts}"
+        )
+    scaler = state["scaler"]
+    for name, value in scaler.items():
+        if isinstance(value, Tensor) and not value.is_floating_point() and _count(value) > attempts:
+            raise _Misfit(f"train_op.scaler.{name} is {_count(value)}, but {at} the run has made {attempts} "
+                          "update attempts")
+    if "iteration" in scaler and "last_overflow_iteration" in scaler:
+        last, it = _count(scaler["last_overflow_iteration"]), _count(scaler["iteration"])
+        if last >= it:
+            raise _Misfit(f"train_op.scaler.last_overflow_iteration is {last}, not before iteration {it}")
+    _check_optimizer_counts(state["optimizer"], "train_op.optimizer", attempts, at)
+
+
+def _check_optimizer_counts(state: Any, where: str, attempts: int, at: str) -> None:
+    """Each parameter's ``step`` slot (optimizer steps taken) anywhere in the optimizer stack's state."""
+    if not isinstance(state, Mapping):
+        return
+    for key, value in state.items():
+        if key == "state" and isinstance(value, Mapping):
+            for index, slots in value.items():
+                step = slots.get("step") if isinstance(slots, Mapping) else None
+                if _is_scalar(step) and _is_finite(step) and float(step) > attempts:
+                    raise _Misfit(
+                        f"{where}.state[{index}].step is {float(step):g}, but {at} the run has made "
+                        f"{attempts} update attempts"
+                    )
+        else:
+            _check_optimizer_counts(value, f"{where}.{key}", attempts, at)
+
+
+def _scale_range(scaler: Any) -> tuple[float, float] | None:
+    """``[min, max]`` of a loss-scale object's scale under its (loaded) hyperparameters, None if unknown."""
+    inner = getattr(scaler, "scaler", scaler)  # AutomaticLossScaler: the algorithm's scaler
+    if hasattr(inner, "scale_min") and hasattr(inner, "scale_max"):  # Backoff, LogMax
+        return float(inner.scale_min), float(inner.scale_max)
+    if hasattr(inner, "min_loss_scale"):  # DynamicLossScale (no maximum: finite in float32)
+        high = inner.max_loss_scale
+        return float(inner.min_loss_scale), float(FP32_MAX if high is None else high)
+    if hasattr(inner, "loss_scale_value"):  # FixedLossScale
+        return float(inner.loss_scale_value), float(inner.loss_scale_value)
+    return None
+
+
+def _check_scale(train_op: Any) -> None:
+    """The loaded loss scale lies in its scaler's range (compared in float32, the scale's dtype)."""
+    bounds = _scale_range(train_op.scaler)
+    if bounds is None:
+        return
+    scale = train_op.scaler().detach().float().cpu().reshape(())
+    low, high = (torch.tensor(b, dtype=torch.float32) for b in bounds)
+    if not bool((low <= scale) & (scale <= high)):
+        raise _Misfit(
+            f"train_op.scaler.scale is {scale.item():g}, outside the scaler's range [{bounds[0]:g}, "
+            f"{bounds[1]:g}]"
+        )
+
+
 def check_state_fits(ckpt: Checkpoint, model: torch.nn.Module, train_op: Any) -> None:
-    """Compare ``ckpt`` with a freshly built ``model`` and ``train_op`` of the run, then load it into them.
+    """Compare ``ckpt`` with a freshly built ``model`` and ``train_op`` of the run, load it into them, then
+    check the loaded values against what a run can reach (its position, counters and loss scale).
 
     Use throw-away objects: they are changed. ``ConfigError`` naming the file and the first misfit."""
     ref_model = model.state_dict()
@@ -262,6 +417,7 @@ def check_state_fits(ckpt: Checkpoint, model: torch.nn.Module, train_op: Any) ->
             raise _Misfit(f"the model's tensors are {sorted(ckpt.model)}, the run's are {sorted(ref_model)}")
         for name, t in ref_model.items():
             _check_tensor(ckpt.model[name], tuple(t.shape), t.dtype, f"model.{name}")
+            _check_values_finite(ckpt.model[name], t, f"model.{name}")
         params = [m.detach() for m in train_op.masters]
         _walk(ckpt.train_op, train_op.state_dict(), "train_op", params)
     except _Misfit as err:
@@ -272,3 +428,8 @@ def check_state_fits(ckpt: Checkpoint, model: torch.nn.Module, train_op: Any) ->
     except Exception as err:  # noqa: BLE001 - any failure to load a foreign state is the file's problem
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"--resume: {ckpt.path} does not fit this run: {text}") from None
+    try:
+        _check_position(ckpt)
+        _check_scale(train_op)
+    except _Misfit as err:
+        raise ConfigError(f"--resume: {ckpt.path} holds values no run makes: {err}") from None

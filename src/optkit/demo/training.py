@@ -25,12 +25,12 @@ from .components import build_train_op, model_dtype, planned_steps
 from .config import ConfigError, TrainConfig
 from .data import BatchOrder, DigitsSplit, load_split
 from .extras import require
-from .files import os_reason
+from .files import check_writable, os_reason
 from .model import DigitsCNN, make_model
 from .parallel import Processes, env_world, start
 from .report import History, plot_report, write_metrics
 from .resume import check_continuation, check_progress, check_state_fits, output_dir
-from .run_folder import check_new_run_dir, create_run_dir, default_run_dir
+from .run_folder import CHECKPOINTS, check_new_run_dir, create_run_dir, default_run_dir
 from .validation import validate
 
 __all__ = ["RunResult", "run_training", "preflight", "plan_output", "default_run_dir"]
@@ -202,6 +202,10 @@ def _open_run_dir(cfg: TrainConfig, resume: Checkpoint | None, procs: Processes)
         try:
             target, new = plan_output(cfg, resume)
             folder = create_run_dir(target) if new else target
+            if not new:  # continuing in place: a read-only run folder is refused before anything runs
+                for where in (folder, folder / CHECKPOINTS):
+                    if where.is_dir():
+                        check_writable(where)
             outcome = (str(folder), "")
         except ConfigError as err:
             outcome = ("", str(err))
@@ -212,12 +216,21 @@ def _open_run_dir(cfg: TrainConfig, resume: Checkpoint | None, procs: Processes)
 
 
 def _summary_writer(run_dir: Path) -> Any:
+    """TensorBoard's writer on ``run_dir/tensorboard``, started only once that folder is known to take new
+    files: its first write happens on a background thread, whose failure would print a second traceback
+    after the one-line error."""
     from torch.utils.tensorboard import SummaryWriter
 
+    folder = run_dir / "tensorboard"
     try:
-        return SummaryWriter(str(run_dir / "tensorboard"))
+        folder.mkdir(exist_ok=True)
     except OSError as err:
-        raise ConfigError(f"cannot write {run_dir / 'tensorboard'}: {os_reason(err)}") from None
+        raise ConfigError(f"cannot write {folder}: {os_reason(err)}") from None
+    check_writable(folder)
+    try:
+        return SummaryWriter(str(folder))
+    except OSError as err:
+        raise ConfigError(f"cannot write {folder}: {os_reason(err)}") from None
 
 
 def _load_resume(resume: Checkpoint, model: nn.Module, train_op: Any) -> tuple[History, int, float]:
