@@ -190,3 +190,43 @@ def test_jit_compile_updates_0d_float64_state(kind):
     assert opt._compile_state == "ok"
     for a, b in zip(op, tp):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("lr_kind", ["callable", "schedule"])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_torch_scheduler_over_a_schedule_learning_rate_warns_once(lr_kind, wrapped):
+    """With a schedule or callable ``learning_rate`` the optimizer sets the group's lr every step, so a
+    torch lr scheduler attached to it (or to a wrapper around it) has no effect: one UserWarning, and the
+    update uses the schedule's value (reference: w −= lr·g with lr = 0.1 each step, as before)."""
+    from torch.optim.lr_scheduler import StepLR
+
+    w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    lr = (lambda: 0.1) if lr_kind == "callable" else optkit.build_schedule("fixed_lr", learning_rate=0.1)
+    opt = optkit.Momentum([w], learning_rate=lr, momentum=0.0)
+    driven = optkit.LossScaleOptimizer(opt, 1.0) if wrapped else opt
+    sched = StepLR(driven, 1, gamma=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            w.grad = torch.ones(2, dtype=torch.float64)
+            driven.step()
+            sched.step()
+    msgs = [str(c.message) for c in caught if "learning_rate is a schedule" in str(c.message)]
+    assert len(msgs) == 1 and "torch lr scheduler" in msgs[0]
+    torch.testing.assert_close(w.detach(), torch.full((2,), -0.3, dtype=torch.float64))
+
+
+def test_a_schedule_learning_rate_alone_does_not_warn():
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = optkit.Momentum([w], learning_rate=optkit.build_schedule("exp_decay", learning_rate=0.1,
+                                                                   decay_steps=1, decay_rate=0.5,
+                                                                   use_staircase_decay=False),
+                          momentum=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            w.grad = torch.ones(2)
+            opt.step()
+        opt.load_state_dict(opt.state_dict())
+        w.grad = torch.ones(2)
+        opt.step()

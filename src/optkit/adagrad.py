@@ -1,6 +1,7 @@
 """Adagrad: ``tf.train.AdagradOptimizer`` (registry name ``"Adagrad"``, ``spec/openseq2seq.md`` §3.9).
 
-With ``g`` the processed gradient, ``t`` the number of this update and ``lr`` the current learning rate
+With ``g`` the processed gradient, ``t`` the number of this update (the optimizer's count, as in TF; torch
+counts per parameter) and ``lr`` the current learning rate
 (``torch.optim.Adagrad``, whose options it keeps)::
 
     g  ← g + wd·w                         (torch's coupled L2, when weight_decay is set)

@@ -1,7 +1,9 @@
 """Adam and AdamW (registry names ``"Adam"``, ``"AdamW"``; ``spec/openseq2seq.md`` §3.9).
 
 With ``g`` the processed gradient, ``t`` the number of this update (``iterations + 1``: skipped steps do not
-count) and ``lr`` the current learning rate (``torch.optim.Adam`` / ``AdamW``)::
+count; one count for the whole optimizer as in TF and Keras, where torch counts per parameter, so a parameter
+added or unfrozen later gets the optimizer's ``t``) and ``lr`` the current learning rate
+(``torch.optim.Adam`` / ``AdamW``)::
 
     Adam:   g ← g + wd·w                                   (torch's coupled L2, when weight_decay is set)
     AdamW:  w ← w − lr·wd·w                                (decoupled; OpenSeq2Seq's effective AdamW rule)
@@ -11,7 +13,9 @@ count) and ``lr`` the current learning rate (``torch.optim.Adam`` / ``AdamW``)::
 
 TF's ``AdamOptimizer`` adds ``ε`` to ``√v`` instead of the bias-corrected root: TF's ε equals this ε·√(1 −
 β2^t) (``docs/compatibility.md``). Arguments keep TF's names (``beta1``, ``beta2``, ``epsilon``); state
-keeps torch's (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so ``torch.optim.Adam`` checkpoints load.
+keeps torch's (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so ``torch.optim.Adam`` checkpoints load
+(their group keys ``betas`` and ``eps`` become ``beta1``, ``beta2``, ``epsilon``). ``amsgrad`` is a
+per-group option, as in torch.
 
 Optkit optimizers with every base option; a skipped step changes nothing (no lazily created state, ``t`` does
 not advance). Implementation: torch's fused Adam/AdamW kernel per (device, dtype) group through the gate of

@@ -239,6 +239,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         #: right after (which takes the probe's gathered lists) does not check them again
         self._fit_seen: dict[int, Plan] = {}
         self._ema_swapped = False  # inside an ema_weights() block
+        #: id(group) -> (the lr object a schedule learning rate wrote last, its version): an outside change
+        #: (a torch lr scheduler) is warned about once (_check_lr_untouched)
+        self._lr_written: dict[int, tuple[Any, int | None]] = {}
+        self._lr_override_warned = False
         self._any_dtensor = False  # whether a parameter is a DTensor (set as groups are added)
         self._slots_seen: dict[int, tuple[str, ...]] = {}  # id(group) -> the slots created for it
         self._flat_slots: dict[tuple[int, str], Tensor] = {}  # (flat parameter storage, slot) -> flat slot
@@ -472,7 +476,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         else:
             lr = fn(self._iterations) if is_schedule(fn) or _callable_arity(fn) >= 1 else fn()
             if commit:
+                self._check_lr_untouched(group)
                 self._commit_lr(group, lr, found_inf)
+                written = group["lr"]
+                self._lr_written[id(group)] = (written, getattr(written, "_version", None))
         dtype = torch.float64 if self._has_fp64(group) else torch.float32
         scale = group.get("lr_scale", 1.0)  # layer-wise decay (optkit.param_groups)
         if isinstance(lr, Tensor) or isinstance(scale, Tensor):
@@ -485,6 +492,24 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         out = torch.tensor(value, dtype=dtype, device=self._state_device)
         out.host_value = value  # the number itself, for kernels that take a Python float (no device read)
         return out
+
+    def _check_lr_untouched(self, group: dict) -> None:
+        """With a schedule or callable ``learning_rate`` the optimizer writes each step's value to the
+        group's ``lr``; a value changed from outside since the last step (a torch lr scheduler, a hand-set
+        lr) would be overwritten without effect: warn once per optimizer. Host-side only (object identity
+        and the tensor's version counter, no device read)."""
+        seen = self._lr_written.get(id(group))
+        if seen is None or self._lr_override_warned:
+            return
+        now = group.get("lr")
+        if now is not seen[0] or getattr(now, "_version", None) != seen[1]:
+            self._lr_override_warned = True
+            warnings.warn(
+                f"{type(self).__name__}: learning_rate is a schedule or callable, so the optimizer sets each "
+                "group's 'lr' from it every step; the 'lr' set from outside since the last step (a torch lr "
+                "scheduler? it has no effect and its get_last_lr() is not the rate used) is overwritten. "
+                "Give a number or a tensor as learning_rate to drive it with a scheduler.", UserWarning,
+                stacklevel=5)
 
     def _commit_lr(self, group: dict, lr: Any, found_inf: Tensor | None) -> None:
         """``group["lr"] = lr``; when ``found_inf`` is given and both values are tensors (a schedule's value
@@ -1311,6 +1336,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         state["_plans"] = {}
         state["_fold_cache"] = {}
         state["_block"] = None
+        state["_lr_written"] = {}  # keyed by group ids, which a copy does not keep
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -1358,6 +1384,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         finally:
             self._optimizer_load_state_dict_pre_hooks = pre
             self._optimizer_load_state_dict_post_hooks = post
+        self._lr_written.clear()  # new group dicts (an old id may be reused)
         for g, ns in zip(self.param_groups, names):
             g["param_names"] = ns
             self._group_lr_alias(g)
