@@ -346,6 +346,16 @@ def test_resume_keeps_the_optimizer_and_precision(trained, capsys):
     assert json.loads((trained / "metrics.json").read_text())["config"]["optimizer"] == "LARS"
 
 
+def test_resume_keeps_the_loss_scaler_settings(trained, capsys):
+    """The loaded scaler keeps the settings saved with its state: a changed --loss-scaling-param would be
+    ignored while metrics.json recorded it, so it is refused."""
+    before = snapshot(trained)
+    assert run("train", "--resume", trained, "--loss-scaling-param", "scale_min=2", "--max-steps", 6,
+               *QUIET) == 2
+    one_line_error(capsys, "--loss-scaling-param: the run of", "a resumed run keeps it")
+    assert snapshot(trained) == before
+
+
 def test_resume_past_the_planned_end_is_refused(trained, capsys):
     assert run("train", "--resume", trained, "--max-steps", 3, *QUIET) == 2
     one_line_error(capsys, "is at step 4, past the end of this run (3 steps)")

@@ -66,3 +66,38 @@ def test_timeout_default_and_override(monkeypatch):
     assert _timeout_s(None) == DEFAULT_TIMEOUT_S
     monkeypatch.setenv("OPTKIT_DIST_TIMEOUT", "12.5")
     assert _timeout_s(None) == 12.5 and _timeout_s(3) == 3.0
+
+
+def _torchrun(*args: object, limit: float = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "TORCHELASTIC", "RANK",
+                                                                     "WORLD_SIZE", "LOCAL_"))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "optkit.cli", "train", *map(str, args)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+
+
+def test_a_checkpoint_inside_an_accumulation_window_of_two_processes_resumes_exactly(tmp_path):
+    """torchrun, --iter-size 2, a checkpoint at step 3 (inside a window: each rank's unreduced sums are
+    saved stacked): resuming it under torchrun continues exactly as the uninterrupted run (it was refused
+    as "state of another set-up"); resuming it in one process is refused, naming the process count."""
+    import torch
+
+    flags = ["--iter-size", 2, "--dtype", "float32", "--loss-scaling", 1, "--loss-scaling-param", "none",
+             "--no-progress", "--no-tensorboard", "--no-plot"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    res = _torchrun("--max-steps", 5, "--checkpoint-every", 3, "--keep-checkpoints", 0, *flags,
+                    "--run-dir", whole)
+    assert res.returncode == 0, res.stderr[-2000:]
+    mid = whole / "checkpoints" / "step_000003.pt"
+    assert torch.load(mid, weights_only=True)["train_op"]["accumulators_world_size"] == 2
+    res = _torchrun("--resume", mid, "--max-steps", 5, "--no-progress", "--no-tensorboard", "--no-plot",
+                    "--run-dir", resumed)
+    assert res.returncode == 0, res.stderr[-2000:]
+    a = torch.load(whole / "checkpoints" / "step_000005.pt", weights_only=True)["model"]
+    b = torch.load(resumed / "checkpoints" / "step_000005.pt", weights_only=True)["model"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    alone = subprocess.run([sys.executable, "-m", "optkit.cli", "train", "--resume", str(mid), "--run-dir",
+                            str(tmp_path / "alone"), "--no-progress"], capture_output=True, text=True,
+                           timeout=120)
+    assert alone.returncode == 2 and "torchrun --nproc-per-node 2" in alone.stderr, alone.stderr

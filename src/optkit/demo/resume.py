@@ -71,6 +71,8 @@ FIXED_ON_RESUME: dict[str, tuple[str, Any]] = {
     "channels": ("--channels", lambda a, b: a == b),
     "freeze_variables_regex": ("--freeze-variables-regex", lambda a, b: a == b),
     "loss_scaling": ("--loss-scaling", _same_scaling),
+    # the loaded scaler keeps the settings saved with its state
+    "loss_scaling_params": ("--loss-scaling-param", lambda a, b: a == b),
     "ema_momentum": ("--ema-momentum", lambda a, b: (a is None) == (b is None)),
     "larc_params": ("--larc-param", lambda a, b: (a is None) == (b is None)),
     "iter_size": ("--iter-size", lambda a, b: a == b),
@@ -78,8 +80,9 @@ FIXED_ON_RESUME: dict[str, tuple[str, Any]] = {
     "test_fraction": ("--test-fraction", lambda a, b: a == b),
 }
 """Options a resumed run keeps (flag, "is it the same" test): changing them would load state that does not
-fit (optimizer, precision, network, trained parameters, scaler, EMA or LARC on/off, accumulation window) or
-would evaluate on images the run trained on (seed, test split)."""
+fit (optimizer, precision, network, trained parameters, scaler, EMA or LARC on/off, accumulation window),
+would be ignored (the loaded scaler keeps its saved settings) or would evaluate on images the run trained on
+(seed, test split)."""
 
 
 def _show(name: str, value: Any) -> str:
@@ -406,6 +409,43 @@ def _check_scale(train_op: Any) -> None:
         )
 
 
+def _one_rank(saved: Any) -> Any:
+    """A train-op state saved inside an accumulation window of a data-parallel run holds every rank's
+    accumulators stacked (``[world, *shape]``, with ``accumulators_present`` ``[n, world]`` and
+    ``accumulators_world_size``) and item counts (``[world]``): checked for that layout, then seen as rank 0's
+    row, which has the layout of
+    a single process's state (the library's load then takes this rank's row and checks the world size)."""
+    if not isinstance(saved, Mapping) or "accumulators_world_size" not in saved:
+        return saved
+    world, present, accs = (saved.get(k) for k in ("accumulators_world_size", "accumulators_present",
+                                                    "accumulators"))
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise _Misfit(f"train_op.accumulators_world_size is {world!r}, not a number of processes")
+    from .parallel import env_world
+
+    if world != env_world()[1]:
+        raise _Misfit(f"it was saved inside an accumulation window of {world} processes, whose partial sums "
+                      f"continue only on as many: resume it with torchrun --nproc-per-node {world}")
+    if not isinstance(accs, (list, tuple)):
+        raise _Misfit("train_op.accumulators should be a list")
+    if not isinstance(present, Tensor) or present.dtype != torch.bool \
+            or tuple(present.shape) != (len(accs), world):
+        raise _Misfit(f"train_op.accumulators_present should be a [{len(accs)}, {world}] bool tensor")
+    rows = []
+    for i, acc in enumerate(accs):
+        if acc is not None and not (isinstance(acc, Tensor) and acc.dim() >= 1 and acc.shape[0] == world):
+            raise _Misfit(f"train_op.accumulators[{i}] should hold {world} processes' sums")
+        rows.append(None if acc is None else acc[0])
+    out = {k: v for k, v in saved.items() if k not in ("accumulators_world_size", "accumulators_present")}
+    out["accumulators"] = rows
+    items = saved.get("items")  # each rank's item count of the window (token-weighted accumulation)
+    if isinstance(items, Tensor) and items.dim() == 1:
+        if items.shape[0] != world:
+            raise _Misfit(f"train_op.items should hold {world} processes' counts")
+        out["items"] = items[0]
+    return out
+
+
 def check_state_fits(ckpt: Checkpoint, model: torch.nn.Module, train_op: Any) -> None:
     """Compare ``ckpt`` with a freshly built ``model`` and ``train_op`` of the run, load it into them, then
     check the loaded values against what a run can reach (its position, counters and loss scale).
@@ -419,12 +459,13 @@ def check_state_fits(ckpt: Checkpoint, model: torch.nn.Module, train_op: Any) ->
             _check_tensor(ckpt.model[name], tuple(t.shape), t.dtype, f"model.{name}")
             _check_values_finite(ckpt.model[name], t, f"model.{name}")
         params = [m.detach() for m in train_op.masters]
-        _walk(ckpt.train_op, train_op.state_dict(), "train_op", params)
+        view = _one_rank(ckpt.train_op)
+        _walk(view, train_op.state_dict(), "train_op", params)
     except _Misfit as err:
         raise ConfigError(f"--resume: {ckpt.path} does not fit this run: {err}") from None
     try:
         model.load_state_dict(ckpt.model)
-        train_op.load_state_dict(ckpt.train_op)
+        train_op.load_state_dict(view)  # (the run itself loads every rank's row into its process group)
     except Exception as err:  # noqa: BLE001 - any failure to load a foreign state is the file's problem
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"--resume: {ckpt.path} does not fit this run: {text}") from None
