@@ -150,6 +150,8 @@ def test_rmsprop_centered_per_param_group():
     (lambda g: optkit.SGD(g), {"use_ema": True}, "optimizer-wide"),
     (lambda g: optkit.LAMB(g), {"global_grad_norm_clip": 1.0}, "optimizer-wide"),
     (lambda g: optkit.Adam(g), {"maximize": True}, "maximize"),
+    (lambda g: optkit.LAMB(g), {"betas": (0.9, 0.99)}, "'betas' is torch's name"),
+    (lambda g: optkit.LARS(g, 0.1), {"nesterov": True}, "'nesterov' is torch's name"),
 ])
 @pytest.mark.parametrize("where", ["constructor", "add_param_group"])
 def test_group_keys_that_would_be_ignored_are_refused(make, group, match, where):

@@ -156,6 +156,8 @@ class LAMB(Optimizer):
     """
 
     slot_names = ("exp_avg", "exp_avg_sq")
+    #: torch's (and timm's) names of these hyperparameters: refused in a param group, which would ignore them
+    _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
     _decoupled_weight_decay = False  # weight_decay enters u (module doc)
     _always_block = True
     _prepare_reads_grads = True

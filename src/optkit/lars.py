@@ -125,6 +125,8 @@ class LARS(Optimizer):
     """
 
     slot_names = ("momentum",)
+    #: torch's name of this option: refused in a param group, which would ignore it
+    _torch_group_keys = {"nesterov": ("use_nesterov",), "eps": ("epsilon",)}
     _decoupled_weight_decay = False
     _always_block = True
     _sparse_rule = True
