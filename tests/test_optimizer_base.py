@@ -322,6 +322,20 @@ def test_compute_apply_minimize():
     assert w.grad is None  # apply_gradients restores the .grad fields it borrowed
 
 
+def test_apply_gradients_refuses_a_variable_given_twice():
+    """The second pair's gradient replaced the first one silently (one ``.grad`` per variable); now a
+    ValueError naming the pair, with nothing changed."""
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    opt = SGD([w], learning_rate=0.1, momentum=0.9)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"grads_and_vars\[1\].*given before"):
+        opt.apply_gradients([(torch.ones(2), w), (2 * torch.ones(2), w)])
+    with pytest.raises(ValueError, match="given before"):
+        opt.minimize(lambda: (w * w).sum(), var_list=[w, w])
+    assert torch.equal(w.detach(), torch.tensor([1.0, 2.0])) and int(opt.iterations) == 0
+    assert torch.equal(opt.state_dict()["state"][0]["momentum"], before["state"][0]["momentum"])
+
+
 def test_seed_docstring_examples():
     var = torch.tensor(1.0, requires_grad=True)
     opt = SGD([var], learning_rate=0.1)

@@ -121,3 +121,29 @@ def test_errors_leave_registry_untouched():
     with pytest.raises(TypeError, match="target"):
         clear_regularizers("all")
     assert regularized_parameters() == []
+
+
+def test_a_mixed_train_op_diverts_a_regularizer_only_while_it_lives_and_the_weight_is_half():
+    """``optimize_loss(dtype="mixed")`` adds a half weight's regularizer gradient on its fp32 master and
+    leaves it out of ``get_regularization_loss``. Once the train op is gone, or the weight is fp32 again,
+    the regularizer is in the loss again (it stayed out for good, and a later fp32 run trained without it)."""
+    import optkit
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(5, 3).half()
+    add_regularizer(m.weight, l2_regularizer(0.5))
+    w = m.weight.detach().double()
+    expected = 0.25 * float((w * w).sum())
+    op = optkit.optimize_loss(lambda x: m(x.half()).float().sum(), "SGD", None, learning_rate_decay_fn=0.1,
+                              model=m, dtype="mixed")
+    assert float(get_regularization_loss()) == 0.0  # diverted: on the master instead
+    del op
+    gc.collect()
+    assert float(get_regularization_loss()) == pytest.approx(expected, rel=1e-3)
+    op = optkit.optimize_loss(lambda x: m(x.half()).float().sum(), "SGD", None, learning_rate_decay_fn=0.1,
+                              model=m, dtype="mixed")
+    assert float(get_regularization_loss()) == 0.0
+    m.float()  # the op still lives, but the weight is no longer the half copy of a master
+    assert float(get_regularization_loss()) == pytest.approx(0.25 * float((m.weight.detach().double() ** 2)
+                                                                          .sum()), rel=1e-6)
+    del op

@@ -963,3 +963,51 @@ def test_a_learning_rate_that_is_not_a_finite_non_negative_number_is_refused(fn)
         for _ in range(3):
             op()
     assert bool(torch.isfinite(m.weight).all())
+
+
+def test_a_schedule_failing_for_the_next_update_raises_before_that_update_changes_anything():
+    """The lr of update k+1 is computed right after update k. A schedule that fails there (NaN from step 2)
+    raised after update k was applied, and each later call applied another update with the stale lr and
+    raised again. Now update k completes without an error, and every call that would make update k+1
+    raises before anything changes."""
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+    op = optimize_loss(lambda: (w * w).sum() / 2, "SGD", None, var_list=[w],
+                       learning_rate_decay_fn=lambda k: 0.1 if k < 2 else float("nan"))
+    ref = np.array([1.0, -2.0])
+    for _ in range(2):  # updates 0 and 1 with lr 0.1: w ← w − 0.1·w
+        op()
+        ref = ref - 0.1 * ref
+    np.testing.assert_allclose(w.detach().numpy(), ref, rtol=1e-15)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="returned nan at step 2"):
+            op()
+        np.testing.assert_allclose(w.detach().numpy(), ref, rtol=1e-15)
+        assert int(op.global_step) == 2
+
+
+def test_a_bad_first_return_value_does_not_fix_the_token_weighted_mode():
+    """A first call whose loss returned a tuple of 3 raised, but had already switched the op to token
+    weighting, so every later scalar return raised too."""
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    calls = [0]
+
+    def loss():
+        calls[0] += 1
+        value = (w * w).sum()
+        return (value, 4, 1) if calls[0] == 1 else value
+
+    op = optimize_loss(loss, "SGD", None, var_list=[w], learning_rate_decay_fn=0.1)
+    with pytest.raises(ValueError, match="tuple of 3"):
+        op()
+    op()  # a scalar loss: plain averaging
+    np.testing.assert_allclose(w.detach().numpy(), [0.8, 0.8], rtol=1e-15)
+
+
+def test_scaler_params_and_a_negative_initial_tensor_lr_are_refused():
+    w = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(TypeError, match="loss_scaling_params"):
+        optimize_loss(lambda: w.sum(), "SGD", None, var_list=[w], learning_rate_decay_fn=0.1,
+                      loss_scaling="Backoff", loss_scaling_params=[("scale_min", 2.0)])
+    with pytest.raises(ValueError, match="learning_rate_decay_fn.*-0.5"):
+        optimize_loss(lambda: w.sum(), "SGD", None, var_list=[w],
+                      learning_rate_decay_fn=lambda k: torch.tensor(-0.5))

@@ -55,12 +55,18 @@ def check_pairs(
     as a list of tuples. Nothing is changed."""
     pairs = list(grads_and_vars)
     known = {id(p) for p in known_params}
-    for pair in pairs:
+    seen: set[int] = set()
+    for i, pair in enumerate(pairs):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(f"`grads_and_vars` must hold (gradient, variable) pairs, got {pair!r}")
         g, v = pair
         if not isinstance(v, Tensor) or id(v) not in known:
             raise ValueError("apply_gradients(): unknown variable (not one of the optimizer's parameters)")
+        if id(v) in seen:
+            # one update per variable and step (torch): a second pair would replace the first gradient
+            raise ValueError(f"apply_gradients(): grads_and_vars[{i}] names a variable given before; sum its "
+                             "gradients into one pair")
+        seen.add(id(v))
         if g is not None and not isinstance(g, Tensor):
             raise TypeError(f"gradients must be Tensors or None, got {type(g).__name__}")
         if g is not None and g.shape != v.shape:

@@ -24,8 +24,9 @@ and fp32 losses; this one supports pure half-precision models.
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +48,15 @@ Regularizer = Callable[[Tensor], Tensor]
 class _Entry:
     fn: Regularizer
     name: str
-    diverted: bool = False  # set by optimize_loss(dtype="mixed") for half-precision parameters
+    #: the live ``optimize_loss(dtype="mixed")`` train ops that add this regularizer's gradient on the fp32
+    #: master of its half-precision parameter (weak: a train op that is gone diverts nothing)
+    diverted_by: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+
+def _is_diverted(p: Tensor, e: _Entry) -> bool:
+    """Whether ``e`` is left out of the loss: a live mixed train op adds its gradient on ``p``'s master, and
+    ``p`` is still half precision (a parameter converted back to fp32 is regularized in the loss again)."""
+    return p.dtype in (torch.float16, torch.bfloat16) and len(e.diverted_by) > 0
 
 
 # parameter -> its regularizer entries (weak: entries die with the parameter)
@@ -172,15 +181,16 @@ def regularized_parameters(
         (p, e.fn, e.name)
         for p, entries in items
         for e in entries
-        if keep(e.name) and (include_diverted or not e.diverted)
+        if keep(e.name) and (include_diverted or not _is_diverted(p, e))
     ]
 
 
-def _set_diverted(params: Iterable[Tensor], diverted: bool) -> None:
-    """Mark the entries of ``params`` as computed on master copies (used by ``optimize_loss``)."""
+def _set_diverted(params: Iterable[Tensor], owner: object) -> None:
+    """Mark the entries of ``params`` as computed on master copies by the train op ``owner`` (used by
+    ``optimize_loss``) for as long as ``owner`` lives."""
     for p in params:
         for e in _REGISTRY.get(p, ()):
-            e.diverted = diverted
+            e.diverted_by.add(owner)
 
 
 def get_regularization_loss(scope: str | None = None, name: str = "total_regularization_loss") -> Tensor:

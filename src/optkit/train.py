@@ -145,6 +145,9 @@ def _resolve_optimizer(optimizer: Any) -> Callable[..., torch.optim.Optimizer]:
 
 
 def _build_scaler(loss_scaling: Any, params: Mapping[str, Any] | None) -> LossScale:
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"`loss_scaling_params` must be a dict of the scaler's parameters or None, got "
+                        f"{type(params).__name__}")
     if isinstance(loss_scaling, LossScale):
         if params is not None:
             raise ValueError("`loss_scaling_params` cannot be given with a LossScale object")
@@ -429,7 +432,12 @@ class TrainOp:
         self._host_step = 0
         self._host_exact = not self._checks  # host count is exact while no update can be skipped
         self._lr_now: Any = self._lr_fn(0)
+        if isinstance(self._lr_now, Tensor):  # a tensor's value is checked once, here (no reads per step)
+            check_lr_value("`learning_rate_decay_fn`", float(self._lr_now.detach().reshape(())), 0)
         self._lr_t = self._lr_tensor(self._lr_now, device)
+        #: the schedule's error for the next update (it is evaluated right after an update; the call that
+        #: would make that update raises it, before anything changes)
+        self._lr_error: Exception | None = None
 
         # the optimizer stack: [MixedPrecisionOptimizerWrapper(] [LARC(] cls(...) [)] [)]
         self._optkit = isinstance(cls, type) and issubclass(cls, _OptkitOptimizer)
@@ -508,7 +516,7 @@ class TrainOp:
         self._token_weighted: bool | None = None  # decided by the first call's return value
         self._items = torch.zeros((), dtype=torch.float64, device=device)  # Σ num_items of the open window
         if self._diverted:
-            _set_diverted(half_params, True)
+            _set_diverted(half_params, self)
 
     # ---- public surface ------------------------------------------------------------------------------------
 
@@ -553,6 +561,10 @@ class TrainOp:
     def __call__(self, *inputs: Any, skip_update: bool | None = None, **kw_inputs: Any) -> StepResult:
         """Run one micro-step on ``inputs``: forward, backward, and (at the end of a window) the update."""
         update = self._is_update(skip_update)
+        if update and self._lr_error is not None:
+            # the schedule failed for this update after the previous one: ask again, before anything changes
+            self._refresh_lr()
+            self._lr_error = None
         sync_off = self._ddp is not None and (self._ddp_own or not update)
         ctx = self._ddp.no_sync() if sync_off else contextlib.nullcontext()
         if self._fsdp_sync is not None:
@@ -588,11 +600,10 @@ class TrainOp:
         """The loss to back-propagate: ``out`` itself, or ``loss_sum`` of a ``(loss_sum, num_items)`` pair
         (``num_items`` is added to the window's count, on the device: no host sync)."""
         pair = isinstance(out, tuple)
-        if self._token_weighted is None:
-            self._token_weighted = pair
-        elif pair != self._token_weighted:
+        if self._token_weighted is not None and pair != self._token_weighted:
             raise ValueError("`loss` returned (loss_sum, num_items) on some calls and a scalar on others; "
                              "token-weighted accumulation needs the pair on every call")
+        items = None
         if pair:
             if len(out) != 2:
                 raise ValueError(f"`loss` must return a scalar tensor or (loss_sum, num_items), got a tuple "
@@ -607,10 +618,13 @@ class TrainOp:
                 raise ValueError(f"num_items must be a number >= 0 or a tensor, got {items!r}")
             else:
                 items = torch.tensor(float(items), dtype=torch.float64, device=self._items.device)
-            self._items.add_(items)
-            self._last_items = items
         if not isinstance(out, Tensor) or out.numel() != 1:
             raise ValueError("`loss` must return a scalar tensor" + (" as loss_sum" if pair else ""))
+        # all checked: the first call fixes the mode, the count joins the window
+        self._token_weighted = pair
+        if items is not None:
+            self._items.add_(items)
+            self._last_items = items
         return out
 
     def _is_update(self, skip_update: bool | None) -> bool:
@@ -713,7 +727,10 @@ class TrainOp:
         self._clear_grads()
         for i in self._half_idx:
             self.params[i].grad = None
-        self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
+        try:
+            self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
+        except Exception as err:  # noqa: BLE001 - raised by the next update's call, before it changes anything
+            self._lr_error = err
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
 
     def _whole_grads(self, idx: list[int], seen: dict) -> list[Tensor] | None:
@@ -1060,8 +1077,12 @@ class TrainOp:
             if id(q) in half:
                 continue
             q.grad = None if a is None else a.clone().to(q.dtype)
-        self._lr_now = self._lr_fn(self._host_step if self._host_exact else self._step)
-        self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
+        self._lr_error = None
+        try:
+            self._lr_now = self._lr_fn(self._host_step if self._host_exact else self._step)
+            self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
+        except Exception as err:  # noqa: BLE001 - the state is loaded; the next update raises it first
+            self._lr_error = err
 
     def _gather_items(self, group: Any) -> Tensor | None:
         """Every rank's window count (token-weighted accumulation) on the group's first rank as a [W]
