@@ -151,6 +151,9 @@ def test_rmsprop_centered_per_param_group():
     (lambda g: optkit.LAMB(g), {"global_grad_norm_clip": 1.0}, "optimizer-wide"),
     (lambda g: optkit.Adam(g), {"maximize": True}, "maximize"),
     (lambda g: optkit.LAMB(g), {"betas": (0.9, 0.99)}, "'betas' is torch's name"),
+    (lambda g: optkit.RMSProp(g), {"alpha": 0.5}, "'alpha' is torch's name"),
+    (lambda g: optkit.RMSProp(g), {"eps": 1e-3}, "'eps' is torch's name"),
+    (lambda g: optkit.SGD(g, momentum=0.9), {"dampening": 0.5}, "dampening"),
     (lambda g: optkit.LARS(g, 0.1), {"nesterov": True}, "'nesterov' is torch's name"),
 ])
 @pytest.mark.parametrize("where", ["constructor", "add_param_group"])
@@ -232,3 +235,68 @@ def test_a_schedule_learning_rate_alone_does_not_warn():
         opt.load_state_dict(opt.state_dict())
         w.grad = torch.ones(2)
         opt.step()
+
+
+def test_no_warning_when_the_schedule_itself_changes_the_lr():
+    """No false alarm: a callable returning a tensor the user updates in place (TF's variable learning rate),
+    a schedule returning one cached tensor, and the ``learning_rate`` setter switching between a number and a
+    schedule all set the lr the optimizer uses."""
+    w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    lr_t = torch.tensor(0.1, dtype=torch.float64)
+    opt = optkit.Momentum([w], learning_rate=lambda: lr_t, momentum=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(3):
+            w.grad = torch.ones(2, dtype=torch.float64)
+            opt.step()
+            lr_t.fill_(0.1 * 0.5 ** (k + 1))
+        torch.testing.assert_close(w.detach(), torch.full((2,), -0.175, dtype=torch.float64))
+        opt.learning_rate = 0.01
+        w.grad = torch.ones(2, dtype=torch.float64)
+        opt.step()
+        opt.learning_rate = lambda: 0.02
+        for _ in range(2):
+            w.grad = torch.ones(2, dtype=torch.float64)
+            opt.step()
+    torch.testing.assert_close(w.detach(), torch.full((2,), -0.225, dtype=torch.float64))
+
+
+def test_get_slot_of_a_slot_only_other_groups_keep_is_a_value_error():
+    a, b = _params(8)[:2]
+    opt = optkit.RMSProp([{"params": [a], "centered": True}, {"params": [b]}])
+    assert opt.get_slot(a, "mg").shape == a.shape
+    with pytest.raises(ValueError, match="keeps no 'mg' slot"):
+        opt.get_slot(b, "mg")
+
+
+def test_an_older_amsgrad_checkpoint_keeps_amsgrad():
+    """A group saved before ``amsgrad`` was a group option has no such key: it is on when the saved state
+    holds ``max_exp_avg_sq`` (the checkpoint of an ``Adam(amsgrad=True)``), whatever the loading optimizer's
+    constructor says; the run continues as the saving one would."""
+    p, q, r = _params(9), _params(9), _params(9)
+    src = optkit.Adam(p, learning_rate=0.1, amsgrad=True)
+    _run(src, p, 9, 3)
+    sd = copy.deepcopy(src.state_dict())
+    for g in sd["param_groups"]:
+        del g["amsgrad"]
+    for a, b in zip(q, p):
+        a.data.copy_(b.detach())
+    dst = optkit.Adam(q, learning_rate=0.1)
+    dst.load_state_dict(sd)
+    assert dst.param_groups[0]["amsgrad"] is True
+    twin = optkit.Adam(r, learning_rate=0.1, amsgrad=True)
+    _run(twin, r, 9, 3)
+    _run(twin, r, 9, 3, start=3)
+    _run(dst, q, 9, 3, start=3)
+    for a, b in zip(q, r):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_a_loaded_group_holding_an_optimizer_wide_option_is_refused():
+    p = _params(10)
+    opt = optkit.SGD(p, learning_rate=0.1)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["clipnorm"] = 1.0
+    with pytest.raises(ValueError, match="'clipnorm' is an optimizer-wide option"):
+        opt.load_state_dict(sd)
+    assert "clipnorm" not in opt.param_groups[0]

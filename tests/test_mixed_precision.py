@@ -450,3 +450,17 @@ def test_a_half_parameter_twice_in_the_wrapped_optimizer_is_refused():
     with pytest.raises(ValueError, match="twice"):
         MP(inner)
     assert inner.param_groups[0]["params"][0] is b and inner.param_groups[1]["params"] == [a, a]
+
+
+
+def test_an_unscaled_micro_batch_in_a_window_is_refused_even_after_a_scaled_one():
+    """A plain backward folded with accumulate_grads, then a micro-batch through scale_loss: the first one's
+    gradient would be divided by the scale. The step raises, whatever the later micro-batches did."""
+    w = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    opt = MP(torch.optim.SGD([w], lr=0.1), DynamicLossScale(128.0))
+    (w.float() ** 2).sum().backward()
+    opt.accumulate_grads()
+    opt.scale_loss((w.float() ** 2).sum()).backward()
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+    assert torch.equal(w.detach(), torch.ones(3, dtype=torch.float16))

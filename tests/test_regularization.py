@@ -123,27 +123,32 @@ def test_errors_leave_registry_untouched():
     assert regularized_parameters() == []
 
 
-def test_a_mixed_train_op_diverts_a_regularizer_only_while_it_lives_and_the_weight_is_half():
-    """``optimize_loss(dtype="mixed")`` adds a half weight's regularizer gradient on its fp32 master and
-    leaves it out of ``get_regularization_loss``. Once the train op is gone, or the weight is fp32 again,
-    the regularizer is in the loss again (it stayed out for good, and a later fp32 run trained without it)."""
+def test_a_mixed_train_op_diverts_a_regularizer_only_inside_its_own_loss_call():
+    """``optimize_loss(dtype="mixed")`` adds a half weight's regularizer gradient on its fp32 master, so the
+    regularizer is left out of ``get_regularization_loss`` inside that train op's loss function, and only
+    there. It used to stay out for good (a later fp32 run, or one after ``del op`` while a reference cycle
+    kept the op alive, trained without the term)."""
     import optkit
 
     torch.manual_seed(0)
     m = torch.nn.Linear(5, 3).half()
     add_regularizer(m.weight, l2_regularizer(0.5))
+    full = 0.25 * float((m.weight.detach().double() ** 2).sum())
+    seen = []
+
+    def loss(x):
+        seen.append(float(get_regularization_loss()))
+        return m(x.to(m.weight.dtype)).float().sum() + get_regularization_loss()
+
+    op = optkit.optimize_loss(loss, "SGD", None, learning_rate_decay_fn=0.1, model=m, dtype="mixed")
+    assert float(get_regularization_loss()) == pytest.approx(full, rel=1e-3)  # outside the call: counted
+    op(torch.randn(2, 5))
+    assert seen == [0.0]  # inside: on the master instead
     w = m.weight.detach().double()
-    expected = 0.25 * float((w * w).sum())
-    op = optkit.optimize_loss(lambda x: m(x.half()).float().sum(), "SGD", None, learning_rate_decay_fn=0.1,
-                              model=m, dtype="mixed")
-    assert float(get_regularization_loss()) == 0.0  # diverted: on the master instead
-    del op
-    gc.collect()
-    assert float(get_regularization_loss()) == pytest.approx(expected, rel=1e-3)
-    op = optkit.optimize_loss(lambda x: m(x.half()).float().sum(), "SGD", None, learning_rate_decay_fn=0.1,
-                              model=m, dtype="mixed")
-    assert float(get_regularization_loss()) == 0.0
-    m.float()  # the op still lives, but the weight is no longer the half copy of a master
-    assert float(get_regularization_loss()) == pytest.approx(0.25 * float((m.weight.detach().double() ** 2)
-                                                                          .sum()), rel=1e-6)
-    del op
+    assert float(get_regularization_loss()) == pytest.approx(0.25 * float((w * w).sum()), rel=1e-3)
+    m.float()
+    expected = 0.25 * float((m.weight.detach().double() ** 2).sum())
+    op32 = optkit.optimize_loss(loss, "SGD", None, learning_rate_decay_fn=0.1, model=m)
+    op32(torch.randn(2, 5))
+    assert seen[-1] == pytest.approx(expected, rel=1e-6)  # an fp32 train op: in its loss
+    del op, op32

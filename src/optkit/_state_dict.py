@@ -105,7 +105,9 @@ def adopt_torch_groups(opt: Any, sd: Any) -> Any:
     (``opt._torch_required``: ``maximize`` False, SGD's ``dampening`` 0, Adam's ``decoupled_weight_decay``),
     else ``ValueError`` naming it; torch's implementation switches (``foreach``, ``fused``, ...) are dropped;
     a key of ``opt``'s groups the file lacks (an option added since, or one torch does not have) takes the
-    live group's value, as torch's ``__setstate__`` fills new options."""
+    live group's value, as torch's ``__setstate__`` fills new options, unless ``opt._missing_group_key(key,
+    live_value, saved_group, saved_state)`` tells it from the saved state (Adam: ``amsgrad`` from
+    ``max_exp_avg_sq`` slots)."""
     if not isinstance(sd, dict) or not isinstance(sd.get("param_groups"), list) \
             or len(sd["param_groups"]) != len(opt.param_groups):
         return sd
@@ -137,9 +139,10 @@ def adopt_torch_groups(opt: Any, sd: Any) -> Any:
         for key in _TORCH_IMPLEMENTATION_KEYS:
             if key not in live:
                 g.pop(key, None)
+        infer = getattr(opt, "_missing_group_key", None)
         for key, value in live.items():
             if key not in g and key not in ("params", "param_names"):
-                g[key] = value
+                g[key] = value if infer is None else infer(key, value, g, sd.get("state"))
         groups.append(g)
     return {**sd, "param_groups": groups}
 

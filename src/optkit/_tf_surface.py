@@ -161,6 +161,9 @@ class TFSurface:
             raise ValueError(f"unknown slot {name!r}; slots are {self.get_slot_names()}")
         if var not in self.state:
             raise ValueError("get_slot(): `var` is not one of the optimizer's parameters")
+        if name not in self.state[var]:  # a per-group slot (Adam's amsgrad, RMSProp's centered) it lacks
+            raise ValueError(f"get_slot(): this parameter's group keeps no {name!r} slot; it keeps "
+                             f"{[s for s in self.state[var] if s != 'step']}")
         return self.state[var][name]
 
     def variables(self) -> list[Tensor]:

@@ -112,6 +112,18 @@ class Adam(Optimizer):
     def _active_slots(self, group: dict) -> tuple[str, ...]:
         return self.slot_names if group["amsgrad"] else self.slot_names[:2]
 
+    @staticmethod
+    def _missing_group_key(key: str, live: Any, saved_group: dict, saved_state: Any) -> Any:
+        """A group saved before ``amsgrad`` was a group option (the constructor's then): on when its
+        parameters' state holds ``max_exp_avg_sq``, so such a checkpoint continues with AMSGrad."""
+        if key != "amsgrad" or not isinstance(saved_state, dict):
+            return live
+        ids = saved_group.get("params")
+        if not isinstance(ids, list):
+            return live
+        return any(isinstance(saved_state.get(i), dict) and "max_exp_avg_sq" in saved_state[i] for i in ids
+                   if isinstance(i, (int, str)))
+
     def _hyper_config(self) -> dict:
         d = self.defaults
         return {"beta1": d["beta1"], "beta2": d["beta2"], "epsilon": d["epsilon"], "amsgrad": self.amsgrad}

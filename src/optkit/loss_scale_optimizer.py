@@ -150,7 +150,9 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
                     f"{type(wrapper).__name__}.step(closure): the closure returned a loss that does not "
                     "require grad, so it back-propagated by itself, unscaled; dividing those gradients by "
                     f"the loss scale would stall training. {_UNSCALED_HELP}")
-    elif matters and not wrapper.grads_scaled and wrapper._unscaled_grads_present():
+    elif matters and (getattr(wrapper, "_unscaled_fold", False)
+                      or (not wrapper.grads_scaled and wrapper._unscaled_grads_present())):
+        # (_unscaled_fold: a micro-batch of the window was folded unscaled, whatever the later ones were)
         raise RuntimeError(
             f"{type(wrapper).__name__}.step(): the gradients did not come from scale_loss(loss) (loss·S); "
             f"dividing them by the loss scale would stall training. {_UNSCALED_HELP}")

@@ -280,8 +280,9 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         accumulated sum (plus any half gradient that arrived since) and starts over; :meth:`zero_grad`
         drops it. fp32 parameters accumulate in their own ``.grad`` as usual. Folding the model's gradients
         while ``grads_scaled`` is False (an unscaled ``backward``) makes that :meth:`step` raise
-        ``RuntimeError`` unless the scale is a fixed 1 or ``grads_scaled`` is set before it; gradients given
-        as ``grads`` are taken to carry the scale.
+        ``RuntimeError`` unless the scale is a fixed 1, even when a later micro-batch used
+        :meth:`scale_loss` (set ``grads_scaled`` before folding gradients you scaled yourself); gradients
+        given as ``grads`` are taken to carry the scale.
         """
         if grads is not None and len(grads) != len(self._pairs):
             raise ValueError(f"accumulate_grads: `grads` must hold {len(self._pairs)} entries "

@@ -239,8 +239,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         #: right after (which takes the probe's gathered lists) does not check them again
         self._fit_seen: dict[int, Plan] = {}
         self._ema_swapped = False  # inside an ema_weights() block
-        #: id(group) -> (the lr object a schedule learning rate wrote last, its version): an outside change
-        #: (a torch lr scheduler) is warned about once (_check_lr_untouched)
+        #: id(group) -> (the lr object a schedule learning rate wrote last, its version): a change from
+        #: outside (a torch lr scheduler) that the next value overwrites is warned about once
+        #: (_check_lr_untouched)
         self._lr_written: dict[int, tuple[Any, int | None]] = {}
         self._lr_override_warned = False
         self._any_dtensor = False  # whether a parameter is a DTensor (set as groups are added)
@@ -455,6 +456,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def learning_rate(self, value: Any) -> None:
         lr = self._validate_learning_rate(value)
         self._learning_rate = value if lr is None else lr
+        self._lr_written.clear()  # the lr is set here, not from outside
         if lr is not None:
             for g in self.param_groups:
                 g["lr"] = lr
@@ -476,7 +478,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         else:
             lr = fn(self._iterations) if is_schedule(fn) or _callable_arity(fn) >= 1 else fn()
             if commit:
-                self._check_lr_untouched(group)
+                self._check_lr_untouched(group, lr)
                 self._commit_lr(group, lr, found_inf)
                 written = group["lr"]
                 self._lr_written[id(group)] = (written, getattr(written, "_version", None))
@@ -493,16 +495,18 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         out.host_value = value  # the number itself, for kernels that take a Python float (no device read)
         return out
 
-    def _check_lr_untouched(self, group: dict) -> None:
-        """With a schedule or callable ``learning_rate`` the optimizer writes each step's value to the
-        group's ``lr``; a value changed from outside since the last step (a torch lr scheduler, a hand-set
-        lr) would be overwritten without effect: warn once per optimizer. Host-side only (object identity
-        and the tensor's version counter, no device read)."""
+    def _check_lr_untouched(self, group: dict, lr: Any) -> None:
+        """With a schedule or callable ``learning_rate`` the optimizer writes each step's value (``lr``) to
+        the group's ``lr``; a value put there from outside since the last step (a torch lr scheduler, a
+        hand-set lr) is overwritten without effect: warn once per optimizer. Host-side only: object identity
+        and the tensor's version counter. A tensor changed in place is only lost when the callable now
+        returns another object: when it returns that very tensor (TF's variable learning rate, a cached
+        schedule value), the change takes effect."""
         seen = self._lr_written.get(id(group))
         if seen is None or self._lr_override_warned:
             return
         now = group.get("lr")
-        if now is not seen[0] or getattr(now, "_version", None) != seen[1]:
+        if now is not seen[0] or (getattr(now, "_version", None) != seen[1] and lr is not now):
             self._lr_override_warned = True
             warnings.warn(
                 f"{type(self).__name__}: learning_rate is a schedule or callable, so the optimizer sets each "
@@ -1369,6 +1373,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         sd = dict(sd)
         buffer_avgs = self._check_ema_buffers(sd.pop("ema_buffers", None))
         sd = adopt_torch_groups(self, sd)
+        if isinstance(sd.get("param_groups"), list):  # keys a group would ignore, as for given groups
+            for saved, live in zip(sd["param_groups"], self.param_groups):
+                if isinstance(saved, dict):
+                    self._check_group_keys(saved, live)
         step = validate_state_dict(self, sd)
         # own copies: torch would alias the given tensors (``Tensor.to`` returns the same tensor when nothing
         # changes), so two optimizers loaded from one live state dict would update one buffer

@@ -62,6 +62,8 @@ class RMSProp(Optimizer):
     _sparse_rule = True
     #: every slot a group may keep; a group keeps ``mg`` when its ``centered`` is on
     slot_names = ("rms", "momentum", "mg")
+    #: torch.optim.RMSprop's names of these hyperparameters (its rule differs): refused in a param group
+    _torch_group_keys = {"eps": ("epsilon",), "alpha": ("decay",)}
 
     def __init__(self, params: Any, learning_rate: Any = 0.001, decay: float = 0.9, momentum: float = 0.0,
                  epsilon: float = 1e-10, centered: bool = False, **kwargs: Any) -> None:

@@ -82,6 +82,8 @@ class SGD(Optimizer):
         super().__init__(params, learning_rate, momentum=float(momentum), nesterov=nesterov, **kwargs)
 
     slot_names = ("momentum",)
+    #: torch.optim.SGD's dampening has no Keras counterpart: a param group may only hold its neutral value
+    _torch_required = {"dampening": 0.0}
     _pointwise = staticmethod(_keras_sgd_pointwise)
 
     def _active_slots(self, group: dict) -> tuple[str, ...]:

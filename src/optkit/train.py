@@ -87,7 +87,7 @@ from .larc import LARC
 from .loss_scale import AutomaticLossScaler, DynamicLossScale, FixedLossScale, LossScale
 from .mixed_precision import MixedPrecisionOptimizerWrapper
 from .optimizer import Optimizer as _OptkitOptimizer
-from .regularization import _set_diverted, regularized_parameters
+from .regularization import _diverting, regularized_parameters
 from .summaries import SummaryLogger, validate_summaries
 
 __all__ = ["optimize_loss", "TrainOp", "StepResult"]
@@ -515,8 +515,6 @@ class TrainOp:
         self._micro = 0
         self._token_weighted: bool | None = None  # decided by the first call's return value
         self._items = torch.zeros((), dtype=torch.float64, device=device)  # Σ num_items of the open window
-        if self._diverted:
-            _set_diverted(half_params, self)
 
     # ---- public surface ------------------------------------------------------------------------------------
 
@@ -570,7 +568,9 @@ class TrainOp:
         if self._fsdp_sync is not None:
             self._fsdp_sync(update)
         with ctx:
-            loss = self._token_split(self._loss_fn(*inputs, **kw_inputs))
+            with _diverting(self._diverted_params) if self._diverted else contextlib.nullcontext():
+                out = self._loss_fn(*inputs, **kw_inputs)
+            loss = self._token_split(out)
             loss32 = loss.reshape(())
             if loss32.dtype in _HALF:
                 loss32 = loss32.float()
