@@ -300,3 +300,37 @@ def test_a_loaded_group_holding_an_optimizer_wide_option_is_refused():
     with pytest.raises(ValueError, match="'clipnorm' is an optimizer-wide option"):
         opt.load_state_dict(sd)
     assert "clipnorm" not in opt.param_groups[0]
+
+
+def test_a_scheduler_writing_into_a_cached_schedule_tensor_warns():
+    """A callable that rewrites one cached tensor each step overwrites a torch scheduler's in-place write:
+    that is warned about (the scheduler has no effect), as for a float or fresh-tensor schedule."""
+    from torch.optim.lr_scheduler import StepLR
+
+    cache = torch.tensor(0.1)
+
+    def lr():
+        cache.fill_(0.1)
+        return cache
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = optkit.Momentum([w], learning_rate=lr, momentum=0.0)
+    sched = StepLR(opt, 1, gamma=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            w.grad = torch.ones(2)
+            opt.step()
+            sched.step()
+    assert sum("learning_rate is a schedule" in str(c.message) for c in caught) == 1
+
+
+def test_a_torch_rmsprop_checkpoint_is_refused():
+    """optkit's RMSProp is TF's rule (ε inside the root, ms from 1): torch.optim.RMSprop's names are not
+    translated on load, so even a checkpoint saved before any step (no slots to refuse) is refused."""
+    tp = _params(11)
+    sd = torch.optim.RMSprop(tp).state_dict()
+    opt = optkit.RMSProp(_params(11))
+    with pytest.raises(ValueError, match="torch's name"):
+        opt.load_state_dict(sd)
+    assert "alpha" not in opt.param_groups[0] and "eps" not in opt.param_groups[0]

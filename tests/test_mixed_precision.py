@@ -464,3 +464,31 @@ def test_an_unscaled_micro_batch_in_a_window_is_refused_even_after_a_scaled_one(
     with pytest.raises(RuntimeError, match="scale_loss"):
         opt.step()
     assert torch.equal(w.detach(), torch.ones(3, dtype=torch.float16))
+
+
+
+def test_a_scaled_then_unscaled_window_and_a_stale_flag_after_zero_grad_are_refused():
+    """Each fold clears ``grads_scaled``: a window of a scaled micro-batch then a plain backward raises (the
+    second gradient would be divided by the scale); so does a plain backward after ``zero_grad`` dropped
+    gradients that came from ``scale_loss``."""
+    w = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    opt = MP(torch.optim.SGD([w], lr=0.1), DynamicLossScale(128.0))
+    opt.scale_loss((w.float() ** 2).sum()).backward()
+    opt.accumulate_grads()
+    (w.float() ** 2).sum().backward()
+    opt.accumulate_grads()
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+    opt.zero_grad()
+    opt.scale_loss((w.float() ** 2).sum()).backward()
+    opt.zero_grad()
+    (w.float() ** 2).sum().backward()
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+    assert torch.equal(w.detach(), torch.ones(3, dtype=torch.float16))
+    lso = LossScaleOptimizer(torch.optim.SGD([v := torch.ones(2, requires_grad=True)], lr=0.1), 128.0)
+    lso.scale_loss((v ** 2).sum()).backward()
+    lso.zero_grad()
+    (v ** 2).sum().backward()
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        lso.step()

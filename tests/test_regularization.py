@@ -123,32 +123,44 @@ def test_errors_leave_registry_untouched():
     assert regularized_parameters() == []
 
 
-def test_a_mixed_train_op_diverts_a_regularizer_only_inside_its_own_loss_call():
-    """``optimize_loss(dtype="mixed")`` adds a half weight's regularizer gradient on its fp32 master, so the
-    regularizer is left out of ``get_regularization_loss`` inside that train op's loss function, and only
-    there. It used to stay out for good (a later fp32 run, or one after ``del op`` while a reference cycle
-    kept the op alive, trained without the term)."""
+def test_a_mixed_train_op_diverts_the_regularizers_it_adds_on_the_masters_and_only_those():
+    """``optimize_loss(dtype="mixed")`` adds the gradient of a half weight's regularizers (those registered
+    when it is built) on the fp32 master, so they are left out of ``get_regularization_loss`` (inside the
+    loss function and outside, once per update either way). A regularizer added later is not diverted (it
+    counts once, in the loss). A train op built later over the same weights takes over: a non-mixed one, or
+    the weight made fp32 again, puts the terms back in the loss (they stayed out for good, and a later run
+    trained without them)."""
     import optkit
 
     torch.manual_seed(0)
-    m = torch.nn.Linear(5, 3).half()
-    add_regularizer(m.weight, l2_regularizer(0.5))
-    full = 0.25 * float((m.weight.detach().double() ** 2).sum())
+    m = torch.nn.Linear(4, 2, bias=False).half()
+    add_regularizer(m.weight, l2_regularizer(1.0), name="a")
     seen = []
 
     def loss(x):
         seen.append(float(get_regularization_loss()))
-        return m(x.to(m.weight.dtype)).float().sum() + get_regularization_loss()
+        return m(x.to(m.weight.dtype)).float().sum() * 0.0 + get_regularization_loss()
 
     op = optkit.optimize_loss(loss, "SGD", None, learning_rate_decay_fn=0.1, model=m, dtype="mixed")
-    assert float(get_regularization_loss()) == pytest.approx(full, rel=1e-3)  # outside the call: counted
-    op(torch.randn(2, 5))
-    assert seen == [0.0]  # inside: on the master instead
-    w = m.weight.detach().double()
-    assert float(get_regularization_loss()) == pytest.approx(0.25 * float((w * w).sum()), rel=1e-3)
+    add_regularizer(m.weight, l2_regularizer(0.5), name="b")  # after the op: not diverted
+    w = op.masters[0].detach().double().clone()
+    b_term = 0.25 * float((m.weight.detach().double() ** 2).sum())
+    assert float(get_regularization_loss()) == pytest.approx(b_term, rel=1e-3)  # a is out, b in
+    op(torch.randn(3, 4))
+    assert seen == [pytest.approx(b_term, rel=1e-3)]
+    # update: a's gradient 1.0·w on the master, b's 0.5·w through the loss (the fp16 weight's gradient)
+    expected = w - 0.1 * (1.0 * w + 0.5 * w)
+    torch.testing.assert_close(op.masters[0].detach().double(), expected, rtol=1e-3, atol=1e-4)
+    # a later fp32 train op over the same (now fp32) weight: both terms in its loss
     m.float()
-    expected = 0.25 * float((m.weight.detach().double() ** 2).sum())
+    both = 0.75 * float((m.weight.detach().double() ** 2).sum())
+    assert float(get_regularization_loss()) == pytest.approx(both, rel=1e-6)
     op32 = optkit.optimize_loss(loss, "SGD", None, learning_rate_decay_fn=0.1, model=m)
-    op32(torch.randn(2, 5))
-    assert seen[-1] == pytest.approx(expected, rel=1e-6)  # an fp32 train op: in its loss
-    del op, op32
+    op32(torch.randn(3, 4))
+    assert seen[-1] == pytest.approx(both, rel=1e-6)
+    # a later pure-float16 train op (no masters) over the still-half weight, the mixed one still alive
+    m.half()
+    op16 = optkit.optimize_loss(loss, "SGD", None, learning_rate_decay_fn=0.1, model=m, dtype=torch.float16)
+    half_both = 0.75 * float((m.weight.detach().double() ** 2).sum())
+    assert float(get_regularization_loss()) == pytest.approx(half_both, rel=1e-2)
+    del op, op32, op16

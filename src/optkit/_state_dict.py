@@ -99,20 +99,23 @@ def adopt_torch_groups(opt: Any, sd: Any) -> Any:
     """``sd`` with the param groups of a ``torch.optim`` checkpoint in ``opt``'s own keys (the others are
     returned as they are; anything malformed is left for :func:`validate_state_dict` to refuse).
 
-    For each saved group: torch's name of a hyperparameter (``opt._torch_group_keys``: ``betas`` → ``beta1``,
-    ``beta2``; ``eps`` → ``epsilon``; ``nesterov`` → ``use_nesterov``) gives the optkit key when that is
-    missing; a torch switch that changes the math must hold the value optkit computes with
-    (``opt._torch_required``: ``maximize`` False, SGD's ``dampening`` 0, Adam's ``decoupled_weight_decay``),
-    else ``ValueError`` naming it; torch's implementation switches (``foreach``, ``fused``, ...) are dropped;
-    a key of ``opt``'s groups the file lacks (an option added since, or one torch does not have) takes the
-    live group's value, as torch's ``__setstate__`` fills new options, unless ``opt._missing_group_key(key,
-    live_value, saved_group, saved_state)`` tells it from the saved state (Adam: ``amsgrad`` from
-    ``max_exp_avg_sq`` slots)."""
+    For each saved group of an optimizer with torch's rule (``opt._loads_torch_checkpoints``): torch's name
+    of a hyperparameter (``opt._torch_group_keys``: ``betas`` → ``beta1``, ``beta2``; ``eps`` → ``epsilon``;
+    ``nesterov`` → ``use_nesterov``) gives the optkit key when that is missing. A torch switch that changes
+    the math must hold the value optkit computes with (``opt._torch_required``: ``maximize`` False, SGD's
+    ``dampening`` 0, Adam's ``decoupled_weight_decay``), else ``ValueError`` naming it; torch's
+    implementation switches (``foreach``, ``fused``, ...) are dropped. A key of ``opt``'s groups the file
+    lacks (an option added since, or one torch does not have) takes the live group's value, as torch's
+    ``__setstate__`` fills new options, unless ``opt._missing_group_key(key, live_value, saved_group,
+    saved_state)`` tells it from the saved state (Adam: ``amsgrad`` from ``max_exp_avg_sq`` slots)."""
     if not isinstance(sd, dict) or not isinstance(sd.get("param_groups"), list) \
             or len(sd["param_groups"]) != len(opt.param_groups):
         return sd
     where = f"{type(opt).__name__}.load_state_dict"
-    aliases: dict[str, tuple[str, ...]] = getattr(opt, "_torch_group_keys", {})
+    # only optimizers whose rule is torch's translate torch's names (RMSProp, LAMB, LARS keep them, so that
+    # the group check refuses such a file)
+    aliases: dict[str, tuple[str, ...]] = (getattr(opt, "_torch_group_keys", {})
+                                           if getattr(opt, "_loads_torch_checkpoints", False) else {})
     required: dict[str, Any] = {"maximize": False, **getattr(opt, "_torch_required", {})}
     groups = []
     for gi, (saved, live) in enumerate(zip(sd["param_groups"], opt.param_groups)):

@@ -60,6 +60,7 @@ class Adagrad(Optimizer):
     slot_names = ("sum",)
     #: torch.optim.Adagrad's name for epsilon (its checkpoints load)
     _torch_group_keys = {"eps": ("epsilon",)}
+    _loads_torch_checkpoints = True
     _decoupled_weight_decay = False
     _sparse_rule = True
 

@@ -97,6 +97,7 @@ class Adam(Optimizer):
     slot_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     #: torch.optim.Adam's group keys (its checkpoints load) and the setting optkit's rule computes with
     _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
+    _loads_torch_checkpoints = True
     _torch_required = {"decoupled_weight_decay": False}
 
     def add_param_group(self, param_group: dict) -> None:

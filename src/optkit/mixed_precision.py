@@ -228,6 +228,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             self._pairs[j][1].grad = None
         self._accumulated.clear()
         self._unscaled_fold = False
+        self.grads_scaled = False  # the gradients it described are gone
         ps = [p for p, _ in self._pairs] + self._fp32_params
         if set_to_none:
             for p in ps:
@@ -280,9 +281,10 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         accumulated sum (plus any half gradient that arrived since) and starts over; :meth:`zero_grad`
         drops it. fp32 parameters accumulate in their own ``.grad`` as usual. Folding the model's gradients
         while ``grads_scaled`` is False (an unscaled ``backward``) makes that :meth:`step` raise
-        ``RuntimeError`` unless the scale is a fixed 1, even when a later micro-batch used
-        :meth:`scale_loss` (set ``grads_scaled`` before folding gradients you scaled yourself); gradients
-        given as ``grads`` are taken to carry the scale.
+        ``RuntimeError`` unless the scale is a fixed 1, whatever the other micro-batches of the window did;
+        each fold clears ``grads_scaled``, so every micro-batch goes through :meth:`scale_loss` (or sets
+        ``grads_scaled`` itself before its fold when it scaled the loss itself). Gradients given as ``grads``
+        are taken to carry the scale.
         """
         if grads is not None and len(grads) != len(self._pairs):
             raise ValueError(f"accumulate_grads: `grads` must hold {len(self._pairs)} entries "
@@ -310,6 +312,8 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             torch._foreach_copy_(d, s)
         for _, (_, (s, d)) in mt.group_by_device_dtype(add_s, add_d).items():
             torch._foreach_add_(d, s)
+        if grads is None:  # folded: the next micro-batch's gradients must come from scale_loss again
+            self.grads_scaled = False
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
         src, dst, half_grads = [], [], []

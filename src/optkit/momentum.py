@@ -63,6 +63,7 @@ class Momentum(Optimizer):
     slot_names = ("momentum_buffer",)
     #: torch.optim.SGD's group keys (its checkpoints load) and the setting this rule computes with
     _torch_group_keys = {"nesterov": ("use_nesterov",)}
+    _loads_torch_checkpoints = True
     _torch_required = {"dampening": 0.0}
     _decoupled_weight_decay = False
     _sparse_rule = True

@@ -476,9 +476,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if isinstance(fn, (float, Tensor)):
             lr = group["lr"]
         else:
+            before = group.get("lr")
+            version = getattr(before, "_version", None)
             lr = fn(self._iterations) if is_schedule(fn) or _callable_arity(fn) >= 1 else fn()
             if commit:
-                self._check_lr_untouched(group, lr)
+                self._check_lr_untouched(group, lr, before, version)
                 self._commit_lr(group, lr, found_inf)
                 written = group["lr"]
                 self._lr_written[id(group)] = (written, getattr(written, "_version", None))
@@ -495,18 +497,20 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         out.host_value = value  # the number itself, for kernels that take a Python float (no device read)
         return out
 
-    def _check_lr_untouched(self, group: dict, lr: Any) -> None:
+    def _check_lr_untouched(self, group: dict, lr: Any, before: Any, version: int | None) -> None:
         """With a schedule or callable ``learning_rate`` the optimizer writes each step's value (``lr``) to
         the group's ``lr``; a value put there from outside since the last step (a torch lr scheduler, a
         hand-set lr) is overwritten without effect: warn once per optimizer. Host-side only: object identity
-        and the tensor's version counter. A tensor changed in place is only lost when the callable now
-        returns another object: when it returns that very tensor (TF's variable learning rate, a cached
-        schedule value), the change takes effect."""
+        and the tensor's version counter (``before`` and ``version``: the group's lr and its version before
+        the callable ran). A tensor changed in place keeps its effect only when the callable returns that
+        very tensor without writing it (TF's variable learning rate); a callable that rewrites it (a cached
+        schedule value) or returns another object loses the change."""
         seen = self._lr_written.get(id(group))
         if seen is None or self._lr_override_warned:
             return
-        now = group.get("lr")
-        if now is not seen[0] or (getattr(now, "_version", None) != seen[1] and lr is not now):
+        touched = version != seen[1]
+        kept = lr is before and getattr(before, "_version", None) == version
+        if before is not seen[0] or (touched and not kept):
             self._lr_override_warned = True
             warnings.warn(
                 f"{type(self).__name__}: learning_rate is a schedule or callable, so the optimizer sets each "

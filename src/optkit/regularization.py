@@ -15,19 +15,20 @@ its entries):
   ``scale·Σw²/2`` (gradient ``scale·w``) and ``scale·Σ|w|``.
 
 Mixed precision (§2, §5.2): in ``dtype="mixed"`` training, :func:`optkit.optimize_loss` *diverts* the
-regularizers of half-precision parameters: while that train op runs its loss function,
-:func:`get_regularization_loss` skips them (so the loss it reports excludes them, as in the original) and the
-train op adds their gradient computed on the fp32 master copy, where small weights do not underflow. Outside
-that call they count as usual. Why the sum is taken in fp32: TF's own version failed to add fp16
+regularizers of half-precision parameters (those registered when it is built): while it lives and the weight
+is half precision, :func:`get_regularization_loss` skips them (so the reported loss excludes them, as in the
+original) and the train op adds their gradient computed on the fp32 master copy, where small weights do not
+underflow. A train op built later over the same parameters takes over: a mixed one diverts them as well, any
+other puts them back in the loss. Why the sum is taken in fp32: TF's own version failed to add fp16
 and fp32 losses; this one supports pure half-precision models.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -49,30 +50,15 @@ Regularizer = Callable[[Tensor], Tensor]
 class _Entry:
     fn: Regularizer
     name: str
+    #: the ``optimize_loss(dtype="mixed")`` train ops that add this regularizer's gradient on the fp32 master
+    #: of its half-precision parameter (weak: one that is gone diverts nothing)
+    diverted_by: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
 
-#: the parameters (ids) whose regularizers an ``optimize_loss(dtype="mixed")`` train op adds on their fp32
-#: masters, one set per train op computing its loss right now (a stack: train ops may nest)
-_DIVERTING: list[frozenset[int]] = []
-
-
-@contextmanager
-def _diverting(params: Iterable[Tensor]) -> Iterator[None]:
-    """While a mixed train op runs its loss function: the regularizers of ``params`` are left out of
-    :func:`get_regularization_loss` (the train op adds their gradient on the fp32 masters instead). Outside
-    that call, as for any other train op, they count."""
-    _DIVERTING.append(frozenset(id(p) for p in params))
-    try:
-        yield
-    finally:
-        _DIVERTING.pop()
-
-
-def _is_diverted(p: Tensor) -> bool:
-    """Whether ``p``'s regularizers are left out of the loss now: a mixed train op computing its loss adds
-    their gradient on ``p``'s master, and ``p`` is half precision."""
-    return bool(_DIVERTING) and p.dtype in (torch.float16, torch.bfloat16) and any(
-        id(p) in ids for ids in _DIVERTING)
+def _is_diverted(p: Tensor, e: _Entry) -> bool:
+    """Whether ``e`` is left out of the loss: a mixed train op adds its gradient on ``p``'s master, and ``p``
+    is still half precision (a weight made fp32 again is regularized in the loss)."""
+    return p.dtype in (torch.float16, torch.bfloat16) and len(e.diverted_by) > 0
 
 
 # parameter -> its regularizer entries (weak: entries die with the parameter)
@@ -197,15 +183,27 @@ def regularized_parameters(
         (p, e.fn, e.name)
         for p, entries in items
         for e in entries
-        if keep(e.name) and (include_diverted or not _is_diverted(p))
+        if keep(e.name) and (include_diverted or not _is_diverted(p, e))
     ]
+
+
+def _take_over(params: Iterable[Tensor], owner: object | None) -> None:
+    """A train op being built over ``params`` decides how their regularizers (those registered now) count:
+    ``owner`` (a mixed train op) adds its gradient on the masters, so they leave the loss while it lives;
+    ``None`` (any other train op) puts them back in the loss, whatever earlier train ops did."""
+    for p in params:
+        for e in _REGISTRY.get(p, ()):
+            if owner is None:
+                e.diverted_by.clear()
+            else:
+                e.diverted_by.add(owner)
 
 
 def get_regularization_loss(scope: str | None = None, name: str = "total_regularization_loss") -> Tensor:
     """Σ fp32(R(w)) over the registered regularizers whose name matches ``scope`` (``re.match``).
 
-    Diverted entries (half-precision parameters, while an ``optimize_loss(dtype="mixed")`` train op runs its
-    loss function) are left out: that train op adds their gradient on the fp32 master copies instead. With
+    Diverted entries (module doc: half-precision parameters under a live ``optimize_loss(dtype="mixed")``
+    train op) are left out: that train op adds their gradient on the fp32 master copies instead. With
     no matching entry the result is the constant 0.0 (fp32, CPU), as in the original's empty-collection
     branch. ``name`` is kept for the seed's signature (TF names the tensor; a PyTorch tensor has no name) and
     must be a str.

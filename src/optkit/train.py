@@ -87,7 +87,7 @@ from .larc import LARC
 from .loss_scale import AutomaticLossScaler, DynamicLossScale, FixedLossScale, LossScale
 from .mixed_precision import MixedPrecisionOptimizerWrapper
 from .optimizer import Optimizer as _OptkitOptimizer
-from .regularization import _diverting, regularized_parameters
+from .regularization import _take_over, regularized_parameters
 from .summaries import SummaryLogger, validate_summaries
 
 __all__ = ["optimize_loss", "TrainOp", "StepResult"]
@@ -515,6 +515,11 @@ class TrainOp:
         self._micro = 0
         self._token_weighted: bool | None = None  # decided by the first call's return value
         self._items = torch.zeros((), dtype=torch.float64, device=device)  # Σ num_items of the open window
+        # built: this train op decides how the regularizers of its parameters count (a mixed one adds the
+        # half weights' on their masters, so they leave the loss; any other puts them back)
+        _take_over(self.params, None)
+        if self._diverted:
+            _take_over(half_params, self)
 
     # ---- public surface ------------------------------------------------------------------------------------
 
@@ -568,9 +573,7 @@ class TrainOp:
         if self._fsdp_sync is not None:
             self._fsdp_sync(update)
         with ctx:
-            with _diverting(self._diverted_params) if self._diverted else contextlib.nullcontext():
-                out = self._loss_fn(*inputs, **kw_inputs)
-            loss = self._token_split(out)
+            loss = self._token_split(self._loss_fn(*inputs, **kw_inputs))
             loss32 = loss.reshape(())
             if loss32.dtype in _HALF:
                 loss32 = loss32.float()
