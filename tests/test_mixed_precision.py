@@ -467,28 +467,34 @@ def test_an_unscaled_micro_batch_in_a_window_is_refused_even_after_a_scaled_one(
 
 
 
-def test_a_scaled_then_unscaled_window_and_a_stale_flag_after_zero_grad_are_refused():
-    """Each fold clears ``grads_scaled``: a window of a scaled micro-batch then a plain backward raises (the
-    second gradient would be divided by the scale); so does a plain backward after ``zero_grad`` dropped
-    gradients that came from ``scale_loss``."""
+def test_each_micro_batch_of_a_window_must_be_scaled_and_scaled_windows_pass():
+    """Each fold clears ``grads_scaled``: a scaled micro-batch then a plain backward raises (the second
+    gradient would be divided by the scale). Legitimate patterns pass: a window of scaled micro-batches over
+    half and fp32 parameters (the fp32 ones keep their gradients through the window), and the scaled loss
+    computed before ``zero_grad`` (torch's loop order), on both loss-scale wrappers."""
     w = torch.ones(3, dtype=torch.float16, requires_grad=True)
-    opt = MP(torch.optim.SGD([w], lr=0.1), DynamicLossScale(128.0))
+    f = torch.ones(2, dtype=torch.float32, requires_grad=True)
+    opt = MP(torch.optim.SGD([w, f], lr=0.1), DynamicLossScale(128.0))
     opt.scale_loss((w.float() ** 2).sum()).backward()
     opt.accumulate_grads()
     (w.float() ** 2).sum().backward()
     opt.accumulate_grads()
-    with pytest.raises(RuntimeError, match="scale_loss"):
-        opt.step()
-    opt.zero_grad()
-    opt.scale_loss((w.float() ** 2).sum()).backward()
-    opt.zero_grad()
-    (w.float() ** 2).sum().backward()
     with pytest.raises(RuntimeError, match="scale_loss"):
         opt.step()
     assert torch.equal(w.detach(), torch.ones(3, dtype=torch.float16))
-    lso = LossScaleOptimizer(torch.optim.SGD([v := torch.ones(2, requires_grad=True)], lr=0.1), 128.0)
-    lso.scale_loss((v ** 2).sum()).backward()
-    lso.zero_grad()
-    (v ** 2).sum().backward()
-    with pytest.raises(RuntimeError, match="scale_loss"):
-        lso.step()
+    opt.zero_grad()
+    for _ in range(2):  # two scaled micro-batches over both parameters: Σ gradients = 2·2w, 2·2f
+        opt.scale_loss((w.float() ** 2).sum() + (f ** 2).sum()).backward()
+        opt.accumulate_grads()
+    opt.step()
+    torch.testing.assert_close(f.detach(), torch.full((2,), 1.0 - 0.1 * 4.0))
+    torch.testing.assert_close(w.detach().float(), torch.full((3,), 1.0 - 0.1 * 4.0), rtol=1e-3, atol=1e-3)
+    for wrapper in (MP(torch.optim.SGD([w], lr=0.1), 128.0),
+                    LossScaleOptimizer(torch.optim.SGD([f], lr=0.1), 128.0)):
+        x = w if isinstance(wrapper, MP) else f
+        before = x.detach().float().clone()
+        loss = wrapper.scale_loss((x.float() ** 2).sum())
+        wrapper.zero_grad()
+        loss.backward()
+        wrapper.step()
+        torch.testing.assert_close(x.detach().float(), before * 0.8, rtol=1e-3, atol=1e-3)

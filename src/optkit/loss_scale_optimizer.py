@@ -204,12 +204,6 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     get_scaled_loss = scale_loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The inner optimizer's ``zero_grad``; the gradients ``grads_scaled`` described are gone, so it is
-        cleared (a later plain ``backward`` must not pass for a scaled one)."""
-        self.grads_scaled = False
-        super().zero_grad(set_to_none=set_to_none)
-
     def _unscaled_grads_present(self) -> bool:
         """Whether a ``step()`` without ``grads_scaled`` would divide gradients by ``S``
         (:func:`scaled_backward_step`): any parameter has a gradient."""

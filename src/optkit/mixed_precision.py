@@ -88,6 +88,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         self._fp32_params: list[Tensor] = []
         self._accumulated: set[int] = set()  # pairs whose master gradient holds a pending accumulation
         self._unscaled_fold = False  # the pending accumulation folded gradients while grads_scaled was False
+        self._scaled_fold = False  # ... folded gradients from scale_loss (fp32 parameters' kept theirs)
         seen: set[int] = set()
         for gi, group in enumerate(self.param_groups):  # before any master replaces a parameter
             for p in group["params"]:
@@ -227,8 +228,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         for j in self._accumulated:
             self._pairs[j][1].grad = None
         self._accumulated.clear()
-        self._unscaled_fold = False
-        self.grads_scaled = False  # the gradients it described are gone
+        self._unscaled_fold = self._scaled_fold = False
         ps = [p for p, _ in self._pairs] + self._fp32_params
         if set_to_none:
             for p in ps:
@@ -259,8 +259,10 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         with."""
         if self._unscaled_fold:
             return True
-        return any(p.grad is not None for p, _ in self._pairs) or any(
-            p.grad is not None for p in self._fp32_params)
+        if any(p.grad is not None for p, _ in self._pairs):
+            return True
+        # fp32 parameters keep their gradients through a window: scaled ones when its folds were scaled
+        return not self._scaled_fold and any(p.grad is not None for p in self._fp32_params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -294,8 +296,11 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             g = p.grad if grads is None else grads[j]
             if g is None:
                 continue
-            if grads is None and not self.grads_scaled:  # the model's gradients, not from scale_loss
-                self._unscaled_fold = True
+            if grads is None:  # the model's gradients: from scale_loss, or not
+                if self.grads_scaled:
+                    self._scaled_fold = True
+                else:
+                    self._unscaled_fold = True
             if g.is_sparse:
                 g = g.coalesce().to_dense()
             if j in self._accumulated:
@@ -320,7 +325,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         if self._accumulated:
             self.accumulate_grads()  # half gradients that arrived since the last fold
         pending, self._accumulated = self._accumulated, set()
-        self._unscaled_fold = False
+        self._unscaled_fold = self._scaled_fold = False
         for j, ((p, m), buf) in enumerate(zip(self._pairs, self._grad_bufs)):
             g = p.grad
             if j in pending:

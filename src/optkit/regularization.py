@@ -15,20 +15,23 @@ its entries):
   ``scale·Σw²/2`` (gradient ``scale·w``) and ``scale·Σ|w|``.
 
 Mixed precision (§2, §5.2): in ``dtype="mixed"`` training, :func:`optkit.optimize_loss` *diverts* the
-regularizers of half-precision parameters (those registered when it is built): while it lives and the weight
-is half precision, :func:`get_regularization_loss` skips them (so the reported loss excludes them, as in the
-original) and the train op adds their gradient computed on the fp32 master copy, where small weights do not
-underflow. A train op built later over the same parameters takes over: a mixed one diverts them as well, any
-other puts them back in the loss. Why the sum is taken in fp32: TF's own version failed to add fp16
-and fp32 losses; this one supports pure half-precision models.
+regularizers of half-precision parameters (those registered when it is built, while they stay registered):
+the train op adds their gradient computed on the fp32 master copy, where small weights do not underflow, and
+while it runs its loss function :func:`get_regularization_loss` skips them (so the loss it reports excludes
+them, as in the original). Everywhere else they count, so call :func:`get_regularization_loss` inside the
+loss function given to ``optimize_loss``: a loss computed outside it would count them twice.
+
+Why the sum is taken in fp32: TF's own version failed to add fp16 and fp32 losses; this one supports pure
+half-precision models.
 """
 
 from __future__ import annotations
 
 import re
-import weakref
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -46,19 +49,53 @@ __all__ = [
 Regularizer = Callable[[Tensor], Tensor]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
     fn: Regularizer
     name: str
-    #: the ``optimize_loss(dtype="mixed")`` train ops that add this regularizer's gradient on the fp32 master
-    #: of its half-precision parameter (weak: one that is gone diverts nothing)
-    diverted_by: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
 
-def _is_diverted(p: Tensor, e: _Entry) -> bool:
-    """Whether ``e`` is left out of the loss: a mixed train op adds its gradient on ``p``'s master, and ``p``
-    is still half precision (a weight made fp32 again is regularized in the loss)."""
-    return p.dtype in (torch.float16, torch.bfloat16) and len(e.diverted_by) > 0
+#: per thread: the entries (ids) that the ``optimize_loss(dtype="mixed")`` train ops now running their loss
+#: functions add on fp32 masters themselves (a stack: train ops may nest)
+_LOCAL = threading.local()
+
+
+def _active() -> list[frozenset[int]]:
+    stack = getattr(_LOCAL, "diverting", None)
+    if stack is None:
+        stack = _LOCAL.diverting = []
+    return stack
+
+
+@contextmanager
+def _diverting(entries: Iterable[_Entry]) -> Iterator[None]:
+    """While a mixed train op runs its loss function (this thread): ``entries``, the regularizers whose
+    gradient it adds on the fp32 masters, are left out of :func:`get_regularization_loss`."""
+    ids = frozenset(id(e) for e in entries)
+    stack = _active()
+    stack.append(ids)
+    try:
+        yield
+    finally:
+        for i in range(len(stack) - 1, -1, -1):  # this call's own set, whatever a nested call left
+            if stack[i] is ids:
+                del stack[i]
+                break
+
+
+def _is_diverted(e: _Entry) -> bool:
+    stack = getattr(_LOCAL, "diverting", None)
+    return bool(stack) and any(id(e) in ids for ids in stack)
+
+
+def _entries(params: Iterable[Tensor]) -> list[tuple[Tensor, _Entry]]:
+    """``(param, entry)`` for every regularizer registered on ``params`` now."""
+    return [(p, e) for p in params for e in _REGISTRY.get(p, ())]
+
+
+def _registered(p: Tensor, e: _Entry) -> bool:
+    """Whether entry ``e`` is still registered on ``p`` (not removed by :func:`clear_regularizers`)."""
+    return any(x is e for x in _REGISTRY.get(p, ()))
 
 
 # parameter -> its regularizer entries (weak: entries die with the parameter)
@@ -183,27 +220,16 @@ def regularized_parameters(
         (p, e.fn, e.name)
         for p, entries in items
         for e in entries
-        if keep(e.name) and (include_diverted or not _is_diverted(p, e))
+        if keep(e.name) and (include_diverted or not _is_diverted(e))
     ]
-
-
-def _take_over(params: Iterable[Tensor], owner: object | None) -> None:
-    """A train op being built over ``params`` decides how their regularizers (those registered now) count:
-    ``owner`` (a mixed train op) adds its gradient on the masters, so they leave the loss while it lives;
-    ``None`` (any other train op) puts them back in the loss, whatever earlier train ops did."""
-    for p in params:
-        for e in _REGISTRY.get(p, ()):
-            if owner is None:
-                e.diverted_by.clear()
-            else:
-                e.diverted_by.add(owner)
 
 
 def get_regularization_loss(scope: str | None = None, name: str = "total_regularization_loss") -> Tensor:
     """Σ fp32(R(w)) over the registered regularizers whose name matches ``scope`` (``re.match``).
 
-    Diverted entries (module doc: half-precision parameters under a live ``optimize_loss(dtype="mixed")``
-    train op) are left out: that train op adds their gradient on the fp32 master copies instead. With
+    Diverted entries (module doc: the half-precision parameters' regularizers, while an
+    ``optimize_loss(dtype="mixed")`` train op that adds them on fp32 masters runs its loss function) are
+    left out. With
     no matching entry the result is the constant 0.0 (fp32, CPU), as in the original's empty-collection
     branch. ``name`` is kept for the seed's signature (TF names the tensor; a PyTorch tensor has no name) and
     must be a str.

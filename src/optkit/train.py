@@ -87,7 +87,7 @@ from .larc import LARC
 from .loss_scale import AutomaticLossScaler, DynamicLossScale, FixedLossScale, LossScale
 from .mixed_precision import MixedPrecisionOptimizerWrapper
 from .optimizer import Optimizer as _OptkitOptimizer
-from .regularization import _take_over, regularized_parameters
+from .regularization import _diverting, _entries, _registered
 from .summaries import SummaryLogger, validate_summaries
 
 __all__ = ["optimize_loss", "TrainOp", "StepResult"]
@@ -477,9 +477,9 @@ class TrainOp:
         self._half_idx = [i for i, p in enumerate(self.params) if id(p) in master_of]
         self._name_of = {id(q): n for n, q in zip(self.names, self.masters)}
         half_params = [self.params[i] for i in self._half_idx]
-        self._diverted = regularized_parameters(half_params)
-        self._diverted_params = [p for p, _, _ in self._diverted]
-        self._diverted_masters = [master_of[id(p)] for p in self._diverted_params]
+        #: (half parameter, regularizer entry) registered now: their gradient is added on the masters
+        self._diverted = _entries(half_params)
+        self._diverted_masters = [master_of[id(p)] for p, _ in self._diverted]
 
         # distribution. DTensor (FSDP2) parameters: FSDP2's post-backward hooks reduce-scatter and average
         # the gradients, so they need a plain backward() and no second reduction.
@@ -515,11 +515,6 @@ class TrainOp:
         self._micro = 0
         self._token_weighted: bool | None = None  # decided by the first call's return value
         self._items = torch.zeros((), dtype=torch.float64, device=device)  # Σ num_items of the open window
-        # built: this train op decides how the regularizers of its parameters count (a mixed one adds the
-        # half weights' on their masters, so they leave the loss; any other puts them back)
-        _take_over(self.params, None)
-        if self._diverted:
-            _take_over(half_params, self)
 
     # ---- public surface ------------------------------------------------------------------------------------
 
@@ -573,7 +568,12 @@ class TrainOp:
         if self._fsdp_sync is not None:
             self._fsdp_sync(update)
         with ctx:
-            loss = self._token_split(self._loss_fn(*inputs, **kw_inputs))
+            if self._diverted:  # the regularizers added on the masters leave the loss (§5.2)
+                with _diverting([e for _, e in self._diverted]):
+                    out = self._loss_fn(*inputs, **kw_inputs)
+            else:
+                out = self._loss_fn(*inputs, **kw_inputs)
+            loss = self._token_split(out)
             loss32 = loss.reshape(())
             if loss32.dtype in _HALF:
                 loss32 = loss32.float()
@@ -850,15 +850,18 @@ class TrainOp:
 
     def _add_diverted_grads(self, denom: Tensor | None) -> None:
         """``master.grad += S·n·W·∂R/∂master`` for the regularizers of half parameters (§5.2)."""
-        masters = self._diverted_masters
-        missing = [p for p, m in zip(self._diverted_params, masters) if m.grad is None]
+        live = [(p, e, m) for (p, e), m in zip(self._diverted, self._diverted_masters) if _registered(p, e)]
+        if not live:  # (every one removed by clear_regularizers since)
+            return
+        masters = [m for _, _, m in live]
+        missing = [p for p, _, m in live if m.grad is None]
         if missing:  # start those masters' accumulation at zero (exact in fp16)
             for p in missing:
                 p.grad = torch.zeros_like(p)
             self._mp.accumulate_grads()
         with torch.enable_grad():
             leaves = [m.detach().requires_grad_(True) for m in masters]
-            total = sum(fn(x).float() for x, (_, fn, _) in zip(leaves, self._diverted))
+            total = sum(e.fn(x).float() for x, (_, e, _) in zip(leaves, live))
             rgrads = torch.autograd.grad(total, leaves, allow_unused=True)
         pairs = [(m, g) for m, g in zip(masters, rgrads) if g is not None]
         if not pairs:
