@@ -498,3 +498,31 @@ def test_each_micro_batch_of_a_window_must_be_scaled_and_scaled_windows_pass():
         loss.backward()
         wrapper.step()
         torch.testing.assert_close(x.detach().float(), before * 0.8, rtol=1e-3, atol=1e-3)
+
+
+
+def test_fp32_gradients_in_a_window_are_judged_by_what_the_last_scaled_fold_saw():
+    """fp32 parameters keep their gradients through a window. A window that reaches only fp32 parameters
+    (a frozen half backbone) and scales every micro-batch steps; a plain backward on them after a scaled
+    fold raises (it would be divided by the scale), with step() and with step(closure)."""
+    h = torch.ones(3, dtype=torch.float16, requires_grad=False)  # frozen
+    f = torch.ones(2, dtype=torch.float32, requires_grad=True)
+    opt = MP(torch.optim.SGD([h, f], lr=0.1), DynamicLossScale(1024.0))
+    for _ in range(2):
+        opt.scale_loss((f ** 2).sum()).backward()
+        opt.accumulate_grads()
+    opt.step()
+    torch.testing.assert_close(f.detach(), torch.full((2,), 1.0 - 0.1 * 4.0))
+    opt.zero_grad()
+    opt.scale_loss((f ** 2).sum()).backward()
+    opt.accumulate_grads()
+    (f * 1.0).sum().backward()  # plain
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+    opt.zero_grad()
+    w = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    opt2 = MP(torch.optim.SGD([w], lr=0.1), DynamicLossScale(1024.0))
+    (w.float() ** 2).sum().backward()  # plain, folded
+    opt2.accumulate_grads()
+    with pytest.raises(RuntimeError, match="accumulate_grads"):
+        opt2.step(lambda: (w.float() ** 2).sum())

@@ -164,3 +164,28 @@ def test_a_mixed_train_op_adds_each_regularizer_once():
     del op  # optimizer and train op refer to each other: freed only by a collection
     assert float(get_regularization_loss()) == pytest.approx(
         0.5 * float((m.weight.detach().double() ** 2).sum()), rel=1e-3)
+
+
+
+def test_a_train_op_called_inside_a_mixed_one_counts_its_own_regularizers():
+    """Only the train op running its loss function now leaves out what it adds on masters: a float16 train
+    op over the same half weight, called inside a mixed one's loss function, counts the regularizer."""
+    import optkit
+
+    w = torch.nn.Parameter(torch.tensor([0.5, -0.5, 0.2, 0.9], dtype=torch.float16))
+    add_regularizer(w, l2_regularizer(0.5))
+    inner = optkit.optimize_loss(lambda: get_regularization_loss(), "SGD", None, var_list=[w],
+                                 learning_rate_decay_fn=0.1, dtype=torch.float16)
+    seen = []
+
+    def outer_loss():
+        before = w.detach().double().clone()
+        inner()
+        seen.append((before, w.detach().double().clone()))
+        return (w.float() * 0.0).sum() + get_regularization_loss()
+
+    outer = optkit.optimize_loss(outer_loss, "SGD", None, var_list=[w], learning_rate_decay_fn=0.0,
+                                 dtype="mixed")
+    outer()
+    before, after = seen[0]  # the inner update: w − 0.1·0.5·w (it used to see no regularizer: no change)
+    torch.testing.assert_close(after, before * (1 - 0.1 * 0.5), rtol=2e-3, atol=1e-3)

@@ -145,6 +145,11 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
             loss = closure()
             if isinstance(loss, Tensor) and loss.requires_grad:
                 wrapper.scale_loss(loss).backward()
+                if matters and getattr(wrapper, "_unscaled_fold", False):  # (the closure did not clear it)
+                    raise RuntimeError(
+                        f"{type(wrapper).__name__}.step(closure): gradients folded with accumulate_grads "
+                        "before it did not come from scale_loss(loss) (loss·S); dividing them by the loss "
+                        f"scale would stall training. {_UNSCALED_HELP}")
             elif matters and not wrapper.grads_scaled:
                 raise RuntimeError(
                     f"{type(wrapper).__name__}.step(closure): the closure returned a loss that does not "

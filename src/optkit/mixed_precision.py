@@ -89,6 +89,9 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         self._accumulated: set[int] = set()  # pairs whose master gradient holds a pending accumulation
         self._unscaled_fold = False  # the pending accumulation folded gradients while grads_scaled was False
         self._scaled_fold = False  # ... folded gradients from scale_loss (fp32 parameters' kept theirs)
+        #: id(fp32 parameter) -> (its .grad, the grad's version) at the last fold of scaled gradients: a
+        #: gradient changed since (a plain backward) is unscaled
+        self._fp32_at_fold: dict[int, tuple[Tensor, int]] = {}
         seen: set[int] = set()
         for gi, group in enumerate(self.param_groups):  # before any master replaces a parameter
             for p in group["params"]:
@@ -229,6 +232,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             self._pairs[j][1].grad = None
         self._accumulated.clear()
         self._unscaled_fold = self._scaled_fold = False
+        self._fp32_at_fold = {}
         ps = [p for p, _ in self._pairs] + self._fp32_params
         if set_to_none:
             for p in ps:
@@ -259,10 +263,19 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         with."""
         if self._unscaled_fold:
             return True
-        if any(p.grad is not None for p, _ in self._pairs):
-            return True
-        # fp32 parameters keep their gradients through a window: scaled ones when its folds were scaled
-        return not self._scaled_fold and any(p.grad is not None for p in self._fp32_params)
+        return any(p.grad is not None for p, _ in self._pairs) or self._fp32_changed()
+
+    def _fp32_changed(self) -> bool:
+        """Whether an fp32 parameter holds a gradient the last fold of scaled gradients did not see (fp32
+        parameters keep their gradients through a window: scaled ones are as that fold left them)."""
+        seen = self._fp32_at_fold
+        for p in self._fp32_params:
+            g = p.grad
+            if g is not None:
+                at = seen.get(id(p))
+                if at is None or at[0] is not g or at[1] != g._version:
+                    return True
+        return False
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -296,11 +309,6 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             g = p.grad if grads is None else grads[j]
             if g is None:
                 continue
-            if grads is None:  # the model's gradients: from scale_loss, or not
-                if self.grads_scaled:
-                    self._scaled_fold = True
-                else:
-                    self._unscaled_fold = True
             if g.is_sparse:
                 g = g.coalesce().to_dense()
             if j in self._accumulated:
@@ -317,7 +325,13 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             torch._foreach_copy_(d, s)
         for _, (_, (s, d)) in mt.group_by_device_dtype(add_s, add_d).items():
             torch._foreach_add_(d, s)
-        if grads is None:  # folded: the next micro-batch's gradients must come from scale_loss again
+        if grads is None:  # the model's gradients, from scale_loss or not; the next ones must say so again
+            if self.grads_scaled:
+                self._scaled_fold = True
+                self._fp32_at_fold = {id(p): (p.grad, p.grad._version) for p in self._fp32_params
+                                      if p.grad is not None}
+            elif copy_s or add_s or self._fp32_changed():
+                self._unscaled_fold = True
             self.grads_scaled = False
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
@@ -326,6 +340,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             self.accumulate_grads()  # half gradients that arrived since the last fold
         pending, self._accumulated = self._accumulated, set()
         self._unscaled_fold = self._scaled_fold = False
+        self._fp32_at_fold = {}
         for j, ((p, m), buf) in enumerate(zip(self._pairs, self._grad_bufs)):
             g = p.grad
             if j in pending:

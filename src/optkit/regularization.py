@@ -69,8 +69,9 @@ def _active() -> list[frozenset[int]]:
 
 @contextmanager
 def _diverting(entries: Iterable[_Entry]) -> Iterator[None]:
-    """While a mixed train op runs its loss function (this thread): ``entries``, the regularizers whose
-    gradient it adds on the fp32 masters, are left out of :func:`get_regularization_loss`."""
+    """While a train op runs its loss function (this thread): ``entries``, the regularizers whose gradient it
+    adds on fp32 masters itself (none unless it is a mixed one), are left out of
+    :func:`get_regularization_loss`; a train op called inside that loss function sees only its own."""
     ids = frozenset(id(e) for e in entries)
     stack = _active()
     stack.append(ids)
@@ -84,8 +85,10 @@ def _diverting(entries: Iterable[_Entry]) -> Iterator[None]:
 
 
 def _is_diverted(e: _Entry) -> bool:
+    """Whether the train op running its loss function now (the innermost one, this thread) adds ``e`` on a
+    master itself."""
     stack = getattr(_LOCAL, "diverting", None)
-    return bool(stack) and any(id(e) in ids for ids in stack)
+    return bool(stack) and id(e) in stack[-1]
 
 
 def _entries(params: Iterable[Tensor]) -> list[tuple[Tensor, _Entry]]:

@@ -568,10 +568,7 @@ class TrainOp:
         if self._fsdp_sync is not None:
             self._fsdp_sync(update)
         with ctx:
-            if self._diverted:  # the regularizers added on the masters leave the loss (§5.2)
-                with _diverting([e for _, e in self._diverted]):
-                    out = self._loss_fn(*inputs, **kw_inputs)
-            else:
+            with _diverting([e for _, e in self._diverted]):  # those added on the masters leave the loss
                 out = self._loss_fn(*inputs, **kw_inputs)
             loss = self._token_split(out)
             loss32 = loss.reshape(())
