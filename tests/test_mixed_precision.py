@@ -501,25 +501,26 @@ def test_each_micro_batch_of_a_window_must_be_scaled_and_scaled_windows_pass():
 
 
 
-def test_fp32_gradients_in_a_window_are_judged_by_what_the_last_scaled_fold_saw():
+def test_fp32_gradients_count_as_scaled_after_a_scaled_fold():
     """fp32 parameters keep their gradients through a window. A window that reaches only fp32 parameters
-    (a frozen half backbone) and scales every micro-batch steps; a plain backward on them after a scaled
-    fold raises (it would be divided by the scale), with step() and with step(closure)."""
+    (a frozen half backbone) and scales every micro-batch steps, also when the gradients are clipped or
+    averaged in place between the last fold and the step (a hand-written data-parallel loop); an unscaled
+    fold raises, with step() and with step(closure)."""
     h = torch.ones(3, dtype=torch.float16, requires_grad=False)  # frozen
     f = torch.ones(2, dtype=torch.float32, requires_grad=True)
     opt = MP(torch.optim.SGD([h, f], lr=0.1), DynamicLossScale(1024.0))
     for _ in range(2):
         opt.scale_loss((f ** 2).sum()).backward()
         opt.accumulate_grads()
+    f.grad.div_(1.0)  # e.g. an all-reduce average over one process
+    torch.nn.utils.clip_grad_norm_([f], 1e9)
     opt.step()
     torch.testing.assert_close(f.detach(), torch.full((2,), 1.0 - 0.1 * 4.0))
     opt.zero_grad()
-    opt.scale_loss((f ** 2).sum()).backward()
+    (f * 1.0).sum().backward()  # plain, folded: refused
     opt.accumulate_grads()
-    (f * 1.0).sum().backward()  # plain
     with pytest.raises(RuntimeError, match="scale_loss"):
         opt.step()
-    opt.zero_grad()
     w = torch.ones(3, dtype=torch.float16, requires_grad=True)
     opt2 = MP(torch.optim.SGD([w], lr=0.1), DynamicLossScale(1024.0))
     (w.float() ** 2).sum().backward()  # plain, folded

@@ -88,10 +88,9 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         self._fp32_params: list[Tensor] = []
         self._accumulated: set[int] = set()  # pairs whose master gradient holds a pending accumulation
         self._unscaled_fold = False  # the pending accumulation folded gradients while grads_scaled was False
-        self._scaled_fold = False  # ... folded gradients from scale_loss (fp32 parameters' kept theirs)
-        #: id(fp32 parameter) -> (its .grad, the grad's version) at the last fold of scaled gradients: a
-        #: gradient changed since (a plain backward) is unscaled
-        self._fp32_at_fold: dict[int, tuple[Tensor, int]] = {}
+        #: ... folded gradients from scale_loss: the fp32 parameters' gradients, which stay in their .grad
+        #: through the window (and may be clipped or all-reduced in place before the step), count as scaled
+        self._scaled_fold = False
         seen: set[int] = set()
         for gi, group in enumerate(self.param_groups):  # before any master replaces a parameter
             for p in group["params"]:
@@ -232,7 +231,6 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             self._pairs[j][1].grad = None
         self._accumulated.clear()
         self._unscaled_fold = self._scaled_fold = False
-        self._fp32_at_fold = {}
         ps = [p for p, _ in self._pairs] + self._fp32_params
         if set_to_none:
             for p in ps:
@@ -263,19 +261,13 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         with."""
         if self._unscaled_fold:
             return True
-        return any(p.grad is not None for p, _ in self._pairs) or self._fp32_changed()
+        return any(p.grad is not None for p, _ in self._pairs) or self._fp32_unscaled()
 
-    def _fp32_changed(self) -> bool:
-        """Whether an fp32 parameter holds a gradient the last fold of scaled gradients did not see (fp32
-        parameters keep their gradients through a window: scaled ones are as that fold left them)."""
-        seen = self._fp32_at_fold
-        for p in self._fp32_params:
-            g = p.grad
-            if g is not None:
-                at = seen.get(id(p))
-                if at is None or at[0] is not g or at[1] != g._version:
-                    return True
-        return False
+    def _fp32_unscaled(self) -> bool:
+        """Whether an fp32 parameter holds a gradient no scaled fold vouches for. fp32 gradients stay in their
+        ``.grad`` through a window; after a scaled fold they count as scaled (an unscaled backward added to
+        them later cannot be told apart)."""
+        return not self._scaled_fold and any(p.grad is not None for p in self._fp32_params)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -328,9 +320,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         if grads is None:  # the model's gradients, from scale_loss or not; the next ones must say so again
             if self.grads_scaled:
                 self._scaled_fold = True
-                self._fp32_at_fold = {id(p): (p.grad, p.grad._version) for p in self._fp32_params
-                                      if p.grad is not None}
-            elif copy_s or add_s or self._fp32_changed():
+            elif copy_s or add_s or self._fp32_unscaled():
                 self._unscaled_fold = True
             self.grads_scaled = False
 
@@ -340,7 +330,6 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
             self.accumulate_grads()  # half gradients that arrived since the last fold
         pending, self._accumulated = self._accumulated, set()
         self._unscaled_fold = self._scaled_fold = False
-        self._fp32_at_fold = {}
         for j, ((p, m), buf) in enumerate(zip(self._pairs, self._grad_bufs)):
             g = p.grad
             if j in pending:
