@@ -527,3 +527,20 @@ def test_fp32_gradients_count_as_scaled_after_a_scaled_fold():
     opt2.accumulate_grads()
     with pytest.raises(RuntimeError, match="accumulate_grads"):
         opt2.step(lambda: (w.float() ** 2).sum())
+
+
+def test_a_wrapper_pickled_before_the_window_flags_existed_still_steps():
+    """Objects unpickled from an earlier optkit lack the window flags in their ``__dict__``: the class
+    defaults stand in (it raised AttributeError)."""
+    import pickle
+
+    f = torch.ones(2, dtype=torch.float32, requires_grad=True)
+    opt = MP(torch.optim.SGD([f], lr=0.1))
+    state = pickle.loads(pickle.dumps(opt))
+    for key in ("_unscaled_fold", "_scaled_fold"):
+        state.__dict__.pop(key, None)
+    g = state.optimizer.param_groups[0]["params"][0]
+    (g * 2.0).sum().backward()
+    state.accumulate_grads()
+    state.step()
+    torch.testing.assert_close(g.detach(), torch.full((2,), 0.8))

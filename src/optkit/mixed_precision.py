@@ -65,6 +65,9 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
     """
 
     _outermost_only = True
+    # window flags (set per instance in __init__); class defaults for wrappers pickled before they existed
+    _unscaled_fold = False
+    _scaled_fold = False
 
     def __init__(
         self,
