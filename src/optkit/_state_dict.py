@@ -29,7 +29,7 @@ from . import _multi_tensor as mt
 from ._validation import check_count, is_number
 
 __all__ = ["TORCH_PARAM_SHAPED", "adopt_torch_groups", "check_group_hyperparameters", "check_loaded_slot",
-           "validate_state_dict", "validate_torch_state_dict"]
+           "torch_required", "validate_state_dict", "validate_torch_state_dict"]
 
 
 def validate_state_dict(opt: Any, sd: dict) -> int:
@@ -95,6 +95,13 @@ def _check_structure(where: str, opt: Any, sd: Any) -> dict[Any, tuple[Tensor, s
 _TORCH_IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
 
+def torch_required(opt: Any) -> dict[str, Any]:
+    """torch.optim group switches that change the math, with the value ``opt``'s rule computes with:
+    ``maximize`` False, and the class's own (``opt._torch_required``: SGD's ``dampening`` 0, Adam's
+    ``decoupled_weight_decay``)."""
+    return {"maximize": False, **getattr(opt, "_torch_required", {})}
+
+
 def adopt_torch_groups(opt: Any, sd: Any) -> Any:
     """``sd`` with the param groups of a ``torch.optim`` checkpoint in ``opt``'s own keys (the others are
     returned as they are; anything malformed is left for :func:`validate_state_dict` to refuse).
@@ -116,7 +123,7 @@ def adopt_torch_groups(opt: Any, sd: Any) -> Any:
     # the group check refuses such a file)
     aliases: dict[str, tuple[str, ...]] = (getattr(opt, "_torch_group_keys", {})
                                            if getattr(opt, "_loads_torch_checkpoints", False) else {})
-    required: dict[str, Any] = {"maximize": False, **getattr(opt, "_torch_required", {})}
+    required = torch_required(opt)
     groups = []
     for gi, (saved, live) in enumerate(zip(sd["param_groups"], opt.param_groups)):
         if not isinstance(saved, dict):

@@ -94,14 +94,9 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         #: ... folded gradients from scale_loss: the fp32 parameters' gradients, which stay in their .grad
         #: through the window (and may be clipped or all-reduced in place before the step), count as scaled
         self._scaled_fold = False
-        seen: set[int] = set()
-        for gi, group in enumerate(self.param_groups):  # before any master replaces a parameter
-            for p in group["params"]:
-                if p.dtype in _HALF and id(p) in seen:
-                    raise ValueError(f"MixedPrecisionOptimizerWrapper: a half-precision parameter appears "
-                                     f"twice in the optimizer's param groups (again in group {gi}); it would "
-                                     "get two fp32 masters that drift apart")
-                seen.add(id(p))
+        # before any master replaces a parameter
+        self._refuse_second_masters([p for g in self.param_groups for p in g["params"]],
+                                    "MixedPrecisionOptimizerWrapper")
         self._adopt_groups(self.param_groups, _masters or {})
 
     # ------------------------------------------------------------------------------------ masters
@@ -197,6 +192,22 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         finally:
             self._copy_back()
 
+    def _refuse_second_masters(self, params: list, where: str) -> None:
+        """``ValueError`` when a half parameter of ``params`` already has an fp32 master (torch's "more than
+        one parameter group") or is listed twice: it would get two masters that drift apart."""
+        managed = {id(p) for p, _ in self._pairs}
+        seen: set[int] = set()
+        for i, p in enumerate(params):
+            if not (isinstance(p, Tensor) and p.dtype in _HALF):
+                continue
+            if id(p) in managed:
+                raise ValueError(f"{where}: some parameters appear in more than one parameter group "
+                                 f"(params[{i}], a half-precision parameter, already has an fp32 master)")
+            if id(p) in seen:
+                raise ValueError(f"{where}: params[{i}], a half-precision parameter, is listed twice (it "
+                                 "would get two fp32 masters that drift apart)")
+            seen.add(id(p))
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group of model parameters; half ones get masters first.
 
@@ -205,19 +216,7 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
         g = dict(param_group)
         ps = g["params"]
         g["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
-        where = f"{type(self).__name__}.add_param_group"
-        managed = {id(p) for p, _ in self._pairs}
-        seen: set[int] = set()
-        for i, p in enumerate(g["params"]):
-            if not (isinstance(p, Tensor) and p.dtype in _HALF):
-                continue
-            if id(p) in managed:
-                raise ValueError(f"{where}: some parameters appear in more than one parameter group: "
-                                 f"params[{i}] is a half-precision parameter that already has an fp32 master")
-            if id(p) in seen:
-                raise ValueError(f"{where}: params[{i}] is a half-precision parameter listed twice in the "
-                                 "group (it would get two fp32 masters)")
-            seen.add(id(p))
+        self._refuse_second_masters(g["params"], f"{type(self).__name__}.add_param_group")
         given = {}
         for i, p in enumerate(g["params"]):
             if isinstance(p, Tensor) and p.dtype in _HALF:
@@ -257,8 +256,9 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
 
     def _unscaled_grads_present(self) -> bool:
         """Whether a ``step()`` without ``grads_scaled`` would divide gradients by ``S``
-        (``loss_scale_optimizer.scaled_backward_step``): a model parameter (half or fp32) has a gradient, or
-        the pending :meth:`accumulate_grads` sum folded model gradients while ``grads_scaled`` was False.
+        (``loss_scale_optimizer.scaled_backward_step``): the pending :meth:`accumulate_grads` sum folded
+        unscaled gradients, a half parameter has a gradient, or an fp32 one has one no scaled fold vouches
+        for.
         The fp32 masters' own ``.grad`` does not count: it is this wrapper's reused buffer (kept after a
         step) or a sum restored with ``accumulate_grads(grads=...)``, which carries the scale it was saved
         with."""

@@ -33,6 +33,7 @@ cache-sized chunks (``_multi_tensor.blocks``) so their chain costs about one swe
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import operator
@@ -53,7 +54,7 @@ from ._compile import chain, compiled_chain, warn_compile_fallback
 from ._gc import gc_paused
 from ._params import normalize_param_groups
 from ._plan import FlatPart, Plan, PlanView, RowMultipliers, RunAux, check_slot_fits
-from ._state_dict import adopt_torch_groups, check_loaded_slot, validate_state_dict
+from ._state_dict import adopt_torch_groups, check_loaded_slot, torch_required, validate_state_dict
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
 from .flat import _VIEWS_RESTORED, flat_buffer_of
@@ -86,14 +87,17 @@ def _callable_arity(fn: Callable) -> int:
     return len(required)
 
 
-#: base options that hold for the whole optimizer (constructor arguments); a param group holding one would
-#: ignore it
-_WIDE_OPTIONS = frozenset({"clipnorm", "clipvalue", "global_clipnorm", "use_ema", "ema_momentum",
-                           "ema_overwrite_frequency", "ema_warmup", "ema_buffers", "jit_compile", "mesh",
-                           "block_numel"})
 #: constructor arguments that are not optimizer-wide options (``name`` is also a common user label of a group)
-_GROUP_KEYS_ANYWHERE = frozenset({"self", "params", "learning_rate", "kwargs", "name", "amsgrad",
+_GROUP_KEYS_ANYWHERE = frozenset({"self", "params", "learning_rate", "kwargs", "hyper", "name", "amsgrad",
                                   "weight_decay"})
+
+
+@functools.cache
+def _wide_options(cls: type) -> frozenset[str]:
+    """The constructor arguments of ``cls`` and of the base (``clipnorm``, ``use_ema``, ...) that hold for the
+    whole optimizer: a param group holding one would ignore it."""
+    names = {n for c in (Optimizer, cls) for n in inspect.signature(c.__init__).parameters}
+    return frozenset(names - _GROUP_KEYS_ANYWHERE)
 
 
 class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
@@ -334,9 +338,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         or a torch switch at a value this rule does not compute (``maximize=True``); ``ValueError`` naming
         the key."""
         cls = type(self).__name__
-        ctor = set(inspect.signature(type(self).__init__).parameters) - _GROUP_KEYS_ANYWHERE
+        wide = _wide_options(type(self))
         for key in group:
-            if (key in _WIDE_OPTIONS or key in ctor) and key not in own:
+            if key in wide and key not in own:
                 raise ValueError(f"{cls}: param group key {key!r} is an optimizer-wide option; pass it to "
                                  "the constructor (a group would ignore it)")
         for key, value in group.items():
@@ -347,8 +351,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             if key in group and key not in own:
                 raise ValueError(f"{cls}: param group key {key!r} is torch's name; {cls} takes "
                                  f"{' and '.join(map(repr, ours))}")
-        required = {"maximize": False, **getattr(self, "_torch_required", {})}
-        for key, want in required.items():
+        for key, want in torch_required(self).items():
             if key in group and key not in own and group[key] != want:
                 raise ValueError(f"{cls}: param group key {key!r}={group[key]!r} is not supported (the rule "
                                  f"computes with {key}={want!r})")

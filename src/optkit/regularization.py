@@ -68,20 +68,16 @@ def _active() -> list[frozenset[int]]:
 
 
 @contextmanager
-def _diverting(entries: Iterable[_Entry]) -> Iterator[None]:
-    """While a train op runs its loss function (this thread): ``entries``, the regularizers whose gradient it
-    adds on fp32 masters itself (none unless it is a mixed one), are left out of
-    :func:`get_regularization_loss`; a train op called inside that loss function sees only its own."""
-    ids = frozenset(id(e) for e in entries)
+def _diverting(ids: frozenset[int]) -> Iterator[None]:
+    """While a train op runs its loss function (this thread): the entries ``ids`` (``id`` of each), the
+    regularizers whose gradient it adds on fp32 masters itself (none unless it is a mixed one), are left out
+    of :func:`get_regularization_loss`; a train op called inside that loss function sees only its own."""
     stack = _active()
     stack.append(ids)
     try:
         yield
     finally:
-        for i in range(len(stack) - 1, -1, -1):  # this call's own set, whatever a nested call left
-            if stack[i] is ids:
-                del stack[i]
-                break
+        stack.pop()  # (``with`` blocks nest: this call's own set is on top)
 
 
 def _is_diverted(e: _Entry) -> bool:
@@ -232,10 +228,9 @@ def get_regularization_loss(scope: str | None = None, name: str = "total_regular
 
     Diverted entries (module doc: the half-precision parameters' regularizers, while an
     ``optimize_loss(dtype="mixed")`` train op that adds them on fp32 masters runs its loss function) are
-    left out. With
-    no matching entry the result is the constant 0.0 (fp32, CPU), as in the original's empty-collection
-    branch. ``name`` is kept for the seed's signature (TF names the tensor; a PyTorch tensor has no name) and
-    must be a str.
+    left out. With no matching entry the result is the constant 0.0 (fp32, CPU), as in the original's
+    empty-collection branch. ``name`` is kept for the seed's signature (TF names the tensor; a PyTorch tensor
+    has no name) and must be a str.
     """
     if not isinstance(name, str):
         raise TypeError(f"get_regularization_loss: name must be a str, got {name!r}")

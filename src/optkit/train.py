@@ -480,6 +480,7 @@ class TrainOp:
         #: (half parameter, regularizer entry) registered now: their gradient is added on the masters
         self._diverted = _entries(half_params)
         self._diverted_masters = [master_of[id(p)] for p, _ in self._diverted]
+        self._diverted_ids = frozenset(id(e) for _, e in self._diverted)  # left out of its loss call
 
         # distribution. DTensor (FSDP2) parameters: FSDP2's post-backward hooks reduce-scatter and average
         # the gradients, so they need a plain backward() and no second reduction.
@@ -568,7 +569,7 @@ class TrainOp:
         if self._fsdp_sync is not None:
             self._fsdp_sync(update)
         with ctx:
-            with _diverting([e for _, e in self._diverted]):  # those added on the masters leave the loss
+            with _diverting(self._diverted_ids):  # those added on the masters leave the loss
                 out = self._loss_fn(*inputs, **kw_inputs)
             loss = self._token_split(out)
             loss32 = loss.reshape(())
