@@ -197,3 +197,56 @@ def test_bad_returns_raise_naming_the_problem():
     with pytest.raises(ValueError, match="on every call"):
         op(x, y)
     assert np.isfinite(model.weight.detach().numpy()).all()
+
+
+def _reference_regularized(windows, lr, lam, model):
+    """Plain SGD on ``Σ loss_sum / Σ n + lam·‖W‖²`` (the regularizer weighs once per update)."""
+    for window in windows:
+        model.zero_grad()
+        with torch.enable_grad():
+            total = sum(((model(x) - y) ** 2).sum() for x, y in window)
+            count = sum(x.shape[0] for x, _ in window)
+            (total / count + lam * (model.weight ** 2).sum()).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_regularizer_weighs_once_per_update(mixed):
+    """The documented form ``(loss_sum + num_items·R, num_items)`` weighs the regularization loss ``R`` once
+    per update, as an averaged window does; ``"mixed"`` diverts a half weight's ``R`` to its fp32 master with
+    the same weight, so both paths train the same objective."""
+    from optkit.regularization import add_regularizer, clear_regularizers, get_regularization_loss
+
+    lam = 0.5
+    dtype = torch.float16 if mixed else F64
+    model = _model(dtype)
+    add_regularizer(model.weight, lambda w: lam * (w.float() ** 2).sum())
+    try:
+        def loss(x, y):
+            per = ((model(x.to(dtype)).double() - y.double()) ** 2).sum(dim=1)
+            return per.sum() + x.shape[0] * get_regularization_loss().double(), x.shape[0]
+
+        kw = {"dtype": "mixed", "loss_scaling": 64.0} if mixed else {}
+        op = optkit.optimize_loss(loss, "SGD", None, 0.1, model=model, iter_size=3, **kw)
+        windows = [[_batch(3 * w + m) for m in range(3)] for w in range(2)]
+        for window in windows:
+            for x, y in window:
+                op(x, y)
+    finally:
+        clear_regularizers()
+    def start():
+        ref = _model()
+        if mixed:  # start from the same fp16-rounded weights
+            ref.load_state_dict({k: v.double() for k, v in _model(torch.float16).state_dict().items()})
+        return ref
+
+    expected = _reference_regularized(windows, 0.1, lam, start())
+    got = op.masters if mixed else list(model.parameters())
+    tol = 2e-3 if mixed else 1e-6
+    for p, r in zip(got, expected):
+        torch.testing.assert_close(p.detach().double(), r, rtol=tol, atol=tol)
+    unregularized = _reference_regularized(windows, 0.1, 0.0, start())  # R is not lost in the tolerance
+    assert (got[0].detach().double() - unregularized[0]).abs().max() > 10 * tol

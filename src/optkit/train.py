@@ -262,7 +262,9 @@ def optimize_loss(
             transformers#34242): the update then uses ``Σ loss_sum / Σ num_items`` over the window's
             micro-batches and the ranks, so micro-batches with more items (tokens) weigh more and a partial
             window stays exact; ``num_items`` (a number or 0-d tensor, summed with one extra scalar
-            all-reduce per update when distributed) must be given on every call.
+            all-reduce per update when distributed) must be given on every call. A regularization loss
+            ``R`` goes in as ``(loss_sum + num_items * R, num_items)`` so that it weighs once per update (as
+            in an averaged window, and as ``"mixed"`` weighs the regularizers it diverts to the masters).
         optimizer: a registry name (``OPTIMIZER_CLS_NAMES``) or an optimizer class; built as
             ``cls(params, learning_rate=lr, **optimizer_params)`` (``lr=`` for torch classes).
         optimizer_params: constructor arguments (not mutated).
