@@ -181,6 +181,12 @@ def _excluding_bias(opt):
     return opt
 
 
+def _excluding_bias_tensors(opt, params):
+    """Exclusion by identity (``var_list``): it must follow the parameters into copies and pickles."""
+    opt.exclude_from_weight_decay(var_list=[p for n, p in params if "bias" in n])
+    return opt
+
+
 # ------------------------------------------------------------------------------------------------ the rows
 
 ROWS: list[Row] = [
@@ -190,6 +196,9 @@ ROWS: list[Row] = [
         _named(ps), learning_rate=lr, momentum=0.9, nesterov=True, weight_decay=0.1)),
         "keras_sgd", {"momentum": 0.9, "nesterov": True}, {"weight_decay": 0.1}, decay_mask=_bias_mask,
         uses_names=True),
+    Row("SGD-wd-exclude-list", lambda ps, lr: _excluding_bias_tensors(optkit.SGD(
+        _plain(ps), learning_rate=lr, momentum=0.9, weight_decay=0.1), ps),
+        "keras_sgd", {"momentum": 0.9}, {"weight_decay": 0.1}, decay_mask=_bias_mask),
     Row("SGD-rules(lr_scale,no-decay)", lambda ps, lr: optkit.create_optimizer(
         _named(ps), "SGD", lr=lr, weight_decay=0.1, rules=[("bias", {"lr_scale": 0.5, "weight_decay": 0.0})],
         no_decay_1d=False, momentum=0.9),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from optkit import LARC, LARS, SGD, Ftrl, LossScaleOptimizer, PolicySchedule, RMSProp
+from optkit import LARC, LARS, SGD, Ftrl, LearningRateSchedule, LossScaleOptimizer, PolicySchedule, RMSProp
 from optkit._gc import GC_PAUSE_MIN_TENSORS
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
@@ -122,6 +122,101 @@ def test_config_round_trip_with_schedule():
     clone = SGD.from_config(cfg, make_params())
     assert clone.get_config() == cfg
     assert float(clone._current_lr(clone.param_groups[0])) == pytest.approx(0.1)
+
+
+def test_config_records_the_optimizers_lr_not_a_groups_own():
+    """A first group with its own ``lr`` is not the optimizer's learning rate: the config (and a load) keep
+    the one the other groups took, and ``from_config`` over the same groups trains identically."""
+    def groups(params):
+        return [{"params": [params[0][1]], "lr": 0.5}, {"params": [p for _, p in params[1:]]}]
+
+    params = make_params()
+    opt = SGD(groups(params), learning_rate=0.01, momentum=0.5)
+    cfg = opt.get_config()
+    assert cfg["learning_rate"] == 0.01
+    params2 = make_params()
+    clone = SGD.from_config(cfg, groups(params2))
+    assert [g["lr"] for g in clone.param_groups] == [0.5, 0.01]
+    for k in range(3):
+        do_step(opt, params, k)
+        do_step(clone, params2, k)
+    for (_, a), (_, b) in zip(params, params2):
+        assert torch.equal(a, b)
+    opt.load_state_dict(opt.state_dict())
+    assert opt.learning_rate == 0.01
+    for g in opt.param_groups[1:]:  # a torch scheduler moves the groups' lr: the config follows them
+        g["lr"] = 0.002
+    assert opt.get_config()["learning_rate"] == 0.002
+    opt.learning_rate = 0.003  # the setter is the optimizer's lr: a group added later takes it
+    opt.add_param_group({"params": [torch.randn(2, requires_grad=True)]})
+    assert opt.param_groups[-1]["lr"] == 0.003
+
+
+def test_from_config_rebuilds_the_schedule_class_it_recorded():
+    """The config names the schedule's class: a subclass (with or without a config tag of its own) comes back
+    as itself, found by name or through ``custom_objects`` (Keras), never silently as its base class."""
+    class Doubled(PolicySchedule):
+        def __call__(self, step):
+            return 2 * super().__call__(step)
+
+    class Halving(LearningRateSchedule):
+        def __init__(self, lr0):
+            self.lr0 = lr0
+
+        def __call__(self, step):
+            return self.lr0 * 0.5 ** step
+
+        def get_config(self):
+            return {"lr0": self.lr0}
+
+    for sched in (Doubled("fixed_lr", learning_rate=0.1), Halving(0.2)):
+        params, params2 = make_params(), make_params()
+        opt = SGD(params, learning_rate=sched)
+        clone = SGD.from_config(opt.get_config(), params2)
+        assert type(clone.learning_rate) is type(sched)
+        for k in range(2):
+            do_step(opt, params, k)
+            do_step(clone, params2, k)
+        for (_, a), (_, b) in zip(params, params2):
+            assert torch.equal(a, b)
+    cfg = SGD(make_params(), learning_rate=Halving(0.2)).get_config()
+    other = type("Halving", (Halving,), {})  # another class of that name elsewhere: the name is ambiguous
+    with pytest.raises(ValueError, match="custom_objects"):
+        SGD.from_config(cfg, make_params())
+    clone = SGD.from_config(cfg, make_params(), custom_objects={"Halving": other})
+    assert type(clone.learning_rate) is other
+
+
+def test_a_subclass_keeps_its_own_options_in_the_config():
+    """A custom optimizer written as the base's docstring says (``slot_names``, ``_pointwise``, ``_update``)
+    keeps the options it passes to ``Optimizer.__init__`` in ``get_config``, with no ``_hyper_config``."""
+    from optkit import Optimizer
+
+    class ScaledSGD(Optimizer):
+        slot_names = ()
+
+        def __init__(self, params, learning_rate=0.01, factor=1.0, **kw):
+            super().__init__(params, learning_rate, factor=float(factor), **kw)
+
+        @staticmethod
+        def _pointwise(hyper, w, g, slots, lr, k, aux):
+            (factor,) = hyper
+            return w - (g * lr if k is None else g * (lr * k)) * factor, []
+
+        def _pointwise_hyper(self, group):
+            return (float(group["factor"]),)
+
+        def _update(self, group, params, grads, slots, lr, k, found_inf, aux):
+            self._pointwise_fallback(group, params, grads, [], lr, k, found_inf, aux)
+
+    params, params2 = make_params(), make_params()
+    opt = ScaledSGD(params, learning_rate=0.1, factor=5.0)
+    assert opt.get_config()["factor"] == 5.0
+    clone = ScaledSGD.from_config(opt.get_config(), params2)
+    do_step(opt, params, 0)
+    do_step(clone, params2, 0)
+    for (_, a), (_, b) in zip(params, params2):
+        assert torch.equal(a, b)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1011,3 +1011,37 @@ def test_scaler_params_and_a_negative_initial_tensor_lr_are_refused():
     with pytest.raises(ValueError, match="learning_rate_decay_fn.*-0.5"):
         optimize_loss(lambda: w.sum(), "SGD", None, var_list=[w],
                       learning_rate_decay_fn=lambda k: torch.tensor(-0.5))
+
+
+class _LinearLoss(torch.nn.Module):
+    """A module loss (module level, so a train op over it pickles)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 2).double()
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_train_op_continues_like_the_original(how):
+    """A deep-copied or unpickled train op (clipping and a skipping scaler: the paths that read the pipeline
+    group setting) continues bit for bit like the original, which it shares nothing with."""
+    import pickle
+
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 4, generator=g, dtype=F64), torch.randint(0, 2, (8,), generator=g))
+               for _ in range(4)]
+    op = optimize_loss(_LinearLoss(), "SGD", {"momentum": 0.9}, 0.1, clip_gradients=0.5,
+                       loss_scaling="Backoff", iter_size=2)
+    for b in batches[:3]:
+        op(*b)
+    twin = copy.deepcopy(op) if how == "deepcopy" else pickle.loads(pickle.dumps(op))
+    for b in batches[3:]:
+        op(*b)
+        twin(*b)
+    assert int(twin.global_step) == int(op.global_step) == 2
+    for a, b in zip(op.masters, twin.masters):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()

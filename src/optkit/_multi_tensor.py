@@ -179,7 +179,20 @@ def group_by_device_dtype(
 
 #: the process group joining the pipeline stages (module-wide default; see :func:`set_pipeline_group`)
 _PIPELINE_GROUP: object = None
-_UNSET = object()
+
+
+class _Unset:
+    """The "not given" marker of ``pipeline_group``: one object, kept by copies and pickles (an object
+    holding it, such as a deep-copied train op, must not take a fresh marker for a process group)."""
+
+    def __reduce__(self) -> str:
+        return "_UNSET"
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET = _Unset()
 
 
 def set_pipeline_group(group: object) -> object:

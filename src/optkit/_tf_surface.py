@@ -202,8 +202,9 @@ class TFSurface:
     # ------------------------------------------------------------------------------------------------ config
 
     def _hyper_config(self) -> dict:
-        """Subclass hyperparameters for get_config."""
-        return {}
+        """Subclass hyperparameters for get_config: by default every keyword argument a subclass passed on
+        to ``Optimizer.__init__`` (its group defaults); optkit's own optimizers override this."""
+        return {k: self.defaults[k] for k in getattr(self, "_hyper_keys", ()) if k in self.defaults}
 
     def get_config(self) -> dict:
         """Every hyperparameter as plain Python values; ``from_config(config, params)`` rebuilds it."""
@@ -213,7 +214,7 @@ class TFSurface:
         elif callable(lr) and not isinstance(lr, Tensor):
             lr_cfg = lr
         else:
-            lr_cfg = float(self.param_groups[0]["lr"]) if self.param_groups else float(lr)
+            lr_cfg = float(self._default_lr())
         cfg = dict(
             name=self.name,
             learning_rate=lr_cfg,
@@ -231,12 +232,14 @@ class TFSurface:
         return cfg
 
     @classmethod
-    def from_config(cls, config: dict, params: Any) -> Any:
-        """Rebuild an optimizer over ``params`` from :meth:`get_config` output."""
+    def from_config(cls, config: dict, params: Any, custom_objects: dict[str, Any] | None = None) -> Any:
+        """Rebuild an optimizer over ``params`` from :meth:`get_config` output. A schedule learning rate is
+        rebuilt as the class its ``class_name`` names: ``custom_objects[class_name]`` (as in Keras), else the
+        one :class:`~optkit.LearningRateSchedule` subclass of that name, else by its config's tag."""
         cfg = dict(config)
         lr = cfg.get("learning_rate")
         if isinstance(lr, dict) and "config" in lr:
             from .schedules import LearningRateSchedule
 
-            cfg["learning_rate"] = LearningRateSchedule.from_config(lr["config"])
+            cfg["learning_rate"] = LearningRateSchedule._from_named_config(lr, custom_objects)
         return cls(params, **cfg)

@@ -263,6 +263,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         defaults = dict(lr=initial_lr, weight_decay=0.0 if weight_decay is None else float(weight_decay))
         defaults.update(hyper)
         self._weight_decay_arg = weight_decay
+        self._hyper_keys = tuple(hyper)  # a subclass's own options (get_config's default _hyper_config)
+        #: per param group: whether its lr is the optimizer's (no "lr" of its own): the learning rate
+        #: get_config records and a load restores is such a group's
+        self._lr_defaulted = ["lr" not in g for g in groups]
         super().__init__(groups, defaults)
         self._named = named  # set last: torch's __init__ adds the constructor's groups without the name check
 
@@ -327,7 +331,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._group_lr_alias(group)
         if self.mesh is not None:
             self._check_mesh(self.mesh, [group])
+        defaulted = "lr" not in group
         super().add_param_group(group)
+        self._lr_defaulted = [*getattr(self, "_lr_defaulted", []), defaulted]
         self._invalidate_plans()
         self._build_group(self.param_groups[-1])
 
@@ -461,8 +467,20 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._learning_rate = value if lr is None else lr
         self._lr_written.clear()  # the lr is set here, not from outside
         if lr is not None:
+            self.defaults["lr"] = lr  # a group added later takes it too
             for g in self.param_groups:
                 g["lr"] = lr
+
+    def _default_lr(self) -> float | Tensor:
+        """The constant learning rate now: the ``lr`` of the first group that took the optimizer's (a torch
+        scheduler may have moved it), else the one given."""
+        flags = getattr(self, "_lr_defaulted", None)
+        if flags is None:  # pickled by an earlier optkit
+            flags = [True] * len(self.param_groups)
+        for flag, g in zip(flags, self.param_groups):
+            if flag:
+                return g["lr"]
+        return self._learning_rate
 
     def _evaluate_lr_host(self, step: int) -> float:
         fn = self._learning_rate
@@ -1344,14 +1362,22 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         """Everything (torch's own version keeps only defaults, state and param_groups, which would lose the
         Keras options and the counters); cached plans are rebuilt on the next step."""
         state = dict(self.__dict__)
-        state["_plans"] = {}
-        state["_fold_cache"] = {}
         state["_block"] = None
-        state["_lr_written"] = {}  # keyed by group ids, which a copy does not keep
+        # caches keyed by group ids or storage addresses, which a copy does not keep
+        for key in ("_plans", "_fold_cache", "_fp64_cache", "_fit_seen", "_slots_seen", "_flat_slots",
+                    "_lr_written"):
+            state[key] = {}
+        state["_zeroed_groups"] = set()
+        # parameters excluded from decay by identity travel as the tensors themselves (a copy's are new)
+        ids = state.pop("_wd_exclude_ids", set())
+        state["_wd_exclude_params"] = [p for g in self.param_groups for p in g["params"] if id(p) in ids]
         return state
 
     def __setstate__(self, state: dict) -> None:
+        excluded = state.pop("_wd_exclude_params", None)
         super().__setstate__(state)
+        if excluded is not None:
+            self._wd_exclude_ids = {id(p) for p in excluded}
         if "_iterations" not in state:  # torch's load_state_dict also lands here; it re-links afterwards
             return
         # a copy or unpickle: the state entries each got their own 'step' tensor, share the counter again
@@ -1428,7 +1454,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 for a, v in zip(self._ema_buffer_avgs, buffer_avgs):
                     a.copy_(v)
         if isinstance(self._learning_rate, (float, Tensor)) and self.param_groups:
-            lr0 = self.param_groups[0]["lr"]
+            lr0 = self._default_lr()
             self._learning_rate = lr0 if isinstance(lr0, Tensor) else float(lr0)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

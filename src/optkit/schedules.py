@@ -47,12 +47,38 @@ class LearningRateSchedule(ABC):
 
     config_tag: ClassVar[str | None] = None
     _by_tag: ClassVar[dict[str, type[LearningRateSchedule]]] = {}
+    #: every subclass by class name (None where two classes share a name), for the ``class_name`` entry an
+    #: optimizer's config records (:meth:`optkit.Optimizer.from_config`)
+    _by_name: ClassVar[dict[str, type[LearningRateSchedule] | None]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         tag = cls.__dict__.get("config_tag")
         if tag is not None:
             LearningRateSchedule._by_tag[tag] = cls
+        known = LearningRateSchedule._by_name
+        same = known.get(cls.__name__, cls)
+        where = (cls.__module__, cls.__qualname__)
+        redefined = same is not None and (same.__module__, same.__qualname__) == where
+        known[cls.__name__] = cls if redefined else None  # (a re-run cell redefines, not duplicates)
+
+    @staticmethod
+    def _from_named_config(entry: Mapping[str, Any],
+                           custom_objects: Mapping[str, Any] | None = None) -> LearningRateSchedule:
+        """The schedule an optimizer config's ``{"class_name": ..., "config": ...}`` entry names: the class
+        from ``custom_objects``, else the one subclass of that name, else the base's tag dispatch."""
+        name = entry.get("class_name")
+        cls = (custom_objects or {}).get(name) or LearningRateSchedule._by_name.get(name)
+        if cls is not None:
+            return cls.from_config(entry["config"])
+        try:
+            schedule = LearningRateSchedule.from_config(entry["config"])
+        except ValueError:
+            schedule = None
+        if schedule is None or (name is not None and type(schedule).__name__ != name):
+            raise ValueError(f"from_config: cannot rebuild the schedule {name!r}: no unique class of that "
+                             f"name is defined (pass custom_objects={{{name!r}: cls}})")
+        return schedule
 
     @abstractmethod
     def __call__(self, step: Step) -> LR:

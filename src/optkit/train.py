@@ -376,16 +376,30 @@ def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
         if not (math.isfinite(fn) and fn >= 0):
             raise ValueError(f"`learning_rate_decay_fn`: the learning rate must be a finite number >= 0, "
                              f"got {fn!r}")
-        value = float(fn)
-        return lambda _step: value
+        return _ConstantLR(float(fn))
     if not callable(fn):
         raise TypeError(f"`learning_rate_decay_fn` must be a callable or a number, got {fn!r}")
+    return _CheckedLR(fn)
 
-    def checked(step: Any) -> Any:
-        """``fn(step)``, checked by :func:`~optkit._validation.check_lr_value` (tensor values not read)."""
-        return check_lr_value("`learning_rate_decay_fn`", fn(step), step)
 
-    return checked
+class _ConstantLR:
+    """``step -> value`` (module level, so a train op copies and pickles)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __call__(self, step: Any) -> float:
+        return self.value
+
+
+class _CheckedLR:
+    """``fn(step)``, checked by :func:`~optkit._validation.check_lr_value` (tensor values not read)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, step: Any) -> Any:
+        return check_lr_value("`learning_rate_decay_fn`", self.fn(step), step)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -919,6 +933,20 @@ class TrainOp:
         if self._ddp is not None:
             return True, self._ddp.process_group
         return False, None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything, and the open window's accumulated gradients with it: a parameter's copy or pickle
+        leaves its ``.grad`` behind (torch), so a copy taken inside a window would lose what it summed."""
+        state = dict(self.__dict__)
+        state["_window_grads"] = [(q, q.grad) for q in self.masters if q.grad is not None]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        pairs = state.pop("_window_grads", ())
+        self.__dict__.update(state)
+        for q, g in pairs:
+            if q.grad is None:
+                q.grad = g
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer stack (the wrappers' parts hold the fp32 masters), scaler, open-window accumulators,
