@@ -78,6 +78,10 @@ def printed_config(capsys, *argv: object) -> dict:
         (["--loss-scaling", "backof"], "--loss-scaling: unknown loss scaling 'backof'"),
         (["--dtype", "float64"], "--dtype (dtype) must be one of float32, float16, bfloat16, mixed"),
         (["--run-dir", ""], "--run-dir (run_dir) must be a path"),
+        # the EMA is --ema-momentum's (evaluation and the report follow it): not an optimizer parameter
+        (["--optimizer-param", "ema_momentum=0.5"], "must not set ema_momentum: the EMA of the weights is "
+                                                     "--ema-momentum"),
+        (["--ema-momentum", "none", "--optimizer-param", "use_ema=true"], "must not set use_ema"),
     ],
 )
 def test_bad_values_are_one_line(tmp_path, capsys, argv, message):

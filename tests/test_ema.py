@@ -233,3 +233,162 @@ def test_a_buffer_average_that_holds_no_real_data_is_refused_before_anything_loa
     assert int(after["state"][0]["step"]) == int(before["state"][0]["step"]) == 3
     for k, t in before["ema_buffers"].items():
         assert torch.equal(after["ema_buffers"][k], t)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# found by an adversarial sweep of the EMA
+
+
+@pytest.mark.parametrize("pattern", ["cccc", "ceec", "eccc"])
+def test_overwrite_frequency_under_torch_compile_of_step(pattern):
+    """Spec vector K8 (SGD lr 1, μ 0.5, overwrite every 3, w0 2, g 1): ``torch.compile(opt.step)`` steps
+    (c) mixed with eager ones (e) overwrite at the same updates as eager steps alone."""
+    torch._dynamo.reset()
+    w = nn.Parameter(torch.tensor([2.0]))
+    opt = optkit.SGD([w], learning_rate=1.0, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=3)
+    compiled = torch.compile(opt.step, backend="eager")
+    ws, avgs = [], []
+    for c in pattern:
+        w.grad = torch.tensor([1.0])
+        (compiled if c == "c" else opt.step)()
+        ws.append(w.item())
+        avgs.append(opt.get_slot(w, "average").item())
+    assert ws == [1.0, 0.0, -0.25, -1.25]
+    assert avgs == [1.0, 0.5, -0.25, -0.75]
+    assert bool(opt.step_applied) and int(opt.iterations) == 4
+
+
+def test_a_group_added_later_averages_from_its_weights():
+    """A group added after updates (unfreezing a backbone), or a parameter whose state ``build()`` recreates,
+    starts its average from its weights (Keras's first-update copy), not from zeros."""
+    head = nn.Parameter(torch.tensor([1.0, 2.0], dtype=F64))
+    opt = optkit.SGD([head], learning_rate=0.1, use_ema=True, ema_momentum=0.9)
+    head.grad = torch.ones(2, dtype=F64)
+    opt.step()
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(3)
+    backbone = nn.Parameter(torch.tensor(w0))
+    opt.add_param_group({"params": [backbone]})
+    g = rng.standard_normal(3)
+    backbone.grad = torch.tensor(g)
+    head.grad = torch.ones(2, dtype=F64)
+    opt.step()
+    w1 = w0 - 0.1 * g
+    np.testing.assert_allclose(opt.get_slot(backbone, "average").numpy(), 0.9 * w0 + 0.1 * w1, rtol=1e-15)
+    with opt.ema_weights():
+        np.testing.assert_allclose(backbone.detach().numpy(), 0.9 * w0 + 0.1 * w1, rtol=1e-15)
+    del opt.state[head]
+    opt.build([head])
+    assert torch.equal(opt.get_slot(head, "average"), head.detach())
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+
+
+def _trained_bn(steps=6):
+    m = _bn_net()
+    opt = optkit.SGD(m.parameters(), learning_rate=0.01, use_ema=True, ema_momentum=0.5, ema_buffers=m)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        m(torch.randn(8, 2, generator=g) + 5).sum().backward()
+        opt.step()
+    return m, opt
+
+
+def test_dcp_state_dict_keeps_the_buffer_averages():
+    """``optkit.distributed.get/set_optimizer_state_dict`` carry the ``ema_buffers`` averages (torch's DCP
+    state dict has only ``state`` and ``param_groups``); a misfit entry is refused before anything loads."""
+    from optkit import distributed as od
+
+    m, opt = _trained_bn()
+    osd = copy.deepcopy(od.get_optimizer_state_dict(m, opt))
+    assert od.EMA_BUFFERS_KEY in osd
+    m2 = _bn_net()
+    opt2 = optkit.SGD(m2.parameters(), learning_rate=0.01, use_ema=True, ema_momentum=0.5, ema_buffers=m2)
+    m2.load_state_dict(m.state_dict())
+    od.set_optimizer_state_dict(m2, opt2, osd)
+    for a, b in zip(opt._ema_buffer_avgs, opt2._ema_buffer_avgs):
+        assert torch.equal(a, b)
+    bad = copy.deepcopy(osd)
+    bad[od.EMA_BUFFERS_KEY]["1.running_mean"] = torch.zeros(5)
+    before = [a.clone() for a in opt2._ema_buffer_avgs]
+    with pytest.raises(ValueError, match="running_mean"):
+        od.set_optimizer_state_dict(m2, opt2, bad)
+    assert all(torch.equal(a, b) for a, b in zip(opt2._ema_buffer_avgs, before))
+
+
+def test_a_state_without_buffer_averages_restarts_them_from_the_buffers():
+    """Resuming a run saved without ``ema_buffers`` (EMA turned on at resume): the buffer averages start
+    from the loaded buffers, as the weight averages start from the weights, not from a fresh BatchNorm."""
+    m, plain = _trained_bn()
+    sd = plain.state_dict()
+    del sd["ema_buffers"]
+    for entry in sd["state"].values():
+        entry.pop("average")
+    m2 = _bn_net()
+    opt2 = optkit.SGD(m2.parameters(), learning_rate=0.01, use_ema=True, ema_momentum=0.5, ema_buffers=m2)
+    m2.load_state_dict(m.state_dict())
+    opt2.load_state_dict(sd)
+    for (_, b), a in zip(opt2._ema_buffers, opt2._ema_buffer_avgs):
+        assert torch.equal(a, b)
+
+
+def test_a_refused_step_inside_ema_weights_changes_nothing():
+    """``step()`` inside ``ema_weights()`` raises before anything changes: a mixed-precision wrapper keeps
+    its accumulation window, a train op its micro-batch count and gradients, so the next update is exact."""
+    def mixed(mistake):
+        torch.manual_seed(0)
+        p = torch.randn(4).half().requires_grad_()
+        opt = optkit.MixedPrecisionOptimizerWrapper(optkit.SGD([p], learning_rate=0.1, use_ema=True), None)
+        for mb in range(2):
+            (p.float() * (mb + 1)).sum().backward()
+            opt.accumulate_grads()
+        if mistake:
+            with opt.ema_weights(), pytest.raises(RuntimeError, match="ema_weights"):
+                opt.step()
+        opt.step()
+        return p.detach().clone(), int(opt.iterations)
+
+    (a, ka), (b, kb) = mixed(False), mixed(True)
+    assert torch.equal(a, b) and ka == kb == 1
+
+    def train_op(mistake):
+        w = nn.Parameter(torch.zeros(2, dtype=F64))
+        op = optkit.optimize_loss(lambda x: (w * x).sum(), "SGD", {"use_ema": True}, 1.0, var_list=[w],
+                                  iter_size=2)
+        x = torch.tensor([1.0, 3.0], dtype=F64)
+        op(x)
+        if mistake:
+            with op.optimizer.ema_weights(), pytest.raises(RuntimeError, match="ema_weights"):
+                op(x)
+            assert op.micro_steps == 1
+        for _ in range(3):
+            op(x)
+        return w.detach().clone(), int(op.global_step)
+
+    (a, ka), (b, kb) = train_op(False), train_op(True)
+    assert torch.equal(a, b) and ka == kb == 2
+
+
+def test_ema_weights_takes_any_iterable_and_copies_forget_the_block():
+    """``ema_weights(model.parameters())`` (a generator) and empty lists work; a copy or pickle taken inside
+    the block is an optimizer that can step (it does not inherit the block)."""
+    import pickle
+
+    m, opt = _trained_bn()
+    with opt.ema_weights(m.parameters()):
+        for p in m.parameters():
+            assert torch.equal(p, opt.get_slot(p, "average"))
+        twin = copy.deepcopy((m, opt))
+        unpickled = pickle.loads(pickle.dumps((m, opt)))
+    with opt.ema_weights([]):
+        pass
+    opt.finalize_variable_values([])
+    for model, o in (twin, unpickled):
+        model(torch.randn(4, 2)).sum().backward()
+        o.step()
+        with o.ema_weights():
+            pass

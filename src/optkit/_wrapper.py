@@ -100,6 +100,15 @@ def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
+def refuse_inside_ema_weights(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``RuntimeError`` when the innermost optkit optimizer of ``opt`` is inside an ``ema_weights()`` block
+    (asked at the top of a wrapper's step, before anything changes); returns that innermost optimizer."""
+    inner = _innermost(opt)
+    if hasattr(inner, "_refuse_inside_ema_weights"):
+        inner._refuse_inside_ema_weights()
+    return inner
+
+
 @contextlib.contextmanager
 def handed_over(opt: torch.optim.Optimizer, gathered: dict | None) -> Iterator[None]:
     """Inside the block, the innermost optkit optimizer of ``opt`` takes ``gathered`` (what its
@@ -279,11 +288,12 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run the closure (if any, under ``enable_grad``), then the wrapper's step; returns the closure's
         value (torch semantics). ``step_applied`` tells whether anything changed."""
+        inner = refuse_inside_ema_weights(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if getattr(_innermost(self), "_any_dtensor", True):  # before any wrapper reads a gradient
+        if getattr(inner, "_any_dtensor", True):  # before any wrapper reads a gradient
             mt.reduce_partial_grads_(self._all_params())
         grad_scale, found_inf, multipliers = self._take_protocol()
         with gc_paused(sum(len(g["params"]) for g in self.param_groups)):

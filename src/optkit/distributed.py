@@ -70,6 +70,8 @@ get_pipeline_group = mt.get_pipeline_group
 
 #: key of the wrappers' own state in a DCP optimizer state dict (outermost wrapper first)
 WRAPPERS_KEY = "optkit_wrappers"
+#: the key of an optkit optimizer's buffer averages (``ema_buffers``) in a DCP optimizer state dict
+EMA_BUFFERS_KEY = "optkit_ema_buffers"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -232,25 +234,38 @@ def get_optimizer_state_dict(
     ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` of the innermost optimizer (state
     keyed by the model's parameter FQNs, fp32 masters mapped back to their model parameters; DTensor state
     stays sharded unless ``options.full_state_dict``), plus ``state_dict[WRAPPERS_KEY]``: one
-    ``{"type": class name, **own state}`` per wrapper, outermost first (gathered too for full state dicts).
+    ``{"type": class name, **own state}`` per wrapper, outermost first (gathered too for full state dicts),
+    and ``state_dict[EMA_BUFFERS_KEY]``: the buffer averages of an optimizer built with ``ema_buffers``.
     Pass the result to ``dcp.save`` and, after ``dcp.load``, to :func:`set_optimizer_state_dict`.
     """
     from torch.distributed.checkpoint import state_dict as dsd
 
     chain, view = _dcp_view(model, optimizer)
     osd = dsd.get_optimizer_state_dict(model, view, options=options)
+    parts: dict[str, Any] = {}
     if chain:
-        extras = [{"type": type(w).__name__, **w._own_state()} for w in chain]
-        if options is not None and options.full_state_dict:
-            import torch.distributed as dist
+        parts[WRAPPERS_KEY] = [{"type": type(w).__name__, **w._own_state()} for w in chain]
+    buffers = _ema_buffer_state(_wrapper_chain(optimizer)[1])
+    if buffers is not None:  # (torch's state dict keeps only "state" and "param_groups")
+        parts[EMA_BUFFERS_KEY] = buffers
+    if parts and options is not None and options.full_state_dict:
+        import torch.distributed as dist
 
-            # torch: full + cpu_offload keeps the gathered state on rank 0 only (others get {})
-            keep = not options.cpu_offload or not dist.is_initialized() or dist.get_rank() == 0
-            extras = _gathered(extras, cpu=options.cpu_offload, keep=keep)
-            if not keep:
-                return osd
-        osd[WRAPPERS_KEY] = extras
+        # torch: full + cpu_offload keeps the gathered state on rank 0 only (others get {})
+        keep = not options.cpu_offload or not dist.is_initialized() or dist.get_rank() == 0
+        parts = _gathered(parts, cpu=options.cpu_offload, keep=keep)
+        if not keep:
+            return osd
+    osd.update(parts)
     return osd
+
+
+def _ema_buffer_state(inner: Any) -> dict[str, Tensor] | None:
+    """An optkit optimizer's buffer averages (``ema_buffers``) by name, copied; None without them."""
+    pairs = getattr(inner, "_ema_buffers", None)
+    if not pairs:
+        return None
+    return {n: a.detach().clone() for (n, _), a in zip(pairs, inner._ema_buffer_avgs)}
 
 
 def set_optimizer_state_dict(
@@ -271,8 +286,18 @@ def set_optimizer_state_dict(
     if not isinstance(optim_state_dict, dict):
         raise TypeError(f"`optim_state_dict` must be a dict, got {type(optim_state_dict).__name__}")
     chain, view = _dcp_view(model, optimizer)
+    inner = _wrapper_chain(optimizer)[1]
     osd = dict(optim_state_dict)
     saved = osd.pop(WRAPPERS_KEY, [])
+    saved_buffers = osd.pop(EMA_BUFFERS_KEY, None)
+    live_buffers = _ema_buffer_state(inner)
+    if live_buffers is not None and options is not None and options.broadcast_from_rank0:
+        saved_buffers = _broadcast_placed(saved_buffers, live_buffers)
+    elif live_buffers is not None and options is not None and options.full_state_dict:
+        saved_buffers = _placed_like(saved_buffers, live_buffers)
+    buffer_avgs = None
+    if saved_buffers is not None or live_buffers is not None:  # checked before anything is loaded
+        buffer_avgs = inner._check_ema_buffers(saved_buffers)
     broadcast = bool(chain and options is not None and options.broadcast_from_rank0)
     if broadcast:
         saved = _broadcast_placed(saved, [{"type": type(w).__name__, **w._own_state()} for w in chain])
@@ -289,6 +314,10 @@ def set_optimizer_state_dict(
     for w, own in zip(chain, owns):
         w._check_own_state(own)
     dsd.set_optimizer_state_dict(model, view, osd, options=options)
+    if buffer_avgs is not None:
+        with torch.no_grad():
+            for a, v in zip(inner._ema_buffer_avgs, buffer_avgs):
+                a.copy_(v)
     for w, own in zip(chain, owns):
         w._load_own_state(own)
 

@@ -49,6 +49,7 @@ from ._wrapper import (
     _innermost,
     handed_over,
     protocol_level,
+    refuse_inside_ema_weights,
 )
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 
@@ -137,6 +138,7 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
     been called since the last step (``grads_scaled``). Gradients from an unscaled backward, the pattern of
     training frameworks, would be divided by ``S`` and training would stall silently: ``RuntimeError``.
     Which gradients count is the wrapper's ``_unscaled_grads_present()`` (the model's, not fp32 masters')."""
+    refuse_inside_ema_weights(wrapper)
     loss = None
     scaler = wrapper.loss_scaler
     matters = not (isinstance(scaler, FixedLossScale) and scaler.loss_scale_value == 1)

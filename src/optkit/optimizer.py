@@ -100,6 +100,20 @@ def _wide_options(cls: type) -> frozenset[str]:
     return frozenset(names - _GROUP_KEYS_ANYWHERE)
 
 
+class _HostRecord:
+    """An optimizer's host-side step bookkeeping: the count of applied updates while it is exact (no step
+    could have been skipped since it was last read from the device), and the last step's outcome. It is an
+    object of its own because ``torch.compile(opt.step)`` replays the mutations of plain objects but drops
+    attribute assignments on the optimizer itself."""
+
+    __slots__ = ("iterations", "exact", "applied")
+
+    def __init__(self) -> None:
+        self.iterations = 0
+        self.exact = True
+        self.applied: Tensor | None = None
+
+
 class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     """Base class of optkit optimizers (Keras 3 semantics on a ``torch.optim.Optimizer``).
 
@@ -251,8 +265,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._any_dtensor = False  # whether a parameter is a DTensor (set as groups are added)
         self._slots_seen: dict[int, tuple[str, ...]] = {}  # id(group) -> the slots created for it
         self._flat_slots: dict[tuple[int, str], Tensor] = {}  # (flat parameter storage, slot) -> flat slot
-        self._host_iterations = 0  # exact while no found_inf was ever given
-        self._host_exact = True
+        self._record = _HostRecord()
 
         first = next(p for g in groups for p in g["params"])
         self._state_device = mt.local(first).device
@@ -269,6 +282,32 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._lr_defaulted = ["lr" not in g for g in groups]
         super().__init__(groups, defaults)
         self._named = named  # set last: torch's __init__ adds the constructor's groups without the name check
+
+    # step bookkeeping kept in self._record (see _HostRecord)
+    @property
+    def step_applied(self) -> Tensor:
+        """Whether the last step applied an update (0-d bool tensor on the state device)."""
+        return self._record.applied
+
+    @step_applied.setter
+    def step_applied(self, value: Tensor) -> None:
+        self._record.applied = value
+
+    @property
+    def _host_iterations(self) -> int:
+        return self._record.iterations
+
+    @_host_iterations.setter
+    def _host_iterations(self, value: int) -> None:
+        self._record.iterations = value
+
+    @property
+    def _host_exact(self) -> bool:
+        return self._record.exact
+
+    @_host_exact.setter
+    def _host_exact(self, value: bool) -> None:
+        self._record.exact = value
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -395,8 +434,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         for slot in self._active_slots(group):
             if slot not in st:
                 st[slot] = self._new_slot(p, slot, self._slot_fill(slot, group))
-        if self.use_ema and "average" not in st:
-            st["average"] = self._new_slot(p, "average", 0.0)
+        if self.use_ema and "average" not in st:  # from the weights: a group added later has no first step
+            with torch.no_grad():
+                st["average"] = self._new_slot(p, "average", 0.0).copy_(p.detach())
 
     def _slot_fill(self, slot: str, group: dict) -> float:
         """The initial value of ``slot`` (0; RMSProp's ``rms`` starts at 1, Adagrad's and Ftrl's accumulators
@@ -703,9 +743,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         ``grad_scale`` / ``found_inf`` attributes (set by a loss-scale wrapper or ``torch.amp.GradScaler``)
         are honoured: gradients are divided by ``grad_scale`` and the step is a no-op when ``found_inf`` is 1.
         """
-        if self._ema_swapped:
-            raise RuntimeError("step() inside ema_weights(): the parameters hold their moving averages; "
-                               "leave the block before training on")
+        self._refuse_inside_ema_weights()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1248,6 +1286,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if self._ema_buffers:
             mt.lerp_([mt.local(a) for a in self._ema_buffer_avgs],
                      [mt.local(b) for _, b in self._ema_buffers], self._ema_weight(applied))
+        tracing = torch.compiler.is_compiling()
+        if tracing:  # a host count would specialise the traced step on its value: count on the device only
+            self._host_exact = False
         f = self.ema_overwrite_frequency
         if self.use_ema and f:
             if self._host_exact:
@@ -1258,7 +1299,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 self._overwrite_with_averages(cond if applied is None else cond * applied)
         if applied is None:
             self._iterations.add_(1)
-            self._host_iterations += 1
+            if not tracing:
+                self._host_iterations += 1
             self.step_applied = torch.ones((), dtype=torch.bool, device=self._state_device)
         else:
             self._iterations.add_(applied.to(torch.int64))
@@ -1283,10 +1325,19 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return
         ps = self._with_averages(var_list, "finalize_variable_values")
         with torch.no_grad():
-            torch._foreach_copy_([mt.local(p) for p in ps], [mt.local(self.state[p]["average"]) for p in ps])
+            if ps:
+                torch._foreach_copy_([mt.local(p) for p in ps],
+                                     [mt.local(self.state[p]["average"]) for p in ps])
             if var_list is None and self._ema_buffers:
                 torch._foreach_copy_([mt.local(b) for _, b in self._ema_buffers],
                                      [mt.local(a) for a in self._ema_buffer_avgs])
+
+    def _refuse_inside_ema_weights(self) -> None:
+        """``RuntimeError`` inside an :meth:`ema_weights` block (a step there would train the averages); the
+        steps of wrappers and train ops over this optimizer ask first, before they change anything."""
+        if self._ema_swapped:
+            raise RuntimeError("step() inside ema_weights(): the parameters hold their moving averages; "
+                               "leave the block before training on")
 
     def _with_averages(self, var_list: Sequence[Tensor] | None, where: str) -> list[Tensor]:
         ps = self._all_params() if var_list is None else list(var_list)
@@ -1307,20 +1358,23 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             raise ValueError("ema_weights(): the optimizer keeps no moving averages (use_ema=False)")
         if self._ema_swapped:
             raise RuntimeError("ema_weights(): already inside an ema_weights() block")
-        ps = [mt.local(p) for p in self._with_averages(var_list, "ema_weights")]
-        avgs = [mt.local(self.state[p]["average"]) for p in self._with_averages(var_list, "ema_weights")]
+        chosen = self._with_averages(var_list, "ema_weights")  # (a generator is read once)
+        ps = [mt.local(p) for p in chosen]
+        avgs = [mt.local(self.state[p]["average"]) for p in chosen]
         if var_list is None:  # the registered buffers (BatchNorm statistics) too
             ps += [mt.local(b) for _, b in self._ema_buffers]
             avgs += [mt.local(a) for a in self._ema_buffer_avgs]
         with torch.no_grad():
             saved = [p.detach().clone(memory_format=torch.preserve_format) for p in ps]
-            torch._foreach_copy_(ps, avgs)
+            if ps:
+                torch._foreach_copy_(ps, avgs)
         self._ema_swapped = True
         try:
             yield
         finally:
             with torch.no_grad():
-                torch._foreach_copy_(ps, saved)
+                if ps:
+                    torch._foreach_copy_(ps, saved)
             self._ema_swapped = False
 
     # ------------------------------------------------------------------------------------------------ hooks
@@ -1363,6 +1417,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         Keras options and the counters); cached plans are rebuilt on the next step."""
         state = dict(self.__dict__)
         state["_block"] = None
+        state["_ema_swapped"] = False  # a copy taken inside ema_weights() holds the averages as its weights
         # caches keyed by group ids or storage addresses, which a copy does not keep
         for key in ("_plans", "_fold_cache", "_fp64_cache", "_fit_seen", "_slots_seen", "_flat_slots",
                     "_lr_written"):
@@ -1374,6 +1429,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        if "_iterations" in state and "_record" not in state:  # pickled by an earlier optkit
+            record = state["_record"] = _HostRecord()
+            record.iterations = state.pop("_host_iterations", 0)
+            record.exact = state.pop("_host_exact", False)
+            record.applied = state.pop("step_applied", None)
         excluded = state.pop("_wd_exclude_params", None)
         super().__setstate__(state)
         if excluded is not None:
@@ -1449,6 +1509,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                         st[key] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(v)
         self._host_iterations = int(self._iterations)
         self._host_exact = True
+        if buffer_avgs is None and self._ema_buffers:  # saved without them: start from the buffers now, as a
+            buffer_avgs = [b for _, b in self._ema_buffers]  # missing weight average starts from the weights
         if buffer_avgs is not None:
             with torch.no_grad():
                 for a, v in zip(self._ema_buffer_avgs, buffer_avgs):
@@ -1461,7 +1523,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
     def _check_ema_buffers(self, saved: Any) -> list[Tensor] | None:
         """The saved buffer averages in this optimizer's order, checked (``ValueError`` naming the buffer);
-        None when there are none to load (a state saved without buffers leaves the averages as they are)."""
+        None when there are none to load (saved without them: the averages restart from the buffers)."""
         if saved is None:
             return None
         if not self._ema_buffers:

@@ -575,6 +575,8 @@ class TrainOp:
 
     def __call__(self, *inputs: Any, skip_update: bool | None = None, **kw_inputs: Any) -> StepResult:
         """Run one micro-step on ``inputs``: forward, backward, and (at the end of a window) the update."""
+        if hasattr(self.base_optimizer, "_refuse_inside_ema_weights"):  # before the forward adds gradients
+            self.base_optimizer._refuse_inside_ema_weights()
         update = self._is_update(skip_update)
         if update and self._lr_error is not None:
             # the schedule failed for this update after the previous one: ask again, before anything changes

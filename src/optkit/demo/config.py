@@ -549,6 +549,11 @@ def check_values(cfg: TrainConfig) -> list[str]:
     _check_numbers(cfg, errors)
     _check_names(cfg, errors)
     _check_containers(cfg, errors)
+    if isinstance(cfg.optimizer_params, dict):
+        for key in ("use_ema", "ema_momentum"):
+            if key in cfg.optimizer_params:  # --ema-momentum sets both, and evaluation follows it
+                errors.append(f"{_label('optimizer_params')} must not set {key}: the EMA of the weights is "
+                              f"{_label('ema_momentum')} (a momentum, or none for off)")
     if cfg.clip_gradients is not None and cfg.larc_params is not None:
         errors.append(
             "--clip-gradients and LARC cannot be used together (OpenSeq2Seq forbids it): "
