@@ -580,6 +580,14 @@ def test_recipe_errors_name_the_flag(capsys):
     assert "--recipe: mlperf-lars does not fit a run of 2 epoch(s)" in err and "warmup_epochs" in err
 
 
+def test_no_decay_1d_flags(capsys):
+    """``--no-decay-1d`` turns the option on and ``--decay-1d`` off (argparse's own ``--x/--no-x`` pair read
+    ``--no-decay-1d`` as "off", so the flag could never turn it on)."""
+    for argv, expected in [(["--no-decay-1d"], True), (["--no-decay-1d", "--decay-1d"], False), ([], False)]:
+        assert run("train", *argv, "--print-config") == 0
+        assert tomllib.loads(capsys.readouterr().out)["no_decay_1d"] is expected
+
+
 def test_no_decay_1d_takes_weight_decay_off_biases_only():
     from optkit.demo.model import make_model
 

@@ -197,6 +197,24 @@ def test_jit_compile_updates_0d_float64_state(kind):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("kind", ["SGD-decay", "Adagrad-lr_decay"])
+def test_jit_compile_keeps_float64_hyperparameters(kind):
+    """The compiled update forms the decoupled decay and Adagrad's ``lr/(1 + (t-1)·lr_decay)`` in float64
+    for float64 parameters (they were float32 tensors: 1e-8 relative errors); it matches the eager step, which
+    matches a float64 reference."""
+    make = {"SGD-decay": lambda ps, jit: optkit.SGD(ps, 0.1, momentum=0.9, weight_decay=0.1, jit_compile=jit),
+            "Adagrad-lr_decay": lambda ps, jit: optkit.Adagrad(ps, 0.1, lr_decay=0.1, jit_compile=jit)}[kind]
+    jp, ep = _params(8), _params(8)
+    jit, eager = make(jp, True), make(ep, False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="jit_compile")
+        _run(jit, jp, 8, 3)
+    _run(eager, ep, 8, 3)
+    assert jit._compile_state == "ok"
+    for a, b in zip(jp, ep):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-14, atol=1e-15)
+
+
 @pytest.mark.parametrize("lr_kind", ["callable", "schedule"])
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_a_torch_scheduler_over_a_schedule_learning_rate_warns_once(lr_kind, wrapped):

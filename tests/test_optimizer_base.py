@@ -651,6 +651,18 @@ def test_unknown_keyword_arguments_are_rejected(cls, kwargs):
         getattr(optkit, cls)([w], 0.1, **kwargs)
 
 
+@pytest.mark.parametrize("cls", ["SGD", "Momentum", "LARS", "Adam", "LAMB", "Ftrl"])
+def test_torch_lr_keyword_gets_the_hint_for_every_optimizer(cls):
+    """``lr=`` raises the documented ``ValueError`` naming ``learning_rate``, also where ``learning_rate``
+    is required (Momentum, LARS: Python's own "missing argument" error used to come first)."""
+    import optkit
+
+    w = torch.nn.Parameter(torch.ones(3))
+    extra = {"momentum": 0.9} if cls == "Momentum" else {}
+    with pytest.raises(ValueError, match="write learning_rate=0.1"):
+        getattr(optkit, cls)([w], lr=0.1, **extra)
+
+
 def test_lars_rejects_negative_eeta_and_epsilon():
     from optkit import LARS
 

@@ -88,8 +88,10 @@ class Adagrad(Optimizer):
     _pointwise = staticmethod(_adagrad_pointwise)
 
     def _prepare(self, group, plan, params, grads, lr, k) -> list:
-        """``(t, decayed)`` per tensor: the update number (0-d float32, no host sync) and the decay mask."""
-        t = (self._iterations + 1).to(torch.float32)
+        """``(t, decayed)`` per tensor: the update number (0-d float32, float64 for a group holding float64
+        parameters, as the compiled rule forms ``lr/(1 + (t-1)·lr_decay)`` in it; no host sync) and the
+        decay mask."""
+        t = (self._iterations + 1).to(torch.float64 if self._has_fp64(group) else torch.float32)
         if plan.uniform_wd is not None:  # one shared entry: the base may then step a flat buffer at once
             return [(t, plan.uniform_wd)] * len(params)
         return [(t, d) for d in plan.use_wd]

@@ -104,7 +104,14 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         group = groups[meta["group"]]
         default = getattr(defaults, name)
         text = meta["help"] if name == "run_dir" else f"{meta['help']} (default: {_show(default)})"
-        if isinstance(default, bool):
+        if isinstance(default, bool) and name.startswith("no_"):
+            # argparse's --x/--no-x pair would read --no-decay-1d as "decay_1d off", i.e. this option false
+            flag = f"--{name.replace('_', '-')}"
+            group.add_argument(flag, dest=name, action="store_const", const=True, default=argparse.SUPPRESS,
+                               help=text)
+            group.add_argument("--" + flag[len("--no-"):], dest=name, action="store_const", const=False,
+                               default=argparse.SUPPRESS, help=f"the opposite of {flag}")
+        elif isinstance(default, bool):
             group.add_argument(
                 f"--{name.replace('_', '-')}",
                 dest=name,

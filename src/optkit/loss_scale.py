@@ -29,7 +29,7 @@ non-finite gradients, as in TF (opt in to skipping with ``skip_non_finite=True``
 
 ``DynamicLossScale`` (TF1 rule; hysteresis from DeepSpeed ``spec/pytorch_anchors.md`` §7.2)::
 
-    finite:   if good + 1 >= period: S ← S·m if finite (and ≤ max_loss_scale) else S; good ← 0
+    finite:   if good + 1 >= period: S ← min(S·m, max_loss_scale) if S·m is finite else S; good ← 0
               else good ← good + 1;                            run ← 0
     overflow: run ← run + 1; if run >= hysteresis: S ← max(S / m, min_loss_scale);   good ← 0
     should_apply = finite

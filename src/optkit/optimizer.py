@@ -161,6 +161,16 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     #: used for groups whose tensors are large on average (:data:`FOLD_MIN_NUMEL`, :meth:`_folds_mult`)
     _mult_in_kernel = False
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # before Python binds the arguments: Momentum(params, lr=0.1) must get the hint, not "missing
+        # required argument 'learning_rate'"
+        if "lr" in kwargs and "lr" not in inspect.signature(cls.__init__).parameters:
+            raise ValueError(
+                f"{cls.__name__}: got `lr`; optkit optimizers take the TF/Keras name `learning_rate` "
+                f"(write learning_rate={kwargs['lr']!r})"
+            )
+        return super().__new__(cls)
+
     def __init__(
         self,
         params: Any,
@@ -182,12 +192,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         block_numel: int = 1 << 20,
         **hyper: Any,
     ) -> None:
-        # ---- validation first: nothing is created if an argument is bad
-        if "lr" in hyper:
-            raise ValueError(
-                f"{type(self).__name__}: got `lr`; optkit optimizers take the TF/Keras name `learning_rate` "
-                f"(write learning_rate={hyper['lr']!r})"
-            )
+        # ---- validation first: nothing is created if an argument is bad (``lr=``: see __new__)
         lr_value = self._validate_learning_rate(learning_rate)
         check_number("weight_decay", weight_decay, low=0.0, allow_none=True)
         check_number("clipnorm", clipnorm, low=0.0, low_open=True, allow_none=True)
@@ -1216,7 +1221,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         avgs = [loc(self.state[p]["average"]) for p in params] if self.use_ema else None
         dev = loc(params[0]).device
         ema_w = self._ema_weight(None).to(dev) if self.use_ema else None
-        wd_t = None if decay_mask is None else torch.tensor(float(wd), dtype=torch.float32, device=dev)
+        # (in the lr's dtype: float64 for a group holding float64 parameters)
+        wd_t = None if decay_mask is None else torch.tensor(float(wd), dtype=lr.dtype, device=dev)
         fn(rule, self._pointwise_hyper(group), [loc(p) for p in params], [loc(g) for g in grads],
            slot_lists, avgs, lr.to(dev), None if k is None else k.to(dev), wd_t,
            None if decay_mask is None else tuple(decay_mask), ema_w,
