@@ -392,3 +392,19 @@ def test_ema_weights_takes_any_iterable_and_copies_forget_the_block():
         o.step()
         with o.ema_weights():
             pass
+
+
+def test_state_dict_post_hooks_see_the_buffer_averages():
+    """torch's state-dict post-hooks get the whole state dict, ``"ema_buffers"`` included, and what they
+    return is the state dict."""
+    m, opt = _trained_bn()
+    seen = []
+
+    def hook(o, sd):
+        seen.append(sorted(sd))
+        return {k: v for k, v in sd.items() if k != "ema_buffers"}
+
+    opt.register_state_dict_post_hook(hook)
+    sd = opt.state_dict()
+    assert seen == [["ema_buffers", "param_groups", "state"]]
+    assert sorted(sd) == ["param_groups", "state"]

@@ -3,6 +3,8 @@ apex/timm variant (against timm's Lars when installed), strict parameter checks,
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -265,6 +267,95 @@ def test_add_param_group_rescans_exclusions():
     opt.add_param_group({"params": [b]})
     a.grad, b.grad = torch.tensor([[0.3, 0.4]]), torch.tensor([0.5, 0.5])
     opt.step()
+    assert torch.equal(b.grad, torch.tensor([0.5, 0.5]))
+    np.testing.assert_allclose(a.grad.numpy(), [[0.06, 0.08]], rtol=1e-5)
+
+
+
+def _exclude_vectors(name, p):
+    return p.ndim <= 1
+
+
+def _step_against_reference(opt, params, rng, eta=0.001):
+    """One step of ``opt`` (a LARC over plain SGD, lr 1, ``exclude`` = vectors) on random gradients, checked
+    against the float64 reference ``w ← w − r·g`` (``r = 1`` for vectors) over ``params``, the parameters the
+    optimizer holds now; ``last_params`` are the matrices."""
+    gs = [rng.normal(size=tuple(p.shape)) for p in params]
+    ws = [p.detach().numpy() for p in params]
+    want = [w - (1.0 if w.ndim <= 1 else np_ratio(w, g, 1.0, eta, "clip")) * g for w, g in zip(ws, gs)]
+    for p, g in zip(params, gs):
+        if p.grad is None:
+            p.grad = torch.tensor(g)
+        else:
+            p.grad.copy_(torch.tensor(g))  # (flat buffers: into the gradient view)
+    opt.step()
+    for p, w in zip(params, want):
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-12, atol=1e-15)
+    assert [id(p) for p in opt.last_params] == [id(p) for p in params if p.ndim > 1]
+
+
+@pytest.mark.parametrize("inner_kind", ["torch", "optkit", "flat"])
+def test_exclusions_follow_the_parameters_when_a_group_changes(rng, inner_kind):
+    """``exclude`` verdicts belong to the tensors, not to their positions: after a parameter leaves a group
+    (with its name) the excluded bias still keeps ``r = 1`` and the remaining weight is still rescaled
+    (float64 reference; the position-keyed version rescaled the bias and left the weight alone); a parameter
+    appended to the group later is asked about once, the others are not asked again. ``flat``: over flat
+    buffers (the steps after the removal still run on them)."""
+    import optkit
+
+    w1, b, w2 = (torch.tensor(rng.normal(size=s), requires_grad=True) for s in [(4, 3), (3,), (4, 3)])
+    if inner_kind == "flat":
+        optkit.flat_parameters([w1, b, w2])
+    asked = []
+
+    def exclude(name, p):
+        asked.append(name)
+        return p.ndim <= 1
+
+    named = [("l0.weight", w1), ("l0.bias", b), ("l1.weight", w2)]
+    inner = torch.optim.SGD(named, lr=1.0) if inner_kind == "torch" else SGD(named, 1.0)
+    opt = LARC(inner, 0.001, exclude=exclude)
+    _step_against_reference(opt, [w1, b, w2], rng)
+    group = opt.param_groups[0]
+    del group["params"][0], group["param_names"][0]  # w1 leaves the optimizer (frozen, pruned)
+    w1_before = w1.detach().clone()
+    for _ in range(2):
+        _step_against_reference(opt, [b, w2], rng)
+    assert torch.equal(w1.detach(), w1_before)
+    b2 = torch.tensor(rng.normal(size=5), requires_grad=True)
+    group["params"].append(b2)
+    group["param_names"].append("l2.bias")
+    _step_against_reference(opt, [b, w2, b2], rng)
+    assert asked == ["l0.weight", "l0.bias", "l1.weight", "l2.bias"]
+
+
+def test_exclusions_survive_deepcopy_and_pickle_after_a_group_changed(rng):
+    """A copy or an unpickled (parameters, LARC) pair has new tensors: its exclusions are those of its own
+    parameters, also after a group lost a parameter before the copy (float64 reference for each)."""
+    import pickle
+
+    ps = [torch.tensor(rng.normal(size=s), requires_grad=True) for s in [(4, 3), (3,), (4, 3), (2,)]]
+    opt = LARC(SGD(list(ps), 1.0), 0.001, exclude=_exclude_vectors)
+    _step_against_reference(opt, ps, rng)
+    del opt.param_groups[0]["params"][0]
+    kept = ps[1:]
+    copies = [copy.deepcopy((kept, opt)), pickle.loads(pickle.dumps((kept, opt)))]
+    for params, o in [(kept, opt), *copies]:
+        assert all(p is q for p, q in zip(params, o.param_groups[0]["params"]))
+        _step_against_reference(o, params, rng)
+
+
+def test_unpickling_a_position_keyed_larc_keeps_its_exclusions():
+    """State pickled by an earlier optkit (exclusions as (group, position) pairs) is converted on load."""
+    a, b = _w([[3.0, 4.0]]), _w([1.0, 1.0])
+    opt = LARC(torch.optim.SGD([a, b], lr=0.1), 0.002, exclude=_exclude_vectors)
+    state = opt.__getstate__()
+    del state["_scan"]
+    state["_scanned"], state["_excluded"] = {(0, 0), (0, 1)}, {(0, 1)}
+    old = LARC.__new__(LARC)
+    old.__setstate__(state)
+    a.grad, b.grad = torch.tensor([[0.3, 0.4]]), torch.tensor([0.5, 0.5])
+    old.step()
     assert torch.equal(b.grad, torch.tensor([0.5, 0.5]))
     np.testing.assert_allclose(a.grad.numpy(), [[0.06, 0.08]], rtol=1e-5)
 

@@ -320,3 +320,29 @@ def test_both_loss_scale_wrappers_refuse_an_unscaled_backward_from_the_first_ste
     w64 = w0.double().numpy()
     got = w.detach().double().numpy() if dtype == torch.float32 else opt.master_params[0].detach().numpy()
     np.testing.assert_allclose(got, w64 - lr * c * w64, rtol=2e-3 if dtype == torch.float16 else 1e-6)
+
+
+@pytest.mark.parametrize("clip", ["global_clipnorm", "clipnorm"])
+def test_a_scale_too_large_for_a_float32_norm_backs_off_instead_of_nan(clip):
+    """A dynamic scale grown so large that the norm of the scaled gradients overflows float32 (S·|g| beyond
+    about 1.8e19; every element finite): the clip would be NaN (global) or 0. The step is skipped and counted
+    as an overflow, so the scale halves until the norm fits, and the updates that apply are exact."""
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal(64).astype(np.float32)
+    g = rng.standard_normal(64).astype(np.float32)  # ‖g‖ ≈ 8: the norm overflows above S ≈ 2^61
+    w = torch.nn.Parameter(torch.tensor(w0))
+    opt = LossScaleOptimizer(SGD([w], learning_rate=0.1, **{clip: 1.0}),
+                             DynamicLossScale(initial_loss_scale=2.0 ** 70, increment_period=1000))
+    applied = []
+    for _ in range(12):
+        opt.scale_loss((w * torch.tensor(g)).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        applied.append(bool(opt.step_applied))
+    assert np.isfinite(w.detach().numpy()).all()
+    backoffs = applied.index(True)
+    assert 5 <= backoffs <= 10 and all(applied[backoffs:])
+    assert float(opt.loss_scale) == 2.0 ** (70 - backoffs)
+    clipped = g.astype(np.float64) * min(1.0, 1.0 / np.linalg.norm(g.astype(np.float64)))
+    expected = w0.astype(np.float64) - 0.1 * (12 - backoffs) * clipped
+    np.testing.assert_allclose(w.detach().numpy(), expected, rtol=1e-5, atol=1e-6)

@@ -767,6 +767,54 @@ def test_parameter_replaced_by_another_size_is_refused(kind):
     assert torch.equal(w.detach(), before)
 
 
+def test_a_later_groups_misfit_refuses_the_step_before_any_group_changes():
+    """Every group's plan is checked before the first group is updated: a resized parameter in group 1
+    raises ``ValueError`` with group 0's weights, slots and the counter untouched."""
+    from optkit import Adam
+
+    a = torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))
+    b = torch.nn.Parameter(torch.randn(3, generator=torch.Generator().manual_seed(1)))
+    opt = Adam([{"params": [a]}, {"params": [b]}], 0.1, global_clipnorm=1.0)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    b.data = torch.randn(5)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    before = (a.detach().clone(), opt.state[a]["exp_avg"].clone(), a.grad.clone())
+    with pytest.raises(ValueError, match="exp_avg"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(opt.state[a]["exp_avg"], before[1])
+    assert torch.equal(a.grad, before[2]) and int(opt.iterations) == 1
+
+
+def test_a_parameter_appended_to_a_group_gets_its_state_as_in_torch():
+    """``group["params"].append(p)`` after a step (torch creates state lazily): the parameter gets zero
+    slots and trains exactly as with ``torch.optim.SGD``."""
+    from optkit import Momentum
+
+    def make(seed, n):
+        g = torch.Generator().manual_seed(seed)
+        return torch.nn.Parameter(torch.randn(n, generator=g, dtype=torch.float64))
+
+    ours = [make(0, 4), make(1, 3), make(2, 2)]
+    ref = [make(0, 4), make(1, 3), make(2, 2)]
+    opt = Momentum([{"params": ours[:1]}, {"params": ours[1:2]}], 0.1, 0.9)
+    topt = torch.optim.SGD([{"params": ref[:1]}, {"params": ref[1:2]}], lr=0.1, momentum=0.9)
+    for k in range(3):
+        if k == 1:
+            opt.param_groups[1]["params"].append(ours[2])
+            opt.param_groups[1]["param_names"].append("extra")
+            topt.param_groups[1]["params"].append(ref[2])
+        for x, y in zip(ours, ref):
+            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + k), dtype=torch.float64)
+            x.grad, y.grad = g.clone(), g.clone()
+        opt.step()
+        topt.step()
+    for x, y in zip(ours, ref):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-13, atol=1e-15)
+
+
 def _gc_seen_during_update(opt, monkeypatch, where="_run_group"):
     seen = []
     target = opt if hasattr(opt, where) else opt.optimizer

@@ -1045,3 +1045,22 @@ def test_a_copied_train_op_continues_like_the_original(how):
     assert int(twin.global_step) == int(op.global_step) == 2
     for a, b in zip(op.masters, twin.masters):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+
+
+def test_a_scale_too_large_for_a_float32_norm_backs_off():
+    """``optimize_loss`` with a dynamic scale so large that ``‖Σ grads‖`` overflows float32 (finite elements):
+    the update is skipped and the scale backs off (the clip would have been a zero update, applied), then
+    the updates apply exactly."""
+    rng = np.random.default_rng(6)
+    w0 = rng.standard_normal(64).astype(np.float32)
+    g = rng.standard_normal(64).astype(np.float32)
+    w = torch.nn.Parameter(torch.tensor(w0))
+    gt = torch.tensor(g)
+    op = optimize_loss(lambda: (w * gt).sum(), "SGD", None, 0.1, var_list=[w], clip_gradients=1.0,
+                       loss_scaling="dynamic",
+                       loss_scaling_params={"initial_loss_scale": 2.0 ** 70, "increment_period": 1000})
+    applied = [bool(op().applied) for _ in range(12)]
+    backoffs = applied.index(True)
+    assert 5 <= backoffs <= 10 and all(applied[backoffs:])
+    clipped = g.astype(np.float64) * min(1.0, 1.0 / np.linalg.norm(g.astype(np.float64)))
+    np.testing.assert_allclose(w.detach().numpy(), w0 - 0.1 * (12 - backoffs) * clipped, rtol=1e-5, atol=1e-6)

@@ -4,7 +4,9 @@ stack, masters seen by inner wrappers, nested checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -284,3 +286,121 @@ def test_a_raising_inner_step_leaves_the_scale_alone(rng):
         scaled_step(opt)
     for k, v in opt.loss_scaler.state_dict().items():
         assert k == "config" or torch.equal(v, sd[k]), k
+
+
+@contextlib.contextmanager
+def _global_step_hooks(calls):
+    """Global step pre/post hooks recording ``global-pre:<class>``/``global-post:<class>`` into ``calls``."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def record(what):
+        return lambda o, a, k: calls.append(f"{what}:{type(o).__name__}")
+
+    handles = [register_optimizer_step_pre_hook(record("global-pre")),
+               register_optimizer_step_post_hook(record("global-post"))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _instance_step_hooks(opt, tag, calls):
+    opt.register_step_pre_hook(lambda o, a, k: calls.append(f"{tag}-pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append(f"{tag}-post"))
+
+
+@pytest.mark.parametrize("inner_kind", ["optkit_sgd", "torch_sgd"])
+def test_global_step_hooks_fire_once_with_an_lr_scheduler_on_the_inner_optimizer(inner_kind):
+    """A torch LR scheduler built on the inner optimizer patches its ``step`` per instance; through a stack
+    the global step hooks still fire once per outermost ``step()`` (docs/compatibility.md), the inner
+    optimizer's own hooks once, the scheduler sees the step (no order warning) and the trajectory is torch
+    SGD's under the same ``StepLR`` (η large: LARC's ratio is 1; a fixed loss scale of 1)."""
+    p = torch.tensor([3.0, 4.0], requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    inner = SGD([p], 0.1) if inner_kind == "optkit_sgd" else torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    opt = LossScaleOptimizer(LARC(inner, 1e3), 1.0)
+    ref = torch.optim.SGD([q], lr=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
+    calls: list[str] = []
+    _instance_step_hooks(inner, "inner", calls)
+    with _global_step_hooks(calls), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            p.grad = torch.tensor([0.3 * (i + 1), -0.4])
+            q.grad = p.grad.clone()
+            calls.clear()
+            opt.step()
+            assert calls == ["global-pre:LossScaleOptimizer", "inner-pre", "inner-post",
+                             "global-post:LossScaleOptimizer"]
+            ref.step()
+            sched.step()
+            ref_sched.step()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]
+    torch.testing.assert_close(p.detach(), q.detach())
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+
+
+def _hooked_wrapper(kind, p):
+    base = SGD([p], 0.1)
+    if kind == "larc":
+        return LARC(base, 1e3), base  # η large: r = 1
+    if kind == "loss_scale":
+        return LossScaleOptimizer(base, DynamicLossScale(S0)), base
+    if kind == "variable_clipping":
+        return VariableClippingOptimizer(base, {p: [0]}, 1e3), base
+    return MixedPrecisionOptimizerWrapper(base, DynamicLossScale(S0)), base
+
+
+@pytest.mark.parametrize("entry", ["apply_gradients", "minimize"])
+@pytest.mark.parametrize("kind", ["larc", "loss_scale", "variable_clipping", "mixed_precision"])
+def test_apply_gradients_is_one_step_of_the_wrapper_with_its_hooks(kind, entry):
+    """``apply_gradients``/``minimize`` of a wrapper is one step of it, as for an optkit optimizer: the global
+    and the wrapper's own step hooks fire once around it (torch's order), the inner optimizer's own hooks once
+    inside. A pre-hook of the wrapper sees the installed gradient copy (halving it halves the update; the
+    caller's tensor stays), and the loss-scale wrappers still take **unscaled** gradients: the result is torch
+    SGD's with half the gradient."""
+    p = torch.tensor([3.0, 4.0], requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    opt, base = _hooked_wrapper(kind, p)
+    ref = torch.optim.SGD([q], lr=0.1)
+    calls: list[str] = []
+    _instance_step_hooks(opt, "wrapper", calls)
+    _instance_step_hooks(base, "inner", calls)
+
+    def halve(o, args, kwargs):
+        p.grad.mul_(0.5)
+
+    opt.register_step_pre_hook(halve)
+    c = torch.tensor([0.3, -0.4])
+    g = c.clone()
+    with _global_step_hooks(calls):
+        for _ in range(2):
+            calls.clear()
+            if entry == "apply_gradients":
+                opt.apply_gradients([(g, p)])
+            else:
+                opt.minimize(lambda: (p * c).sum())
+            name = type(opt).__name__
+            assert calls == [f"global-pre:{name}", "wrapper-pre", "inner-pre", "inner-post", "wrapper-post",
+                             f"global-post:{name}"]
+            q.grad = 0.5 * c
+            ref.step()
+    assert torch.equal(g, c) and p.grad is None
+    torch.testing.assert_close(p.detach(), q.detach())
+
+
+def test_apply_gradients_counts_as_a_step_for_an_lr_scheduler_on_the_wrapper():
+    """As ``apply_gradients`` of an optkit optimizer goes through its ``step()``, a wrapper's records the
+    call for a torch LR scheduler built on the wrapper: no "lr_scheduler.step() before optimizer.step()"
+    warning."""
+    for make in (lambda p: SGD([p], 0.1), lambda p: LARC(SGD([p], 0.1), 0.01)):
+        p = torch.tensor([3.0, 4.0], requires_grad=True)
+        opt = make(p)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.apply_gradients([(torch.tensor([0.3, -0.4]), p)])
+            sched.step()
+        assert not [w for w in caught if "lr_scheduler" in str(w.message)], type(opt).__name__

@@ -68,19 +68,44 @@ def protocol_level(opt: torch.optim.Optimizer) -> str:
 def step_inner(opt: torch.optim.Optimizer) -> Any:
     """``opt.step()`` as a wrapper calls it: ``opt``'s own step hooks run, the global ones
     (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``) do not — they already
-    ran around the outermost ``step()``, and must fire once per training step, not once per wrapper level."""
+    ran around the outermost ``step()``, and must fire once per training step, not once per wrapper level.
+    A torch LR scheduler's per-instance patch of ``opt.step`` (which only records the call) is honoured
+    without going through the hooked class ``step`` again."""
     fn = type(opt).step
     raw = getattr(fn, "__wrapped__", None)
-    if raw is None or not getattr(fn, "hooked", False) or "step" in opt.__dict__:
-        return opt.step()  # not patched by torch (or patched per instance, e.g. by an LR scheduler)
-    args: tuple = (opt,)
-    kwargs: dict = {}
-    for pre_hook in opt._optimizer_step_pre_hooks.values():
+    if raw is None or not getattr(fn, "hooked", False):
+        return opt.step()  # not patched by torch
+    patched = opt.__dict__.get("step")
+    if patched is not None:
+        by_scheduler = getattr(patched, "_wrapped_by_lr_sched", False)
+        if not (by_scheduler and getattr(patched, "__wrapped__", None) is fn):
+            return opt.step()  # some other per-instance patch: call it as it is
+        opt._opt_called = True  # what the scheduler's patch does (it warns on lr_scheduler.step() first)
+    return _run_step_hooks(opt, raw, (opt,), {}, global_hooks=False)
+
+
+def _run_step_hooks(
+    opt: torch.optim.Optimizer, fn: Callable[..., Any], args: tuple, kwargs: dict, *, global_hooks: bool
+) -> Any:
+    """``fn(*args, **kwargs)`` between ``opt``'s step pre- and post-hooks (torch's order: global pre, own pre,
+    own post, global post; a pre-hook may return new ``(args, kwargs)``), the global ones only with
+    ``global_hooks``."""
+    from torch.optim import optimizer as _torch_optimizer
+
+    pre = list(opt._optimizer_step_pre_hooks.values())
+    post = list(opt._optimizer_step_post_hooks.values())
+    if global_hooks:
+        pre = list(_torch_optimizer._global_optimizer_pre_hooks.values()) + pre
+        post += list(_torch_optimizer._global_optimizer_post_hooks.values())
+    for pre_hook in pre:
         result = pre_hook(opt, args, kwargs)
         if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"a step pre-hook must return None or a tuple of (new_args, new_kwargs), "
+                                   f"but got {result}.")
             args, kwargs = result
-    out = raw(*args, **kwargs)
-    for post_hook in opt._optimizer_step_post_hooks.values():
+    out = fn(*args, **kwargs)
+    for post_hook in post:
         post_hook(opt, args, kwargs)
     return out
 
@@ -400,17 +425,28 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         return _autograd_pairs(loss, self._all_params() if var_list is None else list(var_list))
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Tensor | None, Tensor]]) -> Any:
-        """Apply ``(gradient, variable)`` pairs through this wrapper's ``step()`` (variables not listed keep
-        their ``.grad`` untouched and are not updated this step). Returns ``iterations`` when the inner
-        optimizer counts them, else ``step_applied``."""
+        """Apply ``(gradient, variable)`` pairs as one step of this wrapper (variables not listed keep their
+        ``.grad`` untouched and are not updated this step); its own and the global step hooks fire once
+        around it, as around ``step()``. Returns ``iterations`` when the inner optimizer counts them, else
+        ``step_applied``."""
         pairs = _check_pairs(grads_and_vars, self._all_params())
         self._with_grads(pairs, lambda: self._wrapped_step(*self._take_protocol()))
         return self._result()
 
     def _with_grads(self, pairs: list[tuple[Tensor | None, Tensor]], fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` with copies of the given gradients installed (``_tf_surface.gradients_installed``)."""
-        with gradients_installed(pairs, self._all_params()), torch.no_grad():
-            return fn()
+        """Run ``fn`` (the step of an ``apply_gradients``) with copies of the given gradients installed
+        (``_tf_surface.gradients_installed``) as a ``step()`` of this wrapper: the global and this wrapper's
+        step hooks fire around it (with ``args == (self,)``; what a pre-hook returns reaches the post-hooks
+        only), and a torch LR scheduler on this wrapper sees the call."""
+        if getattr(self.__dict__.get("step"), "_wrapped_by_lr_sched", False):
+            self._opt_called = True  # (what the scheduler's patch of step() records)
+
+        def run(*_args: Any, **_kwargs: Any) -> Any:
+            with torch.no_grad():
+                return fn()
+
+        with gradients_installed(pairs, self._all_params()):
+            return _run_step_hooks(self, run, (self,), {}, global_hooks=True)
 
     def _result(self) -> Any:
         return self.optimizer.iterations if hasattr(self.optimizer, "iterations") else self.step_applied

@@ -11,8 +11,9 @@ from whole-tensor L2 norms (fp32) and the inner optimizer's **current** learning
 Options beyond the original (``spec/pytorch_anchors.md`` P1, P2, P19):
 
 * ``exclude(name, param) -> bool``: parameters for which it returns True keep ``r = 1`` (e.g. biases and
-  normalisation weights: ``exclude=lambda n, p: p.ndim <= 1``). Evaluated once per parameter position;
-  names come from ``named_parameters()`` groups (``param_names``), else ``"param_<i>"``.
+  normalisation weights: ``exclude=lambda n, p: p.ndim <= 1``). Evaluated once per parameter (tensor
+  identity, not position: when a group's parameter list changes, only the parameters new to it are
+  evaluated); names come from ``named_parameters()`` groups (``param_names``), else ``"param_<i>"``.
 * ``wd_in_denominator=wd`` (the apex ``LARC`` / timm ``Lars`` form): the gradient becomes
   ``r·(g + wd·v)`` with ``r`` computed as above but with ``‖g‖ + wd·‖v‖`` in place of ``‖g‖``, and ``r = 1``
   where ``‖v‖ = 0`` or ``‖g‖ = 0`` (timm). Give the inner optimizer no weight decay of its own then.
@@ -33,7 +34,9 @@ for summaries); :meth:`LARC.trust_ratios` computes the ratios for the current gr
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
+from itertools import compress
 from typing import Any
 
 import torch
@@ -93,13 +96,15 @@ class LARC(OptimizerWrapper):
         self.epsilon = float(epsilon)
         self.exclude = exclude
         self.wd_in_denominator = None if wd_in_denominator is None else float(wd_in_denominator)
-        self._excluded: set[tuple[int, int]] = set()
         # set by every step (for summaries): the rescaled parameters, their ratios r (one vector) and, in clip
         # mode, clip_on (1.0 where η‖v‖ < lr·(‖g‖+ε), else 0.0; None in scale mode)
         self.last_params: list[Tensor] = []
         self.last_ratios: Tensor | None = None
         self.last_clip_on: Tensor | None = None
-        self._scanned: set[tuple[int, int]] = set()
+        # per group: (the group's parameters when scanned, keep flags or None when nothing is excluded); the
+        # tensors themselves, not positions or ids (a parameter removed from a group shifts the positions; a
+        # copy or unpickle has new ids)
+        self._scan: list[tuple[list[Tensor], list[bool] | None]] = []
         self._flat_cache: dict[int, tuple] = {}
         self._scan_exclusions()
 
@@ -110,21 +115,60 @@ class LARC(OptimizerWrapper):
         return cls(opt, **dict(larc_params))
 
     def _scan_exclusions(self) -> None:
+        """(Re)build ``_scan`` for the current groups; ``exclude`` is asked only about parameters that were
+        in no group at the last scan."""
         if self.exclude is None:
             return
-        counter = 0
-        for gi, g in enumerate(self.param_groups):
+        known = {id(p): k for snap, keep in self._scan  # (alive: the snapshots hold them, ids are unique)
+                 for p, k in zip(snap, keep if keep is not None else [True] * len(snap))}
+        scan, counter = [], 0
+        for g in self.param_groups:
             names = g.get("param_names")
-            for pi, p in enumerate(g["params"]):
-                key = (gi, pi)
+            ps = list(g["params"])
+            keep = []
+            for pi, p in enumerate(ps):
                 name = names[pi] if names is not None and pi < len(names) else f"param_{counter}"
                 counter += 1
-                if key in self._scanned:
-                    continue
-                self._scanned.add(key)
-                if self.exclude(name, p):
-                    self._excluded.add(key)
+                k = known.get(id(p))
+                keep.append(not self.exclude(name, p) if k is None else k)
+            scan.append((ps, None if all(keep) else keep))
+        self._scan = scan
         self._flat_cache = {}
+
+    def _exclusions(self) -> list[tuple[list[Tensor], list[bool] | None]] | None:
+        """``_scan``, rescanned first when a group's parameter list changed since (one identity comparison
+        per parameter at C speed); None without ``exclude``."""
+        if self.exclude is None:
+            return None
+        groups, scan = self.param_groups, self._scan
+        if len(scan) != len(groups) or not all(
+                len(snap) == len(g["params"]) and all(map(operator.is_, snap, g["params"]))
+                for (snap, _), g in zip(scan, groups)):
+            self._scan_exclusions()
+        return self._scan
+
+    def _remap_params(self, mapping: dict[int, Tensor]) -> None:
+        self._scan = [([mapping.get(id(p), p) for p in snap], keep) for snap, keep in self._scan]
+        self._flat_cache = {}
+        super()._remap_params(mapping)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_flat_cache"] = {}  # (keyed by list ids)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        excluded = state.pop("_excluded", None)  # pickled by an earlier optkit: (group, position) pairs
+        state.pop("_scanned", None)
+        super().__setstate__(state)
+        if "_scan" not in state:
+            self._scan = []
+            if self.exclude is not None:
+                excluded = excluded or set()
+                for gi, g in enumerate(self.param_groups):
+                    keep = [(gi, pi) not in excluded for pi in range(len(g["params"]))]
+                    self._scan.append((list(g["params"]), None if all(keep) else keep))
+            self._flat_cache = {}
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -136,10 +180,12 @@ class LARC(OptimizerWrapper):
         """The parameters LARC rescales this step (with a gradient, not excluded), their gradients
         (sparse ones densified in place) and the per-group learning-rate vectors."""
         params, grads, lrs = [], [], []
+        scan = self._exclusions()
         for gi, group in enumerate(self.param_groups):
             sel = []
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None or (gi, pi) in self._excluded:
+            keep = None if scan is None else scan[gi][1]
+            for p in group["params"] if keep is None else compress(group["params"], keep):
+                if p.grad is None:
                     continue
                 if p.grad.is_sparse:  # OpenSeq2Seq densifies: duplicates are summed
                     p.grad = p.grad.coalesce().to_dense()
@@ -223,15 +269,16 @@ class LARC(OptimizerWrapper):
         boolean keep mask over the group's parameters (None when nothing is excluded), the parameters LARC
         rescales, and their indices."""
         ps = group["params"]
+        entry = None if self.exclude is None else self._scan[gi]  # (current: _flat_step checked it)
         key = (id(ps), len(ps), dev)
         hit = self._flat_cache.get(gi)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        keep = [(gi, pi) not in self._excluded for pi in range(len(ps))]
+        if hit is not None and hit[0] == key and hit[1] is entry:
+            return hit[2]
+        keep = [True] * len(ps) if entry is None or entry[1] is None else entry[1]
         mask = None if all(keep) else torch.tensor(keep, device=dev)
         index = torch.tensor([i for i, kp in enumerate(keep) if kp], dtype=torch.long, device=dev)
         value = (mask, [p for p, kp in zip(ps, keep) if kp], index)
-        self._flat_cache[gi] = (key, value)
+        self._flat_cache[gi] = (key, entry, value)
         return value
 
     def _flat_step(self, parts, seen, grad_scale, found_inf, dev) -> None:
@@ -240,6 +287,7 @@ class LARC(OptimizerWrapper):
         :class:`~optkit._plan.RowMultipliers` (it multiplies each cache-sized row chunk by its column just
         before its update)."""
         wd = self.wd_in_denominator
+        self._exclusions()  # (rescanned here when the groups changed: _flat_keep reads _scan)
         k = self._outer_factors([], grad_scale, None, dev)
         if wd is not None and grad_scale is not None:
             inv = torch.reciprocal(grad_scale.detach().to(dev, torch.float32).reshape(()))

@@ -119,7 +119,10 @@ def loss_scaled_step(
     with handed_over(wrapper.optimizer, gathered):
         applied = wrapper._delegate(grad_scale, skip, multipliers)
     if check:  # after the inner step: a step that raises (bad input) leaves the scale as it was
-        scaler.update(found, amax)
+        # a step the inner optimizer refused by itself (a clip norm of the scaled gradients beyond float32:
+        # the scale is too large) counts as an overflow, so the scale backs off instead of every step skipping
+        refused = ((applied.to(dev) < 0.5) & (skip < 0.5)).to(torch.float32)
+        scaler.update(torch.maximum(found, refused) if found is not None else refused, amax)
     return applied
 
 

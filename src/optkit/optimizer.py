@@ -39,6 +39,7 @@ import itertools
 import operator
 import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -98,6 +99,16 @@ def _wide_options(cls: type) -> frozenset[str]:
     whole optimizer: a param group holding one would ignore it."""
     names = {n for c in (Optimizer, cls) for n in inspect.signature(c.__init__).parameters}
     return frozenset(names - _GROUP_KEYS_ANYWHERE)
+
+
+def _refuse_overflowed_norm(found_inf: Tensor, norms: Tensor, inv: Tensor) -> Tensor:
+    """The skip flag, also set when a norm of the *scaled* gradients is not finite and the scale is above 1.
+    Their elements are finite (else the flag is set already), so the loss scale is so large that ``‖S·g‖²``
+    overflows float32 (S·|g| beyond about 1.8e19): the clip would be NaN or 0. The step is skipped instead and
+    reports ``step_applied`` false, which a loss-scale wrapper counts as an overflow (the scale backs off).
+    At a scale of 1 nothing smaller would help: the huge gradient goes to the clip as it is."""
+    bad = (~torch.isfinite(norms)).any() & (inv.to(found_inf.device) < 1)
+    return torch.maximum(found_inf, bad.to(device=found_inf.device, dtype=found_inf.dtype))
 
 
 class _HostRecord:
@@ -426,11 +437,12 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         """Create the slots a group started to use since the last step (a scheduler such as ``OneCycleLR``
         turning momentum on): zeros, which is what the rule would start from; O(groups) per step."""
         for g in self.param_groups:
-            active = self._active_slots(g)
-            if self._slots_seen.get(id(g)) != active:
+            # (the count too: a parameter appended to a group's list gets its state, as torch's lazily)
+            seen = (self._active_slots(g), len(g["params"]))
+            if self._slots_seen.get(id(g)) != seen:
                 for p in g["params"]:
                     self._init_state(p, g)
-                self._slots_seen[id(g)] = active
+                self._slots_seen[id(g)] = seen
                 self._invalidate_plans()
 
     def _init_state(self, p: Tensor, group: dict) -> None:
@@ -807,6 +819,14 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         sparse_handled = self._handle_sparse(
             [gath for gath, fp in zip(gathered, flat_plans) if fp is None], found_inf)
 
+        mults = [self._group_mult(group, params, fp, multipliers)
+                 for group, (_, params, _), fp in zip(self.param_groups, gathered, flat_plans)]
+        # every group's plan (and its checks: a misfit slot raises ValueError) before anything is written
+        if not torch.compiler.is_compiling():
+            for group, (idx, params, grads), fp, mult in zip(self.param_groups, gathered, flat_plans, mults):
+                if fp is None and params:
+                    self._check_group_plan(group, idx, params, grads, sparse_handled, mult)
+
         inv = None
         if grad_scale is not None:
             inv = torch.reciprocal(grad_scale.detach().to(device=dev, dtype=torch.float32).reshape(()))
@@ -827,6 +847,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             else:
                 n_all = torch.stack(ns).to(device=dev)
             c = self.clipnorm
+            if inv is not None and found_inf is not None:
+                found_inf = _refuse_overflowed_norm(found_inf, n_all, inv)
             n_true = n_all if inv is None else n_all * inv
             coef = c / torch.clamp(n_true, min=c)  # g·c/max(‖g‖, c), per tensor
             if inv is not None:
@@ -835,6 +857,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             k = None
         elif self.global_clipnorm is not None:
             n = mt.global_norm(whole_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
+            if inv is not None and found_inf is not None:
+                found_inf = _refuse_overflowed_norm(found_inf, n, inv)
             if inv is not None:
                 n = n * inv
             c = self.global_clipnorm
@@ -842,22 +866,44 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             k = coef if k is None else k * coef
 
         applied = None if found_inf is None else (1.0 - found_inf)
-        for group, (idx, params, grads), fp in zip(self.param_groups, gathered, flat_plans):
+        for group, (idx, params, grads), fp, mult in zip(self.param_groups, gathered, flat_plans, mults):
             if not params:
                 if self.use_ema:
                     self._ema_group(group, list(range(len(group["params"]))), applied)
                 continue
             lr = self._current_lr(group, commit=True, found_inf=found_inf)
-            if multipliers is None:
-                mult = None
-            elif fp is not None:  # RowMultipliers over the flat part (checked by _flat_plan)
-                mult = multipliers.rows[id(group)]
-            else:
-                mult = [multipliers.get(id(p)) for p in params]
             self._run_group(group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult,
                             plan=fp)
 
         self._after_update(found_inf, applied)
+
+    @staticmethod
+    def _group_mult(group: dict, params: list[Tensor], fp: Any, multipliers: Any) -> Any:
+        """The group's per-tensor multipliers: None, the flat part's ``RowMultipliers`` rows (checked by
+        ``_flat_plan``) or one entry per parameter with a gradient."""
+        if multipliers is None:
+            return None
+        if fp is not None:
+            return multipliers.rows[id(group)]
+        return [multipliers.get(id(p)) for p in params]
+
+    def _check_group_plan(self, group, idx, params, grads, sparse_handled, mult) -> None:
+        """Build (or find cached) the plan :meth:`_run_group` will use, and check the sparse rule's slots:
+        the ``ValueError`` of a misfit slot then comes before any group is updated."""
+        if isinstance(mult, list) and all(m is None for m in mult):
+            mult = None
+        if sparse_handled and any(id(p) in sparse_handled for p in params):
+            for p in params:
+                if id(p) in sparse_handled:
+                    name = group["param_names"][next(i for i, q in enumerate(group["params"]) if q is p)]
+                    for s in self._active_slots(group):
+                        check_slot_fits(name, s, p, self.state[p].get(s))
+            keep = [j for j, p in enumerate(params) if id(p) not in sparse_handled]
+            if not keep:
+                return
+            idx, params, grads = [idx[j] for j in keep], [params[j] for j in keep], [grads[j] for j in keep]
+            mult = None if mult is None else [mult[j] for j in keep]
+        self._plan_for(group, idx, params, grads, self._blocked(group, mult))
 
     def _handle_sparse(self, gathered, found_inf) -> set[int]:
         """Prepare sparse COO gradients before clipping.
@@ -1265,11 +1311,22 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         return pairs
 
     def state_dict(self) -> dict:
-        """torch's state dict, plus ``"ema_buffers"`` (name -> average) when buffers are averaged."""
-        sd = super().state_dict()
-        if self._ema_buffers:
-            sd = {**sd, "ema_buffers": {n: a.detach().clone() for (n, _), a in
-                                        zip(self._ema_buffers, self._ema_buffer_avgs)}}
+        """torch's state dict, plus ``"ema_buffers"`` (name -> average) when buffers are averaged; the
+        state-dict post-hooks see (and may change) the whole of it."""
+        if not self._ema_buffers:
+            return super().state_dict()
+        posts = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, on the dict with the buffers
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = posts
+        sd = {**sd, "ema_buffers": {n: a.detach().clone() for (n, _), a in
+                                    zip(self._ema_buffers, self._ema_buffer_avgs)}}
+        for hook in posts.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def _ema_weight(self, applied: Tensor | None) -> Tensor:
