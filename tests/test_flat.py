@@ -434,3 +434,123 @@ def test_zero_grad_does_not_point_a_parameter_back_into_a_buffer_it_left():
 def test_params_that_are_not_a_module_or_an_iterable_of_tensors_are_named(bad):
     with pytest.raises(TypeError, match="`params` must be"):
         optkit.flat_parameters(bad)
+
+
+class _SparseModel(nn.Module):
+    """A Linear registered before a sparse ``nn.Embedding`` and a sparse ``nn.EmbeddingBag``, and one after:
+    the embeddings sit between flat parameters in the parameter order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(3, 3)
+        self.emb = nn.Embedding(10, 3, sparse=True)
+        self.bag = nn.EmbeddingBag(10, 3, mode="sum", sparse=True)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pre(self.emb(idx) + self.bag((idx + 1).view(-1, 1))))
+
+
+_EMB_ROWS, _BAG_ROWS = [1, 4, 7], [2, 5, 8]  # the rows that _sparse_loss touches (idx and idx + 1)
+
+
+def _sparse_model() -> nn.Module:
+    torch.manual_seed(0)
+    return _SparseModel().double()
+
+
+def _sparse_loss(m: nn.Module, k: int) -> torch.Tensor:
+    idx = torch.tensor([[1, 4, 4, 7], [7, 7, 1, 1], [4, 1, 4, 4]][k % 3])  # a row left out at steps 1 and 2
+    return (m(idx) - 1).square().sum()
+
+
+_SPARSE_RULES = {
+    "Ftrl(l1)": lambda ps: optkit.Ftrl(ps, 0.05, l1_regularization_strength=0.01),
+    "Adagrad": lambda ps: optkit.Adagrad(ps, 0.05),
+    "Momentum": lambda ps: optkit.Momentum(ps, 0.05, 0.9),
+    "RMSProp": lambda ps: optkit.RMSProp(ps, 0.05, momentum=0.5),
+    "LARS": lambda ps: optkit.LARS(ps, 0.05),
+}
+
+
+@pytest.mark.parametrize("name", list(_SPARSE_RULES))
+def test_sparse_embedding_weights_stay_out_and_keep_their_sparse_rule(name):
+    """The weights of ``nn.Embedding`` / ``nn.EmbeddingBag(sparse=True)`` stay out of the flat buffers (their
+    own storage, a sparse ``.grad``), so that an optimizer's touched-rows rule runs for them: the weights
+    after three steps equal those of the same model without flat buffers (float64), only the touched rows
+    changed, the Linears are still in one flat buffer and their part of the group still steps over it.
+    (Adagrad's dense rule leaves a zero row as it is: the old dense views showed only in the layout.)"""
+    model, twin = _sparse_model(), _sparse_model()
+    emb0, bag0 = model.emb.weight.detach().clone(), model.bag.weight.detach().clone()
+    flat = optkit.flat_parameters(model)
+    opt, ref = _SPARSE_RULES[name](model.named_parameters()), _SPARSE_RULES[name](twin.named_parameters())
+    for k in range(3):
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            _sparse_loss(m, k).backward()
+            o.step()
+        for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12, msg=f"{n} step {k}")
+        for w, w0, rows in ((model.emb.weight, emb0, _EMB_ROWS), (model.bag.weight, bag0, _BAG_ROWS)):
+            assert set((w.detach() != w0).any(1).nonzero().flatten().tolist()) <= set(rows), k
+    assert model.emb.weight.grad.is_sparse and model.bag.weight.grad.is_sparse
+    sparse = [model.emb.weight, model.bag.weight]
+    dense = [model.pre.weight, model.pre.bias, model.head.weight, model.head.bias]
+    assert all(flat_buffer_of(p) is None for p in sparse)
+    buf = flat_buffer_of(model.head.weight)
+    assert buf is not None and buf.numel() == sum(p.numel() for p in dense)
+    assert all(flat_buffer_of(p).data_ptr() == buf.data_ptr() for p in dense)
+    assert [id(p) for p in flat.separate] == [id(p) for p in sparse]
+    assert flat.views_intact() and "4 tensors" in repr(flat) and "2 kept out" in repr(flat)
+    plan = opt._plans[id(opt.param_groups[0])]
+    assert plan.flat is not None and plan.flat.grad.numel() == buf.numel()  # the Linears: one flat run
+    assert plan.flat.same_grads([p.grad for p in dense])
+
+
+def test_kept_out_parameters_keep_names_state_dict_and_zero_grad():
+    """``named_parameters()`` and the model's ``state_dict()`` are unchanged; the optimizer's ``state_dict``
+    loads into an optimizer without flat buffers and back; its ``zero_grad()`` sets the embeddings'
+    gradients to None (a sparse gradient next time) and keeps the Linears' views."""
+    model, twin = _sparse_model(), _sparse_model()
+    names = [n for n, _ in model.named_parameters()]
+    flat = optkit.flat_parameters(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    opt = optkit.Adagrad(model.named_parameters(), 0.05)
+    _sparse_loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    assert model.emb.weight.grad is None and model.bag.weight.grad is None
+    assert flat.views_intact() and all(g.abs().sum() == 0 for g in flat.grads.values())
+    twin.load_state_dict(model.state_dict())
+    ref = optkit.Adagrad(twin.named_parameters(), 0.05)
+    ref.load_state_dict(opt.state_dict())
+    back = optkit.Adagrad(model.named_parameters(), 0.05)
+    back.load_state_dict(ref.state_dict())
+    for k in (1, 2):
+        for m, o in ((model, back), (twin, ref)):
+            o.zero_grad()
+            _sparse_loss(m, k).backward()
+            o.step()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12, msg=n)
+    assert flat_buffer_of(model.pre.weight) is not None and flat_buffer_of(model.emb.weight) is None
+
+
+def test_a_parameter_with_a_sparse_gradient_already_stays_out_of_given_tensors():
+    """Given tensors (no module to look into), a parameter whose gradient is already sparse stays out (one
+    backward before the call tells it); a dense embedding (``sparse=False``) is flattened as any parameter."""
+    model = _sparse_model()
+    _sparse_loss(model, 0).backward()
+    g = model.emb.weight.grad
+    model.bag.weight.grad = None
+    flat = optkit.flat_parameters(model.named_parameters())
+    assert model.emb.weight.grad is g and flat_buffer_of(model.emb.weight) is None
+    assert [id(p) for p in flat.separate] == [id(model.emb.weight)]
+    assert flat_buffer_of(model.bag.weight) is not None  # nothing tells it from a tensor: flattened
+    dense = optkit.flat_parameters(nn.Embedding(4, 2))
+    assert not dense.separate and "1 tensors" in repr(dense)
+
+
+def test_a_module_of_sparse_embeddings_only_makes_no_buffer():
+    flat = optkit.flat_parameters(nn.Embedding(4, 2, sparse=True))
+    assert not flat.buffers and len(flat.separate) == 1 and flat.views_intact()

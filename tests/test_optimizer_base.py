@@ -815,6 +815,55 @@ def test_a_parameter_appended_to_a_group_gets_its_state_as_in_torch():
         torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("how", ["replace-slot", "del-entry", "empty-entry", "clear-entry", "new-state"])
+def test_state_replaced_or_reset_by_the_user_is_what_the_next_step_uses(how, flat):
+    """torch.optim reads ``state`` afresh every step, so a slot replaced (or an entry deleted, emptied, or the
+    whole ``state`` swapped) is what the next step uses, and a missing slot starts over; the cached plans
+    must follow (they held the old slot tensors, and the old momentum kept training invisibly)."""
+    import collections
+
+    from optkit import Momentum, flat_parameters
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64)) for s in ((5, 4), (4,))]
+
+    ours, ref = params(), params()
+    if flat:
+        flat_parameters(ours)
+    opt = Momentum(ours, 0.05, 0.9)
+    topt = torch.optim.SGD(ref, lr=0.05, momentum=0.9)
+    for k in range(4):
+        if k == 2:
+            for o, ps in ((opt, ours), (topt, ref)):
+                if how == "replace-slot":
+                    o.state[ps[0]]["momentum_buffer"] = torch.full_like(ps[0], 0.5)
+                elif how == "del-entry":
+                    del o.state[ps[0]]
+                elif how == "empty-entry":
+                    o.state[ps[0]] = {}
+                elif how == "clear-entry":
+                    o.state[ps[0]].clear()
+                else:
+                    o.state = collections.defaultdict(dict)
+        g = torch.Generator().manual_seed(10 + k)
+        for x, y in zip(ours, ref):
+            grad = torch.randn(x.shape, generator=g, dtype=torch.float64)
+            if x.grad is not None and flat:
+                x.grad.copy_(grad)
+            else:
+                x.grad = grad.clone()
+            y.grad = grad.clone()
+        opt.step()
+        topt.step()
+    for x, y in zip(ours, ref):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(opt.state[ours[0]]["momentum_buffer"], topt.state[ref[0]]["momentum_buffer"],
+                               rtol=1e-13, atol=1e-15)
+    assert all(type(v) is dict for v in opt.state_dict()["state"].values())
+
+
 def _gc_seen_during_update(opt, monkeypatch, where="_run_group"):
     seen = []
     target = opt if hasattr(opt, where) else opt.optimizer

@@ -29,9 +29,20 @@ Rules:
   (``p.data = p.data.t()`` or ``p.t_()`` on a square weight, ``p.grad.t_()``) no longer matches the buffer's
   layout. The optimizer notices each and steps per tensor, correct but slower: call :func:`flat_parameters`
   again;
+* parameters with sparse gradients stay out of the flat buffers, with their own storage and ``.grad``: a
+  dense gradient view would make autograd add a sparse gradient into it, densely, and the optimizers' sparse
+  rules (Ftrl, Adagrad, Momentum, RMSProp and LARS update only the touched rows) would never run. Which ones
+  stay out: given a module, the weights of its ``nn.Embedding`` / ``nn.EmbeddingBag`` modules with
+  ``sparse=True``; always, a parameter whose ``.grad`` is already sparse. Nothing else can be told before a
+  backward, so do not pass another parameter that gets sparse gradients (given tensors instead of a module,
+  an embedding's weight; ``F.embedding(..., sparse=True)``, ``index_select`` / ``gather`` with
+  ``sparse_grad=True`` over a parameter; ``sparse`` turned on after the call): leave it out, or run one
+  backward before the call so that its gradient is sparse. The group of a parameter kept out steps its
+  other parameters over the flat buffer when the optimizer has a sparse rule (the sparse gradient is handled
+  on its own); others densify the sparse gradient and step that group per tensor, so give the embedding a
+  param group of its own there;
 * DDP works (its reduced gradients are copied into the views), but not with ``gradient_as_bucket_view=True``
-  (that replaces the views); FSDP2 / DTensor parameters are refused (FSDP2 keeps flat shards of its own);
-  sparse gradients fall back to the per-tensor path for their parameter's group.
+  (that replaces the views); FSDP2 / DTensor parameters are refused (FSDP2 keeps flat shards of its own).
 """
 
 from __future__ import annotations
@@ -56,6 +67,9 @@ _REGISTRY: set[tuple[int, int]] = set()
 #: plan made over separate gradients (no flat part) is made again after it
 _VIEWS_RESTORED = [0]
 
+#: modules whose ``sparse=True`` gives their ``weight`` sparse gradients (kept out of the flat buffers)
+_SPARSE_GRAD_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
 
 @dataclass
 class _Segment:
@@ -68,16 +82,20 @@ class _Segment:
 
 class FlatParameters:
     """The flat buffers that :func:`flat_parameters` made: ``buffers[(device, dtype)]`` (parameters) and
-    ``grads[(device, dtype)]`` (their gradients), each parameter a view at its ``offset``."""
+    ``grads[(device, dtype)]`` (their gradients), each parameter a view at its ``offset``; ``separate``: the
+    parameters it kept out of them because their gradients are sparse (module doc)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.grads: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._segments: dict[tuple[torch.device, torch.dtype], list[_Segment]] = {}
+        self.separate: list[Tensor] = []
 
     def __repr__(self) -> str:
         parts = [f"{d}/{str(t).replace('torch.', '')}: {len(self._segments[(d, t)])} tensors, "
                  f"{self.buffers[(d, t)].numel():,} elements" for d, t in self.buffers]
+        if self.separate:
+            parts.append(f"{len(self.separate)} kept out (sparse gradients)")
         return f"FlatParameters({'; '.join(parts)})"
 
     @torch.no_grad()
@@ -128,11 +146,21 @@ def flat_parameters(params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, T
     grad into one flat buffer per (device, dtype), in order, and give each a zero gradient that is a view into
     a matching flat gradient buffer (existing gradients are copied in). Returns the :class:`FlatParameters`.
 
+    Parameters with sparse gradients stay out, with their own storage and ``.grad``, so that the optimizer's
+    sparse rule sees their sparse gradients (``FlatParameters.separate`` lists them): given a module, the
+    weights of its ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``; always, a parameter whose
+    gradient is already sparse. Do not pass any other parameter that gets sparse gradients (an embedding's
+    weight among plain tensors, a parameter under ``F.embedding(..., sparse=True)``): nothing tells it before
+    a backward, and its gradient would be a dense view (module doc).
+
     Raises ``TypeError`` for DTensor (FSDP2 / tensor parallel) or sparse parameters, ``ValueError`` for a
     non-leaf tensor or no parameters. Call it before building the optimizer (module doc for the rules).
     """
+    sparse_grad: set[int] = set()
     if isinstance(params, nn.Module):
         items = list(params.parameters())
+        sparse_grad = {id(m.weight) for m in params.modules()
+                       if isinstance(m, _SPARSE_GRAD_MODULES) and m.sparse and isinstance(m.weight, Tensor)}
     elif isinstance(params, (Tensor, str, bytes)) or not isinstance(params, Iterable):
         raise TypeError("flat_parameters: `params` must be an nn.Module or an iterable of tensors or (name, "
                         f"tensor) pairs, got {type(params).__name__}")
@@ -140,6 +168,7 @@ def flat_parameters(params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, T
         items = [x[1] if isinstance(x, tuple) else x for x in params]
     seen: set[int] = set()
     by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    out = FlatParameters()
     for p in items:
         if not isinstance(p, Tensor):
             raise TypeError(f"flat_parameters: expected tensors, got {type(p).__name__}")
@@ -153,10 +182,12 @@ def flat_parameters(params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, T
             raise TypeError("flat_parameters: parameters must be dense strided tensors")
         if not p.is_leaf:
             raise ValueError("flat_parameters: can't move a non-leaf tensor into a flat buffer")
+        if id(p) in sparse_grad or (p.grad is not None and p.grad.layout != torch.strided):
+            out.separate.append(p)  # its sparse gradients stay sparse: its own storage and .grad
+            continue
         by_key.setdefault((p.device, p.dtype), []).append(p)
-    if not by_key:
+    if not by_key and not out.separate:
         raise ValueError("flat_parameters: no parameter that requires grad")
-    out = FlatParameters()
     for key, ps in by_key.items():
         device, dtype = key
         total = sum(p.numel() for p in ps)
@@ -169,7 +200,7 @@ def flat_parameters(params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, T
             view.copy_(p.detach())
             gview = _segment_view(gflat, seg)
             if p.grad is not None:
-                gview.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                gview.copy_(p.grad)
             p.data = view
             p.grad = gview
             segs.append(seg)

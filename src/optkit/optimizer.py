@@ -33,6 +33,7 @@ cache-sized chunks (``_multi_tensor.blocks``) so their chain costs about one swe
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import itertools
@@ -99,6 +100,120 @@ def _wide_options(cls: type) -> frozenset[str]:
     whole optimizer: a param group holding one would ignore it."""
     names = {n for c in (Optimizer, cls) for n in inspect.signature(c.__init__).parameters}
     return frozenset(names - _GROUP_KEYS_ANYWHERE)
+
+
+class _StateVersion:
+    """A counter the optimizer's state dicts bump on every change of an entry (see :class:`_TrackedState`)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+_ABSENT = object()
+
+
+class _Slots(dict):
+    """One parameter's state (slot name -> tensor) that counts its changes: cached plans hold the slot
+    tensors, so a slot replaced, reset or deleted by the user (torch.optim reads ``state`` afresh each step)
+    must rebuild them. In-place changes of a slot tensor need nothing. A plain dict in copies and pickles of
+    the optimizer's ``state_dict()``."""
+
+    __slots__ = ("_version",)
+
+    def __init__(self, version: _StateVersion, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._version = version
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if dict.get(self, key, _ABSENT) is not value:
+            self._version.n += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self._version.n += 1
+
+    def pop(self, *args: Any) -> Any:
+        self._version.n += 1
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self._version.n += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        self._version.n += 1
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._version.n += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self._version.n += 1
+        return super().setdefault(key, default)
+
+    def __reduce__(self) -> Any:
+        return (_Slots._rebuild, (self._version, dict(self)))
+
+    @staticmethod
+    def _rebuild(version: _StateVersion, items: dict) -> _Slots:
+        return _Slots(version, items)
+
+
+class _NewSlots:
+    """The default factory of :class:`_TrackedState` (a class, so the state pickles)."""
+
+    __slots__ = ("version",)
+
+    def __init__(self, version: _StateVersion) -> None:
+        self.version = version
+
+    def __call__(self) -> _Slots:
+        return _Slots(self.version)
+
+
+class _TrackedState(collections.defaultdict):
+    """``optimizer.state`` (parameter -> :class:`_Slots`) counting the changes of its entries and theirs."""
+
+    def __init__(self, version: _StateVersion, items: Any = ()) -> None:
+        super().__init__(_NewSlots(version))
+        self.version = version
+        for key, value in dict(items).items():
+            dict.__setitem__(self, key, value if isinstance(value, _Slots) and value._version is version
+                             else _Slots(version, value))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not (isinstance(value, _Slots) and value._version is self.version):
+            value = _Slots(self.version, value)
+        self.version.n += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self.version.n += 1
+
+    def pop(self, *args: Any) -> Any:
+        self.version.n += 1
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self.version.n += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        self.version.n += 1
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __reduce__(self) -> Any:
+        return (_TrackedState, (self.version, dict(self)))
 
 
 def _refuse_overflowed_norm(found_inf: Tensor, norms: Tensor, inv: Tensor) -> Tensor:
@@ -297,6 +412,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         #: get_config records and a load restores is such a group's
         self._lr_defaulted = ["lr" not in g for g in groups]
         super().__init__(groups, defaults)
+        self._adopt_state()
         self._named = named  # set last: torch's __init__ adds the constructor's groups without the name check
 
     # step bookkeeping kept in self._record (see _HostRecord)
@@ -436,6 +552,17 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def _ensure_slots(self) -> None:
         """Create the slots a group started to use since the last step (a scheduler such as ``OneCycleLR``
         turning momentum on): zeros, which is what the rule would start from; O(groups) per step."""
+        state = self.state
+        if type(state) is not _TrackedState or state.version is not self._state_version:
+            self._adopt_state()  # (``opt.state = defaultdict(dict)``, or torch's load put a plain one)
+        elif state.version.n != self._state_seen:  # an entry was replaced, reset or deleted since
+            self._state_seen = -1
+        if self._state_seen != self._state_version.n:
+            for g in self.param_groups:  # (missing slots come back as a new parameter's, like torch's)
+                for p in g["params"]:
+                    self._init_state(p, g)
+            self._invalidate_plans()
+            self._state_seen = self._state_version.n
         for g in self.param_groups:
             # (the count too: a parameter appended to a group's list gets its state, as torch's lazily)
             seen = (self._active_slots(g), len(g["params"]))
@@ -444,6 +571,14 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                     self._init_state(p, g)
                 self._slots_seen[id(g)] = seen
                 self._invalidate_plans()
+                self._state_seen = self._state_version.n
+
+    def _adopt_state(self) -> None:
+        """Make ``self.state`` a :class:`_TrackedState` (entries kept) with a new version counter."""
+        version = _StateVersion()
+        self.state = _TrackedState(version, self.state)
+        self._state_version = version
+        self._state_seen = -1  # (checked, and missing slots made, on the next step)
 
     def _init_state(self, p: Tensor, group: dict) -> None:
         st = self.state[p]
@@ -1314,11 +1449,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         """torch's state dict, plus ``"ema_buffers"`` (name -> average) when buffers are averaged; the
         state-dict post-hooks see (and may change) the whole of it."""
         if not self._ema_buffers:
-            return super().state_dict()
+            return self._plain_state(super().state_dict())
         posts = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, on the dict with the buffers
         try:
-            sd = super().state_dict()
+            sd = self._plain_state(super().state_dict())
         finally:
             self._optimizer_state_dict_post_hooks = posts
         sd = {**sd, "ema_buffers": {n: a.detach().clone() for (n, _), a in
@@ -1327,6 +1462,13 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             result = hook(self, sd)
             if result is not None:
                 sd = result
+        return sd
+
+    @staticmethod
+    def _plain_state(sd: Any) -> Any:
+        """A state dict whose per-parameter entries are plain dicts (not the tracked ones), as torch's."""
+        if isinstance(sd, dict) and isinstance(sd.get("state"), dict):
+            sd = {**sd, "state": {k: dict(v) if isinstance(v, _Slots) else v for k, v in sd["state"].items()}}
         return sd
 
     def _ema_weight(self, applied: Tensor | None) -> Tensor:
@@ -1503,6 +1645,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._wd_exclude_ids = {id(p) for p in excluded}
         if "_iterations" not in state:  # torch's load_state_dict also lands here; it re-links afterwards
             return
+        if "_state_version" not in state:  # pickled by an earlier optkit
+            self._adopt_state()
         # a copy or unpickle: the state entries each got their own 'step' tensor, share the counter again
         for g in self.param_groups:
             for p in g["params"]:
@@ -1549,6 +1693,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._optimizer_load_state_dict_pre_hooks = pre
             self._optimizer_load_state_dict_post_hooks = post
         self._lr_written.clear()  # new group dicts (an old id may be reused)
+        self._adopt_state()  # (torch's load put in a plain defaultdict)
         for g, ns in zip(self.param_groups, names):
             g["param_names"] = ns
             self._group_lr_alias(g)
