@@ -346,3 +346,33 @@ def test_a_scale_too_large_for_a_float32_norm_backs_off_instead_of_nan(clip):
     clipped = g.astype(np.float64) * min(1.0, 1.0 / np.linalg.norm(g.astype(np.float64)))
     expected = w0.astype(np.float64) - 0.1 * (12 - backoffs) * clipped
     np.testing.assert_allclose(w.detach().numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_training_step_with_scale_loss_matches_eager():
+    """``torch.compile`` of a training step that calls ``scale_loss(loss).backward()`` and ``step()``: the
+    wrapper's flags (``grads_scaled``, ``step_applied``) live in an object whose mutations dynamo replays
+    (assignments on an optimizer it drops, and the step refused the gradients as unscaled)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(16, 4, generator=g, dtype=torch.float64)
+
+    def build():
+        gen = torch.Generator().manual_seed(1)
+        w = torch.nn.Parameter(torch.randn(8, 4, generator=gen, dtype=torch.float64))
+        return w, LossScaleOptimizer(SGD([w], learning_rate=0.05, momentum=0.9),
+                                     DynamicLossScale(2.0 ** 10, increment_period=2))
+
+    def step(w, opt, factor):
+        opt.zero_grad()
+        opt.scale_loss(((x @ w - y) ** 2).mean() * factor).backward()
+        opt.step()
+
+    torch._dynamo.reset()
+    (we, oe), (wc, oc) = build(), build()
+    compiled = torch.compile(step, backend="eager")
+    for k in range(5):
+        factor = torch.tensor(float("inf") if k == 2 else 1.0, dtype=torch.float64)
+        step(we, oe, factor)
+        compiled(wc, oc, factor)
+        assert bool(oc.step_applied) == bool(oe.step_applied) == (k != 2)
+        assert torch.equal(wc, we) and float(oc.loss_scale) == float(oe.loss_scale)

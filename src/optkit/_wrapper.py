@@ -153,6 +153,37 @@ def handed_over(opt: torch.optim.Optimizer, gathered: dict | None) -> Iterator[N
         inner.__dict__.pop("_gathered", None)
 
 
+class _WrapperRecord:
+    """A wrapper's step bookkeeping: the last step's outcome, whether the gradients came from ``scale_loss``
+    (loss-scale wrappers) and the mixed-precision window's fold flags. An object of its own because
+    ``torch.compile`` replays the mutations of plain objects but drops attribute assignments on an optimizer
+    (``scale_loss`` inside a compiled training step would not mark the gradients scaled)."""
+
+    __slots__ = ("applied", "grads_scaled", "unscaled_fold", "scaled_fold")
+
+    def __init__(self) -> None:
+        self.applied: Tensor | None = None
+        self.grads_scaled = False
+        self.unscaled_fold = False
+        self.scaled_fold = False
+
+
+class ScaledGradsFlag:
+    """``grads_scaled`` of a loss-scale wrapper, kept in its :class:`_WrapperRecord`."""
+
+    _record: _WrapperRecord
+
+    @property
+    def grads_scaled(self) -> bool:
+        """Whether the gradients came from ``scale_loss(loss)`` since the last step (set it yourself when
+        you scaled the loss by the loss scale yourself)."""
+        return self._record.grads_scaled
+
+    @grads_scaled.setter
+    def grads_scaled(self, value: bool) -> None:
+        self._record.grads_scaled = value
+
+
 class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
     """Base of optkit wrappers: holds ``self.optimizer`` and proxies the ``torch.optim`` and TF surfaces.
 
@@ -180,7 +211,18 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._patch_step_function()
         self._stateless_ids: set[int] = set()
+        self._record = _WrapperRecord()
         self.step_applied = torch.ones((), dtype=torch.bool, device=self._device())
+
+    # step bookkeeping kept in self._record (see _WrapperRecord)
+    @property
+    def step_applied(self) -> Tensor:
+        """Whether this wrapper's last step changed anything (0-d bool tensor)."""
+        return self._record.applied
+
+    @step_applied.setter
+    def step_applied(self, value: Tensor) -> None:
+        self._record.applied = value
 
     # ------------------------------------------------------------------------------------ proxies
 
@@ -223,6 +265,12 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         return dict(self.__dict__)
 
     def __setstate__(self, state: dict) -> None:
+        if "_record" not in state:  # pickled by an earlier optkit: the flags were attributes
+            record = state["_record"] = _WrapperRecord()
+            record.applied = state.pop("step_applied", None)
+            record.grads_scaled = state.pop("grads_scaled", False)
+            record.unscaled_fold = state.pop("_unscaled_fold", False)
+            record.scaled_fold = state.pop("_scaled_fold", False)
         self.__dict__.update(state)
 
     def __repr__(self) -> str:

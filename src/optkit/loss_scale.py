@@ -791,4 +791,6 @@ def get_loss_scale(identifier: Any) -> LossScale | None:
             return DynamicLossScale()
         if name in AutomaticLossScaler.SUPPORTED_ALGOS:
             return AutomaticLossScaler(name)
-    raise ValueError(f"Could not interpret loss scale identifier: {identifier!r}")
+    names = ", ".join(repr(a) for a in ("dynamic", *AutomaticLossScaler.SUPPORTED_ALGOS))
+    raise ValueError(f"Could not interpret loss scale identifier: {identifier!r} (a number, a LossScale, "
+                     f"None or one of {names} in any letter case)")

@@ -44,6 +44,7 @@ from . import _multi_tensor as mt
 from ._gc import gc_paused
 from ._wrapper import (
     OptimizerWrapper,
+    ScaledGradsFlag,
     _autograd_pairs,
     _check_pairs,
     _innermost,
@@ -180,7 +181,7 @@ def _max(a: Tensor | None, b: Tensor) -> Tensor:
     return torch.maximum(a.detach().to(b.device, torch.float32).reshape(()), b)
 
 
-class LossScaleOptimizer(OptimizerWrapper):
+class LossScaleOptimizer(ScaledGradsFlag, OptimizerWrapper):
     """Loss scaling around any ``torch.optim.Optimizer`` (TF1 ``MixedPrecisionLossScaleOptimizer``).
 
     Args:

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from . import _multi_tensor as mt
 from ._validation import ParameterTypeError, check_real
-from ._wrapper import OptimizerWrapper, _autograd_pairs, _check_pairs
+from ._wrapper import OptimizerWrapper, ScaledGradsFlag, _autograd_pairs, _check_pairs
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 from .loss_scale_optimizer import loss_scaled_step, scaled_backward_step
 
@@ -53,7 +53,7 @@ __all__ = ["MixedPrecisionOptimizerWrapper", "convert_model_to_half"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
+class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
     """fp32 master weights and loss scaling for a half-precision model (module doc).
 
     Args:
@@ -65,9 +65,24 @@ class MixedPrecisionOptimizerWrapper(OptimizerWrapper):
     """
 
     _outermost_only = True
-    # window flags (set per instance in __init__); class defaults for wrappers pickled before they existed
-    _unscaled_fold = False
-    _scaled_fold = False
+
+    # the window flags, kept in the wrapper's record (torch.compile; OptimizerWrapper.__setstate__ fills it
+    # for wrappers pickled before they existed)
+    @property
+    def _unscaled_fold(self) -> bool:
+        return self._record.unscaled_fold
+
+    @_unscaled_fold.setter
+    def _unscaled_fold(self, value: bool) -> None:
+        self._record.unscaled_fold = value
+
+    @property
+    def _scaled_fold(self) -> bool:
+        return self._record.scaled_fold
+
+    @_scaled_fold.setter
+    def _scaled_fold(self, value: bool) -> None:
+        self._record.scaled_fold = value
 
     def __init__(
         self,
