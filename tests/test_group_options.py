@@ -352,3 +352,31 @@ def test_a_torch_rmsprop_checkpoint_is_refused():
     with pytest.raises(ValueError, match="torch's name"):
         opt.load_state_dict(sd)
     assert "alpha" not in opt.param_groups[0] and "eps" not in opt.param_groups[0]
+
+
+def test_jit_compile_keeps_compiling_past_torchs_recompile_limit(monkeypatch):
+    """Each param group is a graph of its own (its shapes): twelve groups (layer-wise decay of a small
+    model) passed torch's limit of 8 graphs per function and fell back to eager; the limit is raised for
+    the compiled update's calls. (The ``eager`` backend checks the tracing without a C++ build.)"""
+    from optkit import _compile
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(_compile, "_COMPILED", [_compile._make_compiled("eager")])
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(i + 1, 2) for i in range(12)]
+    jp = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in shapes]
+    ep = [torch.nn.Parameter(p.detach().clone()) for p in jp]
+    jit = optkit.SGD([{"params": [p], "lr": 0.01 * (i + 1)} for i, p in enumerate(jp)], 0.1, momentum=0.9,
+                     jit_compile=True)
+    eager = optkit.SGD([{"params": [p], "lr": 0.01 * (i + 1)} for i, p in enumerate(ep)], 0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="jit_compile")
+        for _ in range(2):
+            for a, b in zip(jp, ep):
+                a.grad = torch.randn(a.shape, generator=gen, dtype=torch.float64)
+                b.grad = a.grad.clone()
+            jit.step()
+            eager.step()
+    assert jit._compile_state == "ok"
+    for a, b in zip(jp, ep):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-14, atol=1e-15)

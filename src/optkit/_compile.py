@@ -9,7 +9,9 @@ to 1 every result is replaced by its old value with ``torch.where``, so non-fini
 
 * ``jit_compile=True`` hands :func:`chain` to ``torch.compile`` (:func:`compiled_chain`, built once per
   process); inductor fuses each tensor's chain into one loop, and the learning rate, clip/unscale factor, skip
-  flag and EMA weight are tensor inputs, so changing them never recompiles.
+  flag and EMA weight are tensor inputs, so changing them never recompiles. Each param group's shapes and
+  its other hyperparameters (momentum, betas, ...: Python numbers) make one graph; a new value of those is a
+  new compile (:data:`RECOMPILE_LIMIT` graphs in all, then eager with a warning).
 * The fused-kernel gate (:mod:`optkit._fused`) sends tensors on devices that have no fused kernel here, with
   half-precision inputs upcast to float32 so that each stored value is rounded once.
 """
@@ -69,12 +71,33 @@ def chain(rule, hyper, params, grads, slots, avgs, lr, k, wd, decay_mask, ema_w,
 
 _COMPILED: list = []
 
+#: graphs the compiled chain may hold: one per param group's shapes and constant hyperparameters (momentum,
+#: betas, ... are Python numbers in the rules, so a new value is a new graph), over every optimizer in the
+#: process. torch's own limit of 8 per function sent a model with more than 8 param groups (layer-wise decay)
+#: back to eager; it is raised for this function's calls only.
+RECOMPILE_LIMIT = 256
+
 
 def compiled_chain() -> Callable | None:
-    """The ``torch.compile``-d :func:`chain` (built once per process; None where unavailable)."""
+    """The ``torch.compile``-d :func:`chain` (built once per process; None where unavailable), called with
+    dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`."""
     if not _COMPILED:
         try:
-            _COMPILED.append(torch.compile(chain, fullgraph=True, dynamic=False))
+            _COMPILED.append(_make_compiled())
         except Exception:  # pragma: no cover - torch without a working compile stack
             _COMPILED.append(None)
     return _COMPILED[0]
+
+
+def _make_compiled(backend: str = "inductor") -> Callable:
+    compiled = torch.compile(chain, fullgraph=True, dynamic=False, backend=backend)
+    import torch._dynamo.config as dynamo_config
+
+    limits = {"recompile_limit": RECOMPILE_LIMIT,
+              "accumulated_recompile_limit": max(RECOMPILE_LIMIT, dynamo_config.accumulated_recompile_limit)}
+
+    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with dynamo_config.patch(limits):
+            return compiled(*args, **kwargs)
+
+    return run
