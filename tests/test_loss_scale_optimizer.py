@@ -376,3 +376,29 @@ def test_a_compiled_training_step_with_scale_loss_matches_eager():
         compiled(wc, oc, factor)
         assert bool(oc.step_applied) == bool(oe.step_applied) == (k != 2)
         assert torch.equal(wc, we) and float(oc.loss_scale) == float(oe.loss_scale)
+
+
+def test_steps_without_gradients_leave_the_dynamic_scale_alone():
+    """A step where no parameter has a gradient (a frozen phase, the other half of a GAN loop) finds nothing:
+    the scale stays (the overflow probe counts only a clip norm that overflowed)."""
+    a = torch.nn.Parameter(torch.ones(3))
+    opt = LossScaleOptimizer(SGD([a], learning_rate=0.1, global_clipnorm=1.0), DynamicLossScale(2.0 ** 15))
+    for _ in range(3):
+        opt.zero_grad()
+        opt.grads_scaled = True
+        opt.step()
+        assert float(opt.loss_scale) == 2.0 ** 15
+
+
+def test_a_huge_scale_under_gradscaler_is_not_skipped_for_good():
+    """torch.amp.GradScaler cannot back off for a refusal it does not see: under it the optimizer does not
+    skip for an overflowed clip norm (its documented NaN, as before), so a GradScaler run never stalls."""
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = SGD([w], learning_rate=0.1, clipnorm=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale((w * 3.0).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    np.testing.assert_allclose(w.detach().numpy(), 1.0 - 2 * 0.1 * 0.5, rtol=1e-6)  # clip to norm 1: 0.5 each

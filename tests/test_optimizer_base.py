@@ -788,6 +788,37 @@ def test_a_later_groups_misfit_refuses_the_step_before_any_group_changes():
     assert torch.equal(a.grad, before[2]) and int(opt.iterations) == 1
 
 
+@pytest.mark.parametrize("how", ["append-unnamed", "replace-in-list"])
+def test_a_parameter_put_into_a_group_list_steps_at_once(how):
+    """torch's idioms on ``group["params"]`` without touching ``param_names``: an appended parameter gets
+    a name and its state; one put in place of another gets its state on the first step (not a ValueError
+    that a retry would not raise)."""
+    from optkit import Momentum
+
+    def make(seed, n):
+        g = torch.Generator().manual_seed(seed)
+        return torch.nn.Parameter(torch.randn(n, generator=g, dtype=torch.float64))
+
+    ours, ref = [make(0, 3), make(1, 4), make(2, 4)], [make(0, 3), make(1, 4), make(2, 4)]
+    opt = Momentum(ours[:2], 0.1, 0.9)
+    topt = torch.optim.SGD(ref[:2], lr=0.1, momentum=0.9)
+    for k in range(3):
+        if k == 1:
+            for o, ps in ((opt, ours), (topt, ref)):
+                if how == "append-unnamed":
+                    o.param_groups[0]["params"].append(ps[2])
+                else:
+                    o.param_groups[0]["params"][1] = ps[2]
+        for o, ps in ((opt, ours), (topt, ref)):
+            for j, p in enumerate(ps):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * k + j),
+                                     dtype=torch.float64)
+            o.step()
+    for x, y in zip(ours, ref):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-13, atol=1e-15)
+    assert len(opt.param_groups[0]["param_names"]) == len(opt.param_groups[0]["params"])
+
+
 def test_a_parameter_appended_to_a_group_gets_its_state_as_in_torch():
     """``group["params"].append(p)`` after a step (torch creates state lazily): the parameter gets zero
     slots and trains exactly as with ``torch.optim.SGD``."""
@@ -816,7 +847,8 @@ def test_a_parameter_appended_to_a_group_gets_its_state_as_in_torch():
 
 
 @pytest.mark.parametrize("flat", [False, True])
-@pytest.mark.parametrize("how", ["replace-slot", "del-entry", "empty-entry", "clear-entry", "new-state"])
+@pytest.mark.parametrize("how", ["replace-slot", "del-entry", "empty-entry", "clear-entry", "ior-state",
+                                 "new-state"])
 def test_state_replaced_or_reset_by_the_user_is_what_the_next_step_uses(how, flat):
     """torch.optim reads ``state`` afresh every step, so a slot replaced (or an entry deleted, emptied, or the
     whole ``state`` swapped) is what the next step uses, and a missing slot starts over; the cached plans
@@ -845,6 +877,8 @@ def test_state_replaced_or_reset_by_the_user_is_what_the_next_step_uses(how, fla
                     o.state[ps[0]] = {}
                 elif how == "clear-entry":
                     o.state[ps[0]].clear()
+                elif how == "ior-state":
+                    o.state |= {ps[0]: {}}
                 else:
                     o.state = collections.defaultdict(dict)
         g = torch.Generator().manual_seed(10 + k)

@@ -1064,3 +1064,16 @@ def test_a_scale_too_large_for_a_float32_norm_backs_off():
     assert 5 <= backoffs <= 10 and all(applied[backoffs:])
     clipped = g.astype(np.float64) * min(1.0, 1.0 / np.linalg.norm(g.astype(np.float64)))
     np.testing.assert_allclose(w.detach().numpy(), w0 - 0.1 * (12 - backoffs) * clipped, rtol=1e-5, atol=1e-6)
+
+
+def test_a_fixed_skipping_scale_without_a_clip_applies_huge_finite_gradients():
+    """The "scale too large for a float32 norm" overflow needs a clip that uses the norm and a scaler that
+    can back off: a fixed scale (which cannot) without a clip applies a huge finite gradient as plain SGD."""
+    from optkit.loss_scale import FixedLossScale
+
+    w = torch.nn.Parameter(torch.ones(4))
+    op = optimize_loss(lambda: (w * 1e14).sum(), "SGD", None, 1e-15, var_list=[w],
+                       loss_scaling=FixedLossScale(2.0 ** 20, skip_non_finite=True))
+    for _ in range(3):
+        assert bool(op().applied)
+    np.testing.assert_allclose(w.detach().numpy(), 1.0 - 3 * 0.1, rtol=1e-6)

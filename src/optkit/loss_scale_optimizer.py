@@ -53,6 +53,7 @@ from ._wrapper import (
     refuse_inside_ema_weights,
 )
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
+from .optimizer import Optimizer
 
 __all__ = ["LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer"]
 
@@ -117,13 +118,23 @@ def loss_scaled_step(
     skip = outer_found
     if check:
         skip = _max(skip, (~scaler.would_apply(found, amax)).to(torch.float32).to(dev))
-    with handed_over(wrapper.optimizer, gathered):
-        applied = wrapper._delegate(grad_scale, skip, multipliers)
+    # an innermost optkit optimizer may refuse the step by itself when a clip norm of the scaled gradients
+    # overflows float32 (the scale is too large): it reports that in the probe, counted here as an overflow
+    # so the scale backs off (Optimizer._refuse_overflowed_norm)
+    inner = _innermost(wrapper)
+    probe: list[Tensor] | None = [] if check and isinstance(inner, Optimizer) else None
+    if probe is not None:
+        inner._overflow_probe = probe
+    try:
+        with handed_over(wrapper.optimizer, gathered):
+            applied = wrapper._delegate(grad_scale, skip, multipliers)
+    finally:
+        if probe is not None:
+            inner.__dict__.pop("_overflow_probe", None)
     if check:  # after the inner step: a step that raises (bad input) leaves the scale as it was
-        # a step the inner optimizer refused by itself (a clip norm of the scaled gradients beyond float32:
-        # the scale is too large) counts as an overflow, so the scale backs off instead of every step skipping
-        refused = ((applied.to(dev) < 0.5) & (skip < 0.5)).to(torch.float32)
-        scaler.update(torch.maximum(found, refused) if found is not None else refused, amax)
+        if probe:
+            found = torch.maximum(found, probe[0].to(found.device)) if found is not None else probe[0]
+        scaler.update(found, amax)
     return applied
 
 

@@ -212,18 +212,17 @@ class _TrackedState(collections.defaultdict):
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
+    def __ior__(self, other: Any) -> _TrackedState:
+        self.update(other)
+        return self
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = {} if default is None else default
+        return self[key]
+
     def __reduce__(self) -> Any:
         return (_TrackedState, (self.version, dict(self)))
-
-
-def _refuse_overflowed_norm(found_inf: Tensor, norms: Tensor, inv: Tensor) -> Tensor:
-    """The skip flag, also set when a norm of the *scaled* gradients is not finite and the scale is above 1.
-    Their elements are finite (else the flag is set already), so the loss scale is so large that ``‖S·g‖²``
-    overflows float32 (S·|g| beyond about 1.8e19): the clip would be NaN or 0. The step is skipped instead and
-    reports ``step_applied`` false, which a loss-scale wrapper counts as an overflow (the scale backs off).
-    At a scale of 1 nothing smaller would help: the huge gradient goes to the clip as it is."""
-    bad = (~torch.isfinite(norms)).any() & (inv.to(found_inf.device) < 1)
-    return torch.maximum(found_inf, bad.to(device=found_inf.device, dtype=found_inf.dtype))
 
 
 class _HostRecord:
@@ -567,6 +566,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             # (the count too: a parameter appended to a group's list gets its state, as torch's lazily)
             seen = (self._active_slots(g), len(g["params"]))
             if self._slots_seen.get(id(g)) != seen:
+                names = g.setdefault("param_names", [])
+                if len(names) < len(g["params"]):  # appended without a name: param_<position>, as built
+                    start = sum(len(h["params"]) for h in self.param_groups[:self.param_groups.index(g)])
+                    names.extend(f"param_{start + j}" for j in range(len(names), len(g["params"])))
                 for p in g["params"]:
                     self._init_state(p, g)
                 self._slots_seen[id(g)] = seen
@@ -983,7 +986,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 n_all = torch.stack(ns).to(device=dev)
             c = self.clipnorm
             if inv is not None and found_inf is not None:
-                found_inf = _refuse_overflowed_norm(found_inf, n_all, inv)
+                found_inf = self._refuse_overflowed_norm(found_inf, n_all, inv)
             n_true = n_all if inv is None else n_all * inv
             coef = c / torch.clamp(n_true, min=c)  # g·c/max(‖g‖, c), per tensor
             if inv is not None:
@@ -993,7 +996,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         elif self.global_clipnorm is not None:
             n = mt.global_norm(whole_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
             if inv is not None and found_inf is not None:
-                found_inf = _refuse_overflowed_norm(found_inf, n, inv)
+                found_inf = self._refuse_overflowed_norm(found_inf, n, inv)
             if inv is not None:
                 n = n * inv
             c = self.global_clipnorm
@@ -1285,6 +1288,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             # (a plan without a flat part over flat parameters is made again once gradient views were
             # restored: FlatParameters.zero_grad or this optimizer's zero_grad)
             return plan
+        for p in params:  # a parameter put into the group's list in place of another: its state, as torch's
+            st = self.state.get(p)
+            if st is None or any(s not in st for s in self._active_slots(group)) or (
+                    self.use_ema and "average" not in st):
+                self._init_state(p, group)
         plan = Plan(self, group, idx, params, grads, blocked, key)
         self._plans[id(group)] = plan
         return plan
@@ -1536,6 +1544,21 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             if var_list is None and self._ema_buffers:
                 torch._foreach_copy_([mt.local(b) for _, b in self._ema_buffers],
                                      [mt.local(a) for a in self._ema_buffer_avgs])
+
+    def _refuse_overflowed_norm(self, found_inf: Tensor, norms: Tensor, inv: Tensor) -> Tensor:
+        """Under an optkit loss-scale wrapper that backs off (it sets ``_overflow_probe``, a list): the skip
+        flag, also set when a clip norm of the *scaled* gradients is not finite and the scale is above 1.
+        The elements are finite (else the flag is set already), so the scale is so large that ``‖S·g‖²``
+        overflows float32 (S·|g| beyond about 1.8e19) and the clip would be NaN or 0: the step is skipped and
+        the flag goes into the probe, which the wrapper counts as an overflow (the scale backs off). Other
+        callers (``torch.amp.GradScaler``, which would not back off) get the flag unchanged."""
+        probe = self.__dict__.get("_overflow_probe")
+        if probe is None:
+            return found_inf
+        bad = ((~torch.isfinite(norms)).any() & (inv.to(found_inf.device) < 1)).to(
+            device=found_inf.device, dtype=found_inf.dtype)
+        probe.append(bad)
+        return torch.maximum(found_inf, bad)
 
     def _refuse_inside_ema_weights(self) -> None:
         """``RuntimeError`` inside an :meth:`ema_weights` block (a step there would train the averages); the

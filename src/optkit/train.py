@@ -21,10 +21,10 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
 6. clip (``clip_gradients = c``): ``s = min(1, c/N)`` (no epsilon, as the original);
 7. summaries of the learning rate, the norms and the variables (due steps only);
 8. non-finite check (any NaN/inf element in any gradient of the window, from a max-abs pass next to the norm
-   pass, so the decision is the same on any number of ranks; also a non-finite ``‖Σ grads‖`` of finite
-   elements under a scale above 1, which is then too large for a float32 norm) decides whether the scaler
-   lets the update apply (the scaler itself advances after step 9, so an update that raises leaves
-   the scale as it was);
+   pass, so the decision is the same on any number of ranks; with ``clip_gradients`` and a scaler that backs
+   off, also a non-finite ``‖Σ grads‖`` of finite elements under a scale above 1, which is then too large
+   for a float32 norm) decides whether the scaler lets the update apply (the scaler itself advances after
+   step 9, so an update that raises leaves the scale as it was);
 9. the optimizer stack's step with ``lr(k)``, ``k`` = applied updates so far (a skipped update changes
    nothing): ``LARC`` (``larc_params``, :mod:`optkit.larc`) computes per parameter
    ``r = min(max(η‖w‖/(lr(‖g‖+ε)), min_update), 1)`` (clip mode) or ``max(η‖w‖/(‖g‖+ε), min_update)``
@@ -728,11 +728,12 @@ class TrainOp:
             overflow = found_raw
             if self.scaler.needs_amax:
                 overflow, amax = self._amax(qs, inf_norms, grad_scale, factor)
-            # finite elements whose scaled norm overflows float32 (S·|g| beyond about 1.8e19) with a scale
-            # above 1: the scale is too large for the clip and the norm summaries; an overflow too, so the
-            # scale backs off (at 1 the gradient itself is that large: applied, as before)
-            too_large = ~torch.isfinite(raw) & (scale.to(raw.device) > 1)
-            overflow = torch.maximum(overflow, too_large.to(overflow.dtype))
+            # finite elements whose scaled norm overflows float32 (S·|g| beyond about 1.8e19) under a clip
+            # and a scale above 1 that can back off: the scale is too large for the clip (its factor would
+            # be 0); an overflow too, so the scale backs off (at 1 the gradient itself is that large)
+            if self.clip_gradients is not None and not isinstance(self.scaler, FixedLossScale):
+                too_large = ~torch.isfinite(raw) & (scale.to(raw.device) > 1)
+                overflow = torch.maximum(overflow, too_large.to(overflow.dtype))
             applied = self.scaler.would_apply(overflow, amax)
             found = (~applied).to(torch.float32)
 
