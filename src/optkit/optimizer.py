@@ -960,10 +960,12 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         mults = [self._group_mult(group, params, fp, multipliers)
                  for group, (_, params, _), fp in zip(self.param_groups, gathered, flat_plans)]
         # every group's plan (and its checks: a misfit slot raises ValueError) before anything is written
+        pre_plans: list[Any] = [None] * len(self.param_groups)
         if not torch.compiler.is_compiling():
-            for group, (idx, params, grads), fp, mult in zip(self.param_groups, gathered, flat_plans, mults):
+            for i, (group, (idx, params, grads), fp, mult) in enumerate(
+                    zip(self.param_groups, gathered, flat_plans, mults)):
                 if fp is None and params:
-                    self._check_group_plan(group, idx, params, grads, sparse_handled, mult)
+                    pre_plans[i] = self._check_group_plan(group, idx, params, grads, sparse_handled, mult)
 
         inv = None
         if grad_scale is not None:
@@ -1004,14 +1006,15 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             k = coef if k is None else k * coef
 
         applied = None if found_inf is None else (1.0 - found_inf)
-        for group, (idx, params, grads), fp, mult in zip(self.param_groups, gathered, flat_plans, mults):
+        for group, (idx, params, grads), fp, mult, pre in zip(self.param_groups, gathered, flat_plans, mults,
+                                                              pre_plans):
             if not params:
                 if self.use_ema:
                     self._ema_group(group, list(range(len(group["params"]))), applied)
                 continue
             lr = self._current_lr(group, commit=True, found_inf=found_inf)
             self._run_group(group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult,
-                            plan=fp)
+                            plan=fp, checked=pre)
 
         self._after_update(found_inf, applied)
 
@@ -1025,9 +1028,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return multipliers.rows[id(group)]
         return [multipliers.get(id(p)) for p in params]
 
-    def _check_group_plan(self, group, idx, params, grads, sparse_handled, mult) -> None:
-        """Build (or find cached) the plan :meth:`_run_group` will use, and check the sparse rule's slots:
-        the ``ValueError`` of a misfit slot then comes before any group is updated."""
+    def _check_group_plan(self, group, idx, params, grads, sparse_handled, mult) -> Plan | None:
+        """Build (or find cached) the plan :meth:`_run_group` will use (returned; None when every gradient
+        is sparse), and check the sparse rule's slots: the ``ValueError`` of a misfit slot then comes before
+        any group is updated."""
         if isinstance(mult, list) and all(m is None for m in mult):
             mult = None
         if sparse_handled and any(id(p) in sparse_handled for p in params):
@@ -1038,10 +1042,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                         check_slot_fits(name, s, p, self.state[p].get(s))
             keep = [j for j, p in enumerate(params) if id(p) not in sparse_handled]
             if not keep:
-                return
+                return None
             idx, params, grads = [idx[j] for j in keep], [params[j] for j in keep], [grads[j] for j in keep]
             mult = None if mult is None else [mult[j] for j in keep]
-        self._plan_for(group, idx, params, grads, self._blocked(group, mult))
+        return self._plan_for(group, idx, params, grads, self._blocked(group, mult))
 
     def _handle_sparse(self, gathered, found_inf) -> set[int]:
         """Prepare sparse COO gradients before clipping.
@@ -1142,8 +1146,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         return None if plan is None else plan.flat
 
     def _run_group(
-        self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None, plan=None
+        self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None, plan=None,
+        checked=None,
     ) -> None:
+        """``plan``: a flat plan checked this step; ``checked``: the per-tensor plan :meth:`_apply` built
+        for these arguments before any group was updated (:meth:`_check_group_plan`)."""
         if isinstance(mult, list) and all(m is None for m in mult):
             mult = None
         if plan is not None:  # a flat plan, checked this step: no sparse gradients, nothing to re-plan
@@ -1172,8 +1179,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                     self._ema_group(group, list(range(len(group["params"]))), applied)
                 return
         tracing = torch.compiler.is_compiling()  # inside torch.compile(opt.step): no fused kernels, no plans
-        plan = self._light_plan(group, idx, params) if tracing else self._plan_for(
-            group, idx, params, grads, self._blocked(group, mult))
+        plan = self._light_plan(group, idx, params) if tracing else checked if checked is not None else (
+            self._plan_for(group, idx, params, grads, self._blocked(group, mult)))
         # a cached plan's flat part is this step's only while the gradients are still its views (after
         # model.zero_grad() the backward makes separate gradients: the flat gradient buffer is stale then)
         flat_ok = not tracing and plan.flat is not None and plan.flat.same_grads(grads)
