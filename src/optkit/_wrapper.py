@@ -47,7 +47,7 @@ from ._state_dict import validate_torch_state_dict
 from ._tf_surface import autograd_pairs as _autograd_pairs
 from ._tf_surface import check_pairs as _check_pairs
 from ._tf_surface import gradients_installed
-from .optimizer import Optimizer
+from .optimizer import Optimizer, record_field
 
 __all__ = ["OptimizerWrapper", "protocol_level", "step_inner"]
 
@@ -172,16 +172,9 @@ class ScaledGradsFlag:
     """``grads_scaled`` of a loss-scale wrapper, kept in its :class:`_WrapperRecord`."""
 
     _record: _WrapperRecord
-
-    @property
-    def grads_scaled(self) -> bool:
-        """Whether the gradients came from ``scale_loss(loss)`` since the last step (set it yourself when
-        you scaled the loss by the loss scale yourself)."""
-        return self._record.grads_scaled
-
-    @grads_scaled.setter
-    def grads_scaled(self, value: bool) -> None:
-        self._record.grads_scaled = value
+    grads_scaled = record_field(
+        "grads_scaled", "Whether the gradients came from ``scale_loss(loss)`` since the last step (set it "
+                        "yourself when you scaled the loss by the loss scale yourself).")
 
 
 class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
@@ -215,14 +208,8 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         self.step_applied = torch.ones((), dtype=torch.bool, device=self._device())
 
     # step bookkeeping kept in self._record (see _WrapperRecord)
-    @property
-    def step_applied(self) -> Tensor:
-        """Whether this wrapper's last step changed anything (0-d bool tensor)."""
-        return self._record.applied
-
-    @step_applied.setter
-    def step_applied(self, value: Tensor) -> None:
-        self._record.applied = value
+    step_applied = record_field("applied", "Whether this wrapper's last step changed anything (0-d bool "
+                                           "tensor).")
 
     # ------------------------------------------------------------------------------------ proxies
 

@@ -47,6 +47,7 @@ from ._validation import ParameterTypeError, check_real
 from ._wrapper import OptimizerWrapper, ScaledGradsFlag, _autograd_pairs, _check_pairs
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 from .loss_scale_optimizer import loss_scaled_step, scaled_backward_step
+from .optimizer import record_field
 
 __all__ = ["MixedPrecisionOptimizerWrapper", "convert_model_to_half"]
 
@@ -68,21 +69,8 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
 
     # the window flags, kept in the wrapper's record (torch.compile; OptimizerWrapper.__setstate__ fills it
     # for wrappers pickled before they existed)
-    @property
-    def _unscaled_fold(self) -> bool:
-        return self._record.unscaled_fold
-
-    @_unscaled_fold.setter
-    def _unscaled_fold(self, value: bool) -> None:
-        self._record.unscaled_fold = value
-
-    @property
-    def _scaled_fold(self) -> bool:
-        return self._record.scaled_fold
-
-    @_scaled_fold.setter
-    def _scaled_fold(self, value: bool) -> None:
-        self._record.scaled_fold = value
+    _unscaled_fold = record_field("unscaled_fold")
+    _scaled_fold = record_field("scaled_fold")
 
     def __init__(
         self,

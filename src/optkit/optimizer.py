@@ -225,6 +225,20 @@ class _TrackedState(collections.defaultdict):
         return (_TrackedState, (self.version, dict(self)))
 
 
+def record_field(name: str, doc: str | None = None) -> property:
+    """A property kept as ``self._record.<name>``: step bookkeeping of optimizers and wrappers lives in a
+    record object (:class:`_HostRecord`, ``_wrapper._WrapperRecord``) because ``torch.compile`` replays the
+    mutations of plain objects but drops attribute assignments on an optimizer."""
+
+    def get(self: Any) -> Any:
+        return getattr(self._record, name)
+
+    def set_(self: Any, value: Any) -> None:
+        setattr(self._record, name, value)
+
+    return property(get, set_, doc=doc)
+
+
 class _HostRecord:
     """An optimizer's host-side step bookkeeping: the count of applied updates while it is exact (no step
     could have been skipped since it was last read from the device), and the last step's outcome. It is an
@@ -415,30 +429,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._named = named  # set last: torch's __init__ adds the constructor's groups without the name check
 
     # step bookkeeping kept in self._record (see _HostRecord)
-    @property
-    def step_applied(self) -> Tensor:
-        """Whether the last step applied an update (0-d bool tensor on the state device)."""
-        return self._record.applied
-
-    @step_applied.setter
-    def step_applied(self, value: Tensor) -> None:
-        self._record.applied = value
-
-    @property
-    def _host_iterations(self) -> int:
-        return self._record.iterations
-
-    @_host_iterations.setter
-    def _host_iterations(self, value: int) -> None:
-        self._record.iterations = value
-
-    @property
-    def _host_exact(self) -> bool:
-        return self._record.exact
-
-    @_host_exact.setter
-    def _host_exact(self, value: bool) -> None:
-        self._record.exact = value
+    step_applied = record_field("applied", "Whether the last step applied an update (0-d bool tensor on the "
+                                           "state device).")
+    _host_iterations = record_field("iterations")
+    _host_exact = record_field("exact")
 
     # ------------------------------------------------------------------------------------------------ set-up
 
