@@ -788,6 +788,30 @@ def test_a_later_groups_misfit_refuses_the_step_before_any_group_changes():
     assert torch.equal(a.grad, before[2]) and int(opt.iterations) == 1
 
 
+def test_names_follow_their_parameters_when_a_group_list_changes_alone():
+    """torch's ``group["params"].pop(0)`` (the names not touched): the remaining parameters keep their own
+    names, so name rules (decay exclusions) still hit them; an append to a later group of two equal-sized
+    groups steps too."""
+    from optkit import AdamW
+
+    m = torch.nn.Linear(2, 1)
+    opt = AdamW(m.named_parameters(), learning_rate=0.1, weight_decay=0.5)
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    with torch.no_grad():
+        m.bias.fill_(1.0)
+    opt.param_groups[0]["params"].pop(0)
+    m.bias.grad = torch.zeros(1)
+    opt.step()
+    assert opt.param_groups[0]["param_names"] == ["bias"] and m.bias.item() == 1.0
+    a, b, c, d, e = (torch.nn.Parameter(torch.ones(2)) for _ in range(5))
+    opt = AdamW([{"params": [a, b]}, {"params": [c, d]}], 0.1)
+    opt.param_groups[1]["params"].append(e)
+    for p in (a, b, c, d, e):
+        p.grad = torch.ones(2)
+    opt.step()
+    assert opt.param_groups[1]["param_names"] == ["param_2", "param_3", "param_4"] and e.detach()[0] < 1
+
+
 @pytest.mark.parametrize("how", ["append-unnamed", "replace-in-list"])
 def test_a_parameter_put_into_a_group_list_steps_at_once(how):
     """torch's idioms on ``group["params"]`` without touching ``param_names``: an appended parameter gets
@@ -848,7 +872,7 @@ def test_a_parameter_appended_to_a_group_gets_its_state_as_in_torch():
 
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("how", ["replace-slot", "del-entry", "empty-entry", "clear-entry", "ior-state",
-                                 "new-state"])
+                                 "ior-entry", "new-state"])
 def test_state_replaced_or_reset_by_the_user_is_what_the_next_step_uses(how, flat):
     """torch.optim reads ``state`` afresh every step, so a slot replaced (or an entry deleted, emptied, or the
     whole ``state`` swapped) is what the next step uses, and a missing slot starts over; the cached plans
@@ -879,6 +903,8 @@ def test_state_replaced_or_reset_by_the_user_is_what_the_next_step_uses(how, fla
                     o.state[ps[0]].clear()
                 elif how == "ior-state":
                     o.state |= {ps[0]: {}}
+                elif how == "ior-entry":
+                    o.state[ps[0]] |= {"momentum_buffer": torch.full_like(ps[0], 0.5)}
                 else:
                     o.state = collections.defaultdict(dict)
         g = torch.Generator().manual_seed(10 + k)
@@ -895,7 +921,12 @@ def test_state_replaced_or_reset_by_the_user_is_what_the_next_step_uses(how, fla
         torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(opt.state[ours[0]]["momentum_buffer"], topt.state[ref[0]]["momentum_buffer"],
                                rtol=1e-13, atol=1e-15)
-    assert all(type(v) is dict for v in opt.state_dict()["state"].values())
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, sd: seen.extend(type(v) for v in sd["state"].values()))
+    assert all(type(v) is dict for v in opt.state_dict()["state"].values()) and set(seen) == {dict}
+    twin = opt.state.copy()  # a plain mapping of the same entries, as dict.copy
+    twin[ours[0]] = {}
+    assert len(twin) == len(opt.state) and opt.state[ours[0]]
 
 
 def _gc_seen_during_update(opt, monkeypatch, where="_run_group"):

@@ -1047,17 +1047,20 @@ def test_a_copied_train_op_continues_like_the_original(how):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
 
 
-def test_a_scale_too_large_for_a_float32_norm_backs_off():
+@pytest.mark.parametrize("clip", ["clip_gradients", "global_clipnorm", "clipnorm"])
+def test_a_scale_too_large_for_a_float32_norm_backs_off(clip):
     """``optimize_loss`` with a dynamic scale so large that ``‖Σ grads‖`` overflows float32 (finite elements):
-    the update is skipped and the scale backs off (the clip would have been a zero update, applied), then
-    the updates apply exactly."""
+    the update is skipped and the scale backs off (the clip would have been a zero update, or NaN for the
+    optimizer's own ``global_clipnorm``, applied), then the updates apply exactly; the train op's clip or
+    the optimizer's."""
     rng = np.random.default_rng(6)
     w0 = rng.standard_normal(64).astype(np.float32)
     g = rng.standard_normal(64).astype(np.float32)
     w = torch.nn.Parameter(torch.tensor(w0))
     gt = torch.tensor(g)
-    op = optimize_loss(lambda: (w * gt).sum(), "SGD", None, 0.1, var_list=[w], clip_gradients=1.0,
-                       loss_scaling="dynamic",
+    own = {clip: 1.0} if clip != "clip_gradients" else None
+    op = optimize_loss(lambda: (w * gt).sum(), "SGD", own, 0.1, var_list=[w],
+                       clip_gradients=1.0 if clip == "clip_gradients" else None, loss_scaling="dynamic",
                        loss_scaling_params={"initial_loss_scale": 2.0 ** 70, "increment_period": 1000})
     applied = [bool(op().applied) for _ in range(12)]
     backoffs = applied.index(True)

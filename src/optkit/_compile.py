@@ -93,8 +93,12 @@ def _make_compiled(backend: str = "inductor") -> Callable:
     compiled = torch.compile(chain, fullgraph=True, dynamic=False, backend=backend)
     import torch._dynamo.config as dynamo_config
 
-    limits = {"recompile_limit": RECOMPILE_LIMIT,
-              "accumulated_recompile_limit": max(RECOMPILE_LIMIT, dynamo_config.accumulated_recompile_limit)}
+    # (torch < 2.7 spells them cache_size_limit / accumulated_cache_size_limit)
+    names = (("recompile_limit", "accumulated_recompile_limit") if hasattr(dynamo_config, "recompile_limit")
+             else ("cache_size_limit", "accumulated_cache_size_limit"))
+    limits = {k: v for k, v in ((names[0], RECOMPILE_LIMIT),
+                                (names[1], max(RECOMPILE_LIMIT, getattr(dynamo_config, names[1], 0))))
+              if hasattr(dynamo_config, k)}
 
     def run(*args, **kwargs):  # type: ignore[no-untyped-def]
         with dynamo_config.patch(limits):

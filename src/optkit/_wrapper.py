@@ -125,6 +125,25 @@ def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
+@contextlib.contextmanager
+def overflow_probe(opt: torch.optim.Optimizer, enabled: bool) -> Iterator[list[Tensor] | None]:
+    """Around a step driven by a scaler that backs off: the innermost optkit optimizer of ``opt`` may
+    refuse the step when a clip norm of the scaled gradients overflows float32 (the scale is too large:
+    :meth:`optkit.Optimizer._refuse_overflowed_norm`); the flag it then appends to the yielded list is for the
+    caller to count as an overflow. Yields None (nothing installed) when not ``enabled`` or the innermost
+    optimizer is not optkit's."""
+    inner = _innermost(opt)
+    if not enabled or not isinstance(inner, Optimizer):
+        yield None
+        return
+    probe: list[Tensor] = []
+    inner._overflow_probe = probe
+    try:
+        yield probe
+    finally:
+        inner.__dict__.pop("_overflow_probe", None)
+
+
 def refuse_inside_ema_weights(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """``RuntimeError`` when the innermost optkit optimizer of ``opt`` is inside an ``ema_weights()`` block
     (asked at the top of a wrapper's step, before anything changes); returns that innermost optimizer."""

@@ -49,11 +49,11 @@ from ._wrapper import (
     _check_pairs,
     _innermost,
     handed_over,
+    overflow_probe,
     protocol_level,
     refuse_inside_ema_weights,
 )
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
-from .optimizer import Optimizer
 
 __all__ = ["LossScaleOptimizer", "MixedPrecisionLossScaleOptimizer"]
 
@@ -120,17 +120,10 @@ def loss_scaled_step(
         skip = _max(skip, (~scaler.would_apply(found, amax)).to(torch.float32).to(dev))
     # an innermost optkit optimizer may refuse the step by itself when a clip norm of the scaled gradients
     # overflows float32 (the scale is too large): it reports that in the probe, counted here as an overflow
-    # so the scale backs off (Optimizer._refuse_overflowed_norm)
-    inner = _innermost(wrapper)
-    probe: list[Tensor] | None = [] if check and isinstance(inner, Optimizer) else None
-    if probe is not None:
-        inner._overflow_probe = probe
-    try:
-        with handed_over(wrapper.optimizer, gathered):
-            applied = wrapper._delegate(grad_scale, skip, multipliers)
-    finally:
-        if probe is not None:
-            inner.__dict__.pop("_overflow_probe", None)
+    # so that a scale that can back off does (a fixed scale cannot: no probe, as before)
+    backs_off = check and not isinstance(scaler, FixedLossScale)
+    with overflow_probe(wrapper, backs_off) as probe, handed_over(wrapper.optimizer, gathered):
+        applied = wrapper._delegate(grad_scale, skip, multipliers)
     if check:  # after the inner step: a step that raises (bad input) leaves the scale as it was
         if probe:
             found = torch.maximum(found, probe[0].to(found.device)) if found is not None else probe[0]

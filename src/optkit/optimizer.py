@@ -156,6 +156,10 @@ class _Slots(dict):
             self._version.n += 1
         return super().setdefault(key, default)
 
+    def __ior__(self, other: Any) -> _Slots:
+        self.update(other)
+        return self
+
     def __reduce__(self) -> Any:
         return (_Slots._rebuild, (self._version, dict(self)))
 
@@ -215,6 +219,17 @@ class _TrackedState(collections.defaultdict):
     def __ior__(self, other: Any) -> _TrackedState:
         self.update(other)
         return self
+
+    def copy(self) -> collections.defaultdict:
+        """A plain ``defaultdict(dict)`` holding the same entries (shallow, as ``dict.copy``)."""
+        return collections.defaultdict(dict, self)
+
+    __copy__ = copy
+
+    def __or__(self, other: Any) -> collections.defaultdict:
+        out = self.copy()
+        out.update(other)
+        return out
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
         if key not in self:
@@ -407,7 +422,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._lr_written: dict[int, tuple[Any, int | None]] = {}
         self._lr_override_warned = False
         self._any_dtensor = False  # whether a parameter is a DTensor (set as groups are added)
-        self._slots_seen: dict[int, tuple[str, ...]] = {}  # id(group) -> the slots created for it
+        #: id(group) -> ((its active slots, its length), its parameters and their names then)
+        self._slots_seen: dict[int, tuple] = {}
         self._flat_slots: dict[tuple[int, str], Tensor] = {}  # (flat parameter storage, slot) -> flat slot
         self._record = _HostRecord()
 
@@ -536,6 +552,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 # .grad back at after a model.zero_grad() or a replacement (see _zero_grad)
                 views[id(p)] = (g, g.data_ptr(), p.untyped_storage().data_ptr())
         self._any_dtensor = self._any_dtensor or any(mt.is_dtensor(p) for p in group["params"])
+        # what _ensure_slots compares the group's list with (names follow their parameters if it changes)
+        self.__dict__.setdefault("_slots_seen", {})[id(group)] = (
+            (self._active_slots(group), len(group["params"])), list(group["params"]),
+            list(group.get("param_names", ())))
 
     def _active_slots(self, group: dict) -> tuple[str, ...]:
         """The slots ``group`` uses (default: all of ``slot_names``; SGD keeps no momentum buffer for a
@@ -556,19 +576,45 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                     self._init_state(p, g)
             self._invalidate_plans()
             self._state_seen = self._state_version.n
+        start = 0
         for g in self.param_groups:
-            # (the count too: a parameter appended to a group's list gets its state, as torch's lazily)
+            # (the count too: a parameter appended to or removed from a group's list gets its state, as
+            # torch's lazily, and the names follow their parameters)
             seen = (self._active_slots(g), len(g["params"]))
-            if self._slots_seen.get(id(g)) != seen:
-                names = g.setdefault("param_names", [])
-                if len(names) < len(g["params"]):  # appended without a name: param_<position>, as built
-                    start = sum(len(h["params"]) for h in self.param_groups[:self.param_groups.index(g)])
-                    names.extend(f"param_{start + j}" for j in range(len(names), len(g["params"])))
+            record = self._slots_seen.get(id(g))
+            if record is None or record[0] != seen:
+                self._pair_names(g, record, start)
                 for p in g["params"]:
                     self._init_state(p, g)
-                self._slots_seen[id(g)] = seen
+                self._slots_seen[id(g)] = (seen, list(g["params"]), list(g["param_names"]))
                 self._invalidate_plans()
                 self._state_seen = self._state_version.n
+            start += len(g["params"])
+
+    @staticmethod
+    def _pair_names(group: dict, record: tuple | None, start: int) -> None:
+        """``param_names`` after the group's list changed without its names (torch's idiom): each parameter
+        keeps the name it had when last seen (``record``), a new one gets ``param_<position>`` (as unnamed
+        parameters are named). Names kept in step with the list (as many as parameters) are left alone."""
+        params = group["params"]
+        names = group.setdefault("param_names", [])
+        if len(names) == len(params):
+            return
+        if record is not None:
+            by_id = {id(p): n for p, n in zip(record[1], record[2])}
+            new = [by_id.get(id(p)) for p in params]
+        else:
+            new = list(names[:len(params)]) + [None] * (len(params) - len(names))
+        names[:] = [n if n is not None else f"param_{start + j}" for j, n in enumerate(new)]
+
+    def _init_missing_state(self, group: dict, params: Sequence[Tensor]) -> None:
+        """State for parameters that lack some (one put into a group's list in place of another), as torch
+        creates it lazily."""
+        for p in params:
+            st = self.state.get(p)
+            if st is None or any(s not in st for s in self._active_slots(group)) or (
+                    self.use_ema and "average" not in st):
+                self._init_state(p, group)
 
     def _adopt_state(self) -> None:
         """Make ``self.state`` a :class:`_TrackedState` (entries kept) with a new version counter."""
@@ -1029,6 +1075,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if isinstance(mult, list) and all(m is None for m in mult):
             mult = None
         if sparse_handled and any(id(p) in sparse_handled for p in params):
+            self._init_missing_state(group, [p for p in params if id(p) in sparse_handled])
             for p in params:
                 if id(p) in sparse_handled:
                     name = group["param_names"][next(i for i, q in enumerate(group["params"]) if q is p)]
@@ -1289,11 +1336,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             # (a plan without a flat part over flat parameters is made again once gradient views were
             # restored: FlatParameters.zero_grad or this optimizer's zero_grad)
             return plan
-        for p in params:  # a parameter put into the group's list in place of another: its state, as torch's
-            st = self.state.get(p)
-            if st is None or any(s not in st for s in self._active_slots(group)) or (
-                    self.use_ema and "average" not in st):
-                self._init_state(p, group)
+        self._init_missing_state(group, params)  # (a parameter put in place of another in the group's list)
         plan = Plan(self, group, idx, params, grads, blocked, key)
         self._plans[id(group)] = plan
         return plan
@@ -1457,16 +1500,15 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's state dict, plus ``"ema_buffers"`` (name -> average) when buffers are averaged; the
         state-dict post-hooks see (and may change) the whole of it."""
-        if not self._ema_buffers:
-            return self._plain_state(super().state_dict())
         posts = self._optimizer_state_dict_post_hooks
-        self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, on the dict with the buffers
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, on the finished dict
         try:
             sd = self._plain_state(super().state_dict())
         finally:
             self._optimizer_state_dict_post_hooks = posts
-        sd = {**sd, "ema_buffers": {n: a.detach().clone() for (n, _), a in
-                                    zip(self._ema_buffers, self._ema_buffer_avgs)}}
+        if self._ema_buffers:
+            sd = {**sd, "ema_buffers": {n: a.detach().clone() for (n, _), a in
+                                        zip(self._ema_buffers, self._ema_buffer_avgs)}}
         for hook in posts.values():
             result = hook(self, sd)
             if result is not None:

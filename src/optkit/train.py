@@ -82,7 +82,7 @@ from torch import Tensor, nn
 
 from . import _multi_tensor as mt
 from ._validation import check_count, check_int, check_lr_value, check_params
-from ._wrapper import OptimizerWrapper, handed_over, protocol_level
+from ._wrapper import OptimizerWrapper, handed_over, overflow_probe, protocol_level
 from .clipping import clip_coefficient
 from .larc import LARC
 from .loss_scale import AutomaticLossScaler, DynamicLossScale, FixedLossScale, LossScale
@@ -739,7 +739,10 @@ class TrainOp:
 
         # (9) LARC (inside the wrapper stack), the update, p16 ← saturate(master) ("mixed"); then the scaler,
         # so an update that raises leaves the scale as it was
-        self._step_optimizer(grads, grad_scale, found, seen)
+        refused = self._step_optimizer(grads, grad_scale, found, seen)
+        if refused is not None:  # the optimizer's own clip norm overflowed: an overflow, the scale backs off
+            overflow = torch.maximum(overflow, refused.to(overflow.dtype))
+            applied = applied & (refused < 0.5).to(applied.device)
         if self._checks:
             self.scaler.update(overflow, amax)
         if due and self._larc is not None and log.wants("larc_summaries"):
@@ -839,10 +842,13 @@ class TrainOp:
         return (~torch.isfinite(both[0])).to(torch.float32), both[1]
 
     def _step_optimizer(self, grads: list[Tensor], grad_scale: Tensor | None, found: Tensor | None,
-                        seen: dict | None = None) -> None:
+                        seen: dict | None = None) -> Tensor | None:
         """Step the optimizer stack with the step protocol (``grad_scale``, ``found_inf``); the wrappers
         forward them inward (LARC adds its ratios as ``grad_multipliers``). ``seen``: what the base
-        optimizer's ``whole_grads`` read this update (nothing since replaced a gradient), handed over."""
+        optimizer's ``whole_grads`` read this update (nothing since replaced a gradient), handed over.
+        Returns the flag of a step the base optimizer refused because its own clip norm of the scaled
+        gradients overflowed (:func:`optkit._wrapper.overflow_probe`; only with a scaler that backs off),
+        else None."""
         opt = self.optimizer
         if self._level != "none":
             if grad_scale is not None:
@@ -853,8 +859,9 @@ class TrainOp:
             if base is not None:  # _clear_grads follows: flat gradients may be zeroed in the update's pass
                 base._zero_grads_in_pass = True
             zeroed: set[int] = set()
+            backs_off = self._checks and not isinstance(self.scaler, FixedLossScale)
             try:
-                with handed_over(opt, seen):
+                with overflow_probe(opt, backs_off) as probe, handed_over(opt, seen):
                     opt.step()
             finally:
                 if base is not None:
@@ -864,12 +871,13 @@ class TrainOp:
                     if attr in opt.__dict__:
                         delattr(opt, attr)
             self._zeroed = frozenset(zeroed)  # only when the step returned: _clear_grads takes it next
-            return
+            return probe[0] if probe else None
         # a bare optimizer without grad_scale/found_inf support: scale the gradients, skip on the host
         if grad_scale is not None:
             mt.scale_(grads, torch.reciprocal(grad_scale))
         if found is None or not bool(found):  # host read, as torch.amp.GradScaler does for such optimizers
             opt.step()
+        return None
 
     def _add_diverted_grads(self, denom: Tensor | None) -> None:
         """``master.grad += S·n·W·∂R/∂master`` for the regularizers of half parameters (§5.2)."""
