@@ -788,19 +788,33 @@ def test_a_later_groups_misfit_refuses_the_step_before_any_group_changes():
     assert torch.equal(a.grad, before[2]) and int(opt.iterations) == 1
 
 
-def test_names_follow_their_parameters_when_a_group_list_changes_alone():
+@pytest.mark.parametrize("how", ["as-built", "deepcopy", "loaded", "mixed-precision"])
+def test_names_follow_their_parameters_when_a_group_list_changes_alone(how):
     """torch's ``group["params"].pop(0)`` (the names not touched): the remaining parameters keep their own
-    names, so name rules (decay exclusions) still hit them; an append to a later group of two equal-sized
-    groups steps too."""
-    from optkit import AdamW
+    names, so name rules (decay exclusions) still hit them, also in a copy, after a load and over fp32
+    masters; an append to a later group of two equal-sized groups steps too."""
+    from optkit import AdamW, MixedPrecisionOptimizerWrapper
 
     m = torch.nn.Linear(2, 1)
+    if how == "mixed-precision":
+        m = m.half()
     opt = AdamW(m.named_parameters(), learning_rate=0.1, weight_decay=0.5)
     opt.exclude_from_weight_decay(var_names=["bias"])
+    if how == "deepcopy":
+        m, opt = copy.deepcopy((m, opt))
+    elif how == "loaded":
+        fresh = AdamW(m.named_parameters(), learning_rate=0.1, weight_decay=0.5)
+        fresh.exclude_from_weight_decay(var_names=["bias"])
+        fresh.load_state_dict(opt.state_dict())
+        opt = fresh
+    elif how == "mixed-precision":
+        opt = MixedPrecisionOptimizerWrapper(opt)
     with torch.no_grad():
         m.bias.fill_(1.0)
+        for p in opt.param_groups[0]["params"]:
+            p.fill_(1.0)
     opt.param_groups[0]["params"].pop(0)
-    m.bias.grad = torch.zeros(1)
+    m.bias.grad = torch.zeros_like(m.bias)
     opt.step()
     assert opt.param_groups[0]["param_names"] == ["bias"] and m.bias.item() == 1.0
     a, b, c, d, e = (torch.nn.Parameter(torch.ones(2)) for _ in range(5))
@@ -926,6 +940,8 @@ def test_state_replaced_or_reset_by_the_user_is_what_the_next_step_uses(how, fla
     assert all(type(v) is dict for v in opt.state_dict()["state"].values()) and set(seen) == {dict}
     twin = opt.state.copy()  # a plain mapping of the same entries, as dict.copy
     twin[ours[0]] = {}
+    merged = {} | opt.state
+    merged[ours[0]] = {}
     assert len(twin) == len(opt.state) and opt.state[ours[0]]
 
 

@@ -340,6 +340,8 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         elif hasattr(inner, "_wd_exclude_ids"):
             ids = inner._wd_exclude_ids
             inner._wd_exclude_ids = {id(mapping[i]) if i in mapping else i for i in ids}
+            for g in inner.param_groups:  # (its record of the group's tensors, by which names follow them)
+                inner._record_group(g)
 
     # --------------------------------------------------------------------------------------- step
 

@@ -231,6 +231,11 @@ class _TrackedState(collections.defaultdict):
         out.update(other)
         return out
 
+    def __ror__(self, other: Any) -> collections.defaultdict:
+        out = collections.defaultdict(dict, other)
+        out.update(self)
+        return out
+
     def setdefault(self, key: Any, default: Any = None) -> Any:
         if key not in self:
             self[key] = {} if default is None else default
@@ -552,7 +557,12 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 # .grad back at after a model.zero_grad() or a replacement (see _zero_grad)
                 views[id(p)] = (g, g.data_ptr(), p.untyped_storage().data_ptr())
         self._any_dtensor = self._any_dtensor or any(mt.is_dtensor(p) for p in group["params"])
-        # what _ensure_slots compares the group's list with (names follow their parameters if it changes)
+        self._record_group(group)
+
+    def _record_group(self, group: dict) -> None:
+        """Remember the group's parameters and names: what :meth:`_ensure_slots` compares the group's list
+        with (the names follow their parameters when its length changes). Made again when the groups are
+        new dicts (a copy, a load) or their tensors were replaced (fp32 masters)."""
         self.__dict__.setdefault("_slots_seen", {})[id(group)] = (
             (self._active_slots(group), len(group["params"])), list(group["params"]),
             list(group.get("param_names", ())))
@@ -1713,6 +1723,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return
         if "_state_version" not in state:  # pickled by an earlier optkit
             self._adopt_state()
+        for g in self.param_groups:  # (new group dicts)
+            self._record_group(g)
         # a copy or unpickle: the state entries each got their own 'step' tensor, share the counter again
         for g in self.param_groups:
             for p in g["params"]:
@@ -1763,6 +1775,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         for g, ns in zip(self.param_groups, names):
             g["param_names"] = ns
             self._group_lr_alias(g)
+            self._record_group(g)
         self._invalidate_plans()
         self._iterations = torch.as_tensor(step, dtype=torch.int64).to(self._state_device).clone()
         for g in self.param_groups:
