@@ -186,15 +186,19 @@ def test_jit_compile_updates_0d_float64_state(kind):
             "Adam": (lambda ps, jit: optkit.Adam(ps, learning_rate=0.01, jit_compile=jit),
                      lambda ps: torch.optim.Adam(ps, lr=0.01))}[kind]
     op, tp = _params(7), _params(7)
-    opt = make[0](op, True)
-    topt = make[1](tp)
+    _compiled_matches(make[0](op, True), op, make[1](tp), tp, seed=7, steps=4, rtol=1e-12, atol=1e-14)
+
+
+def _compiled_matches(jit, jp, ref, rp, *, seed, steps, rtol, atol):
+    """``steps`` steps of the ``jit_compile`` optimizer (which must compile: its fallback warning is an
+    error) and of the reference on the same gradients; the parameters agree to ``rtol``/``atol``."""
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="jit_compile")
-        _run(opt, op, 7, 4)
-    _run(topt, tp, 7, 4)
-    assert opt._compile_state == "ok"
-    for a, b in zip(op, tp):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-14)
+        _run(jit, jp, seed, steps)
+    _run(ref, rp, seed, steps)
+    assert jit._compile_state == "ok"
+    for a, b in zip(jp, rp):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("kind", ["SGD-decay", "Adagrad-lr_decay"])
@@ -205,14 +209,7 @@ def test_jit_compile_keeps_float64_hyperparameters(kind):
     make = {"SGD-decay": lambda ps, jit: optkit.SGD(ps, 0.1, momentum=0.9, weight_decay=0.1, jit_compile=jit),
             "Adagrad-lr_decay": lambda ps, jit: optkit.Adagrad(ps, 0.1, lr_decay=0.1, jit_compile=jit)}[kind]
     jp, ep = _params(8), _params(8)
-    jit, eager = make(jp, True), make(ep, False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="jit_compile")
-        _run(jit, jp, 8, 3)
-    _run(eager, ep, 8, 3)
-    assert jit._compile_state == "ok"
-    for a, b in zip(jp, ep):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-14, atol=1e-15)
+    _compiled_matches(make(jp, True), jp, make(ep, False), ep, seed=8, steps=3, rtol=1e-14, atol=1e-15)
 
 
 @pytest.mark.parametrize("lr_kind", ["callable", "schedule"])
