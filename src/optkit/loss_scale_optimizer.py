@@ -204,8 +204,6 @@ class LossScaleOptimizer(ScaledGradsFlag, OptimizerWrapper):
         scaler = get_loss_scale(loss_scale)
         super().__init__(opt)
         self.loss_scaler: LossScale = scaler.to(self._device())
-        #: True after :meth:`scale_loss` until the next ``step()`` (set it when you scaled the loss yourself)
-        self.grads_scaled = False
 
     @property
     def loss_scale(self) -> Tensor:

@@ -68,8 +68,11 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
     _outermost_only = True
 
     # the window flags, kept in the wrapper's record (torch.compile; OptimizerWrapper.__setstate__ fills it
-    # for wrappers pickled before they existed)
+    # for wrappers pickled before they existed; both start False):
+    #: the pending accumulation folded gradients while grads_scaled was False
     _unscaled_fold = record_field("unscaled_fold")
+    #: ... folded gradients from scale_loss: the fp32 parameters' gradients, which stay in their .grad through
+    #: the window (and may be clipped or all-reduced in place before the step), count as scaled
     _scaled_fold = record_field("scaled_fold")
 
     def __init__(
@@ -86,17 +89,11 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
                        minimum=0.0)
         super().__init__(opt)
         self.loss_scaler: LossScale = scaler.to(self._device())
-        #: True after :meth:`scale_loss` until the next ``step()`` (set it when you scaled the loss yourself)
-        self.grads_scaled = False
         self.l2_regularization = None if l2_regularization is None else float(l2_regularization)
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (model half parameter, fp32 master)
         self._grad_bufs: list[Tensor] = []
         self._fp32_params: list[Tensor] = []
         self._accumulated: set[int] = set()  # pairs whose master gradient holds a pending accumulation
-        self._unscaled_fold = False  # the pending accumulation folded gradients while grads_scaled was False
-        #: ... folded gradients from scale_loss: the fp32 parameters' gradients, which stay in their .grad
-        #: through the window (and may be clipped or all-reduced in place before the step), count as scaled
-        self._scaled_fold = False
         # before any master replaces a parameter
         self._refuse_second_masters([p for g in self.param_groups for p in g["params"]],
                                     "MixedPrecisionOptimizerWrapper")

@@ -114,11 +114,39 @@ class _StateVersion:
 _ABSENT = object()
 
 
-class _Slots(dict):
+class _CountsChanges:
+    """What a change of a state mapping does besides changing it: count it in ``self._version`` (the
+    optimizer's :class:`_StateVersion`), so that cached plans holding the old slot tensors are rebuilt."""
+
+    __slots__ = ()
+    _version: _StateVersion
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)  # type: ignore[misc]
+        self._version.n += 1
+
+    def pop(self, *args: Any) -> Any:
+        self._version.n += 1
+        return super().pop(*args)  # type: ignore[misc]
+
+    def popitem(self) -> Any:
+        self._version.n += 1
+        return super().popitem()  # type: ignore[misc]
+
+    def clear(self) -> None:
+        self._version.n += 1
+        super().clear()  # type: ignore[misc]
+
+    def __ior__(self, other: Any) -> Any:
+        self.update(other)  # type: ignore[attr-defined]
+        return self
+
+
+class _Slots(_CountsChanges, dict):
     """One parameter's state (slot name -> tensor) that counts its changes: cached plans hold the slot
     tensors, so a slot replaced, reset or deleted by the user (torch.optim reads ``state`` afresh each step)
-    must rebuild them. In-place changes of a slot tensor need nothing. A plain dict in copies and pickles of
-    the optimizer's ``state_dict()``."""
+    must rebuild them. In-place changes of a slot tensor need nothing. A plain dict in the optimizer's
+    ``state_dict()``."""
 
     __slots__ = ("_version",)
 
@@ -131,22 +159,6 @@ class _Slots(dict):
             self._version.n += 1
         super().__setitem__(key, value)
 
-    def __delitem__(self, key: Any) -> None:
-        super().__delitem__(key)
-        self._version.n += 1
-
-    def pop(self, *args: Any) -> Any:
-        self._version.n += 1
-        return super().pop(*args)
-
-    def popitem(self) -> Any:
-        self._version.n += 1
-        return super().popitem()
-
-    def clear(self) -> None:
-        self._version.n += 1
-        super().clear()
-
     def update(self, *args: Any, **kwargs: Any) -> None:
         self._version.n += 1
         super().update(*args, **kwargs)
@@ -156,16 +168,8 @@ class _Slots(dict):
             self._version.n += 1
         return super().setdefault(key, default)
 
-    def __ior__(self, other: Any) -> _Slots:
-        self.update(other)
-        return self
-
     def __reduce__(self) -> Any:
-        return (_Slots._rebuild, (self._version, dict(self)))
-
-    @staticmethod
-    def _rebuild(version: _StateVersion, items: dict) -> _Slots:
-        return _Slots(version, items)
+        return (_Slots, (self._version, dict(self)))
 
 
 class _NewSlots:
@@ -180,45 +184,32 @@ class _NewSlots:
         return _Slots(self.version)
 
 
-class _TrackedState(collections.defaultdict):
-    """``optimizer.state`` (parameter -> :class:`_Slots`) counting the changes of its entries and theirs."""
+class _TrackedState(_CountsChanges, collections.defaultdict):
+    """``optimizer.state`` (parameter -> :class:`_Slots`) counting the changes of its entries and theirs;
+    copies (``copy()``, ``|``) are plain ``defaultdict(dict)`` of the same entries."""
 
     def __init__(self, version: _StateVersion, items: Any = ()) -> None:
         super().__init__(_NewSlots(version))
-        self.version = version
+        self._version = version
         for key, value in dict(items).items():
-            dict.__setitem__(self, key, value if isinstance(value, _Slots) and value._version is version
-                             else _Slots(version, value))
+            dict.__setitem__(self, key, self._tracked(value))
+
+    def _tracked(self, value: Any) -> _Slots:
+        return value if isinstance(value, _Slots) and value._version is self._version else _Slots(
+            self._version, value)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if not (isinstance(value, _Slots) and value._version is self.version):
-            value = _Slots(self.version, value)
-        self.version.n += 1
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: Any) -> None:
-        super().__delitem__(key)
-        self.version.n += 1
-
-    def pop(self, *args: Any) -> Any:
-        self.version.n += 1
-        return super().pop(*args)
-
-    def popitem(self) -> Any:
-        self.version.n += 1
-        return super().popitem()
-
-    def clear(self) -> None:
-        self.version.n += 1
-        super().clear()
+        self._version.n += 1
+        super().__setitem__(key, self._tracked(value))
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
-    def __ior__(self, other: Any) -> _TrackedState:
-        self.update(other)
-        return self
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = {} if default is None else default
+        return self[key]
 
     def copy(self) -> collections.defaultdict:
         """A plain ``defaultdict(dict)`` holding the same entries (shallow, as ``dict.copy``)."""
@@ -236,13 +227,8 @@ class _TrackedState(collections.defaultdict):
         out.update(self)
         return out
 
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        if key not in self:
-            self[key] = {} if default is None else default
-        return self[key]
-
     def __reduce__(self) -> Any:
-        return (_TrackedState, (self.version, dict(self)))
+        return (_TrackedState, (self._version, dict(self)))
 
 
 def record_field(name: str, doc: str | None = None) -> property:
@@ -576,11 +562,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         """Create the slots a group started to use since the last step (a scheduler such as ``OneCycleLR``
         turning momentum on): zeros, which is what the rule would start from; O(groups) per step."""
         state = self.state
-        if type(state) is not _TrackedState or state.version is not self._state_version:
+        if type(state) is not _TrackedState or state._version is not self._state_version:
             self._adopt_state()  # (``opt.state = defaultdict(dict)``, or torch's load put a plain one)
-        elif state.version.n != self._state_seen:  # an entry was replaced, reset or deleted since
-            self._state_seen = -1
-        if self._state_seen != self._state_version.n:
+        if self._state_seen != self._state_version.n:  # an entry was replaced, reset or deleted since
             for g in self.param_groups:  # (missing slots come back as a new parameter's, like torch's)
                 for p in g["params"]:
                     self._init_state(p, g)
@@ -596,7 +580,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 self._pair_names(g, record, start)
                 for p in g["params"]:
                     self._init_state(p, g)
-                self._slots_seen[id(g)] = (seen, list(g["params"]), list(g["param_names"]))
+                self._record_group(g)
                 self._invalidate_plans()
                 self._state_seen = self._state_version.n
             start += len(g["params"])
@@ -1085,18 +1069,25 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if isinstance(mult, list) and all(m is None for m in mult):
             mult = None
         if sparse_handled and any(id(p) in sparse_handled for p in params):
-            self._init_missing_state(group, [p for p in params if id(p) in sparse_handled])
-            for p in params:
-                if id(p) in sparse_handled:
-                    name = group["param_names"][next(i for i, q in enumerate(group["params"]) if q is p)]
-                    for s in self._active_slots(group):
-                        check_slot_fits(name, s, p, self.state[p].get(s))
+            self._sparse_part(group, idx, params, sparse_handled)
             keep = [j for j, p in enumerate(params) if id(p) not in sparse_handled]
             if not keep:
                 return None
             idx, params, grads = [idx[j] for j in keep], [params[j] for j in keep], [grads[j] for j in keep]
             mult = None if mult is None else [mult[j] for j in keep]
         return self._plan_for(group, idx, params, grads, self._blocked(group, mult))
+
+    def _sparse_part(self, group: dict, idx: list[int], params: list[Tensor],
+                     sparse_handled: set[int]) -> list[int]:
+        """Positions in ``params`` of those the sparse rule updates, with their state made if missing (a
+        parameter put in place of another) and every slot checked (``ValueError`` naming it)."""
+        sp = [j for j, p in enumerate(params) if id(p) in sparse_handled]
+        self._init_missing_state(group, [params[j] for j in sp])
+        names = group["param_names"]
+        for j in sp:
+            for s in self._active_slots(group):
+                check_slot_fits(names[idx[j]], s, params[j], self.state[params[j]].get(s))
+        return sp
 
     def _handle_sparse(self, gathered, found_inf) -> set[int]:
         """Prepare sparse COO gradients before clipping.
@@ -1208,17 +1199,13 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan)
             return
         if sparse_handled and any(id(p) in sparse_handled for p in params):
-            sp = [j for j, p in enumerate(params) if id(p) in sparse_handled]
+            sp = self._sparse_part(group, idx, params, sparse_handled)
             sp_grads = [grads[j] for j in sp]
             if mult is not None:
                 sel = [(sp_grads[n], mult[j]) for n, j in enumerate(sp) if mult[j] is not None]
                 if sel:
                     mt.scale_([t for t, _ in sel], [m for _, m in sel])
             sp_params = [params[j] for j in sp]
-            for p in sp_params:
-                name = group["param_names"][next(i for i, q in enumerate(group["params"]) if q is p)]
-                for s in self._active_slots(group):
-                    check_slot_fits(name, s, p, self.state[p].get(s))
             self._sparse_update(group, sp_params, sp_grads,
                                 {s: [self.state[p][s] for p in sp_params] for s in self._active_slots(group)},
                                 lr, k, found_inf)

@@ -82,7 +82,7 @@ from torch import Tensor, nn
 
 from . import _multi_tensor as mt
 from ._validation import check_count, check_int, check_lr_value, check_params
-from ._wrapper import OptimizerWrapper, handed_over, overflow_probe, protocol_level
+from ._wrapper import OptimizerWrapper, handed_over, overflow_probe, protocol_level, refuse_inside_ema_weights
 from .clipping import clip_coefficient
 from .larc import LARC
 from .loss_scale import AutomaticLossScaler, DynamicLossScale, FixedLossScale, LossScale
@@ -576,8 +576,7 @@ class TrainOp:
 
     def __call__(self, *inputs: Any, skip_update: bool | None = None, **kw_inputs: Any) -> StepResult:
         """Run one micro-step on ``inputs``: forward, backward, and (at the end of a window) the update."""
-        if hasattr(self.base_optimizer, "_refuse_inside_ema_weights"):  # before the forward adds gradients
-            self.base_optimizer._refuse_inside_ema_weights()
+        refuse_inside_ema_weights(self.optimizer)  # before the forward adds gradients
         update = self._is_update(skip_update)
         if update and self._lr_error is not None:
             # the schedule failed for this update after the previous one: ask again, before anything changes
