@@ -51,7 +51,7 @@ def laid_out(x: torch.Tensor, name: str, layout: str, role: str) -> torch.Tensor
     """``x`` (contiguous) copied into the memory layout ``layout`` asks for this tensor and role."""
     four_d, two_d = x.ndim == 4, x.ndim == 2
     if layout == "noncontig_param" and role == "param":
-        base = torch.zeros(*x.shape, 2, dtype=x.dtype)
+        base = torch.zeros(*x.shape, 2, dtype=x.dtype, device=x.device)
         view = base[..., 0]
         view.copy_(x)
         return view
@@ -69,12 +69,13 @@ def laid_out(x: torch.Tensor, name: str, layout: str, role: str) -> torch.Tensor
     return x.clone()
 
 
-def make_params(dtype, layout="contiguous", seed=0) -> list[tuple[str, torch.Tensor]]:
-    """The row's parameters; ``layout="flat"``: views into one buffer (``optkit.flat_parameters``), the
-    conv weight in channels_last, so the flat path also sees a non-contiguous dense segment."""
+def make_params(dtype, layout="contiguous", seed=0, device="cpu") -> list[tuple[str, torch.Tensor]]:
+    """The row's parameters (on ``device``); ``layout="flat"``: views into one buffer
+    (``optkit.flat_parameters``), the conv weight in channels_last, so the flat path also sees a
+    non-contiguous dense segment."""
     out = []
     for name, v in values(seed, 0.5).items():
-        t = torch.tensor(v, dtype=torch.float64).to(dtype)
+        t = torch.tensor(v, dtype=torch.float64).to(device=device, dtype=dtype)
         t = laid_out(t, name, "channels_last" if layout == "flat" else layout, "param")
         out.append((name, t.requires_grad_()))
     if layout == "flat":
@@ -82,8 +83,9 @@ def make_params(dtype, layout="contiguous", seed=0) -> list[tuple[str, torch.Ten
     return out
 
 
-def grads_at(step: int, dtype, seed=1) -> list[torch.Tensor]:
-    return [torch.tensor(v, dtype=torch.float64).to(dtype) for v in values(1000 * seed + step).values()]
+def grads_at(step: int, dtype, seed=1, device="cpu") -> list[torch.Tensor]:
+    return [torch.tensor(v, dtype=torch.float64).to(device=device, dtype=dtype)
+            for v in values(1000 * seed + step).values()]
 
 
 def set_grads(params, grads, layout="contiguous", scale=1.0, opt=None):
@@ -119,11 +121,11 @@ def feed_scale(row: Row, opt) -> float:
 
 
 def train(row: Row, dtype=torch.float32, layout="contiguous", steps=STEPS, lr=LR, params=None, opt=None,
-          start=0):
-    params = make_params(dtype, layout) if params is None else params
+          start=0, device="cpu"):
+    params = make_params(dtype, layout, device=device) if params is None else params
     opt = row.build(params, lr) if opt is None else opt
     for k in range(start, start + steps):
-        set_grads(params, grads_at(k, dtype), layout, feed_scale(row, opt), opt)
+        set_grads(params, grads_at(k, dtype, device=device), layout, feed_scale(row, opt), opt)
         opt.step()
     return params, opt
 
@@ -157,7 +159,7 @@ def tolerance(dtype, row: Row) -> tuple[float, float]:
 def assert_matches(params, ref_ws, dtype, row):
     rtol, atol = tolerance(dtype, row)
     for (name, p), w in zip(params, ref_ws):
-        got = p.detach().double().numpy()
+        got = p.detach().double().cpu().numpy()
         scale = max(1.0, float(np.abs(w).max()))
         np.testing.assert_allclose(got, w, rtol=rtol, atol=atol * scale, err_msg=name)
 
@@ -694,3 +696,44 @@ def test_apply_gradients_leaves_its_arguments_untouched(row_id):
         ref_opt.step()
     for (_, p), (_, q) in zip(params, ref_params):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ host reads
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host (``.item()``, ``float(t)``, ``bool(t)``, and a
+    0-d tensor that Python's overload resolution passed as a Scalar): each one a device sync on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero"):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "flat"])
+@pytest.mark.parametrize("row_id", [r for r in ROW_IDS if r != "LossScale(torch.Adam,dynamic)"])
+def test_step_reads_no_tensor_on_the_host(row_id, layout):
+    """After the first steps, ``step()`` reads no tensor value on the host (on a GPU each read is a sync; the
+    CUDA run of ``tests/test_cuda.py`` checks the syncs themselves). Loss scales are told their state lives on
+    an accelerator (on the CPU they read it, which costs nothing there). The one exception by design, a
+    torch.optim optimizer under a dynamic loss scale, reads its skip flag as GradScaler does."""
+    row = BY_ID[row_id]
+    dtype = default_dtype(row)
+    params, opt = train(row, dtype, layout, steps=2)
+    o = opt
+    while o is not None:
+        scaler = getattr(o, "loss_scaler", None)
+        if scaler is not None:
+            getattr(scaler, "scaler", scaler)._state_on_host = lambda: False
+        o = getattr(o, "optimizer", None)
+    mode = _HostReads()
+    for k in range(2, 4):
+        set_grads(params, grads_at(k, dtype), layout, feed_scale(row, opt), opt)
+        with mode:
+            opt.step()
+    assert mode.reads == 0

@@ -31,13 +31,16 @@ __all__ = [
 
 _FLOATS = (torch.float32, torch.float64)
 _HALF_AND_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# CUDA's fused kernels read a tensor learning rate as float32 and refuse a float64 one, which a float64
+# parameter needs to stay exact: float64 takes the foreach fallback there
+_HALF_AND_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 
 #: kernel name -> {device type: dtypes the kernel computes exactly on that device}
 KERNELS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
     # CPU fused SGD (torch 2.13) is wrong for half tensors longer than one vector
-    "sgd": {"cpu": _FLOATS, "cuda": _HALF_AND_FLOATS},
-    "adam": {"cpu": _HALF_AND_FLOATS, "cuda": _HALF_AND_FLOATS},
-    "adagrad": {"cpu": _HALF_AND_FLOATS, "cuda": _HALF_AND_FLOATS},
+    "sgd": {"cpu": _FLOATS, "cuda": _HALF_AND_FP32},
+    "adam": {"cpu": _HALF_AND_FLOATS, "cuda": _HALF_AND_FP32},
+    "adagrad": {"cpu": _HALF_AND_FLOATS, "cuda": _HALF_AND_FP32},
     # no fused kernel: a chain of foreach ops (any layout); half dtypes are staged for fp32 arithmetic
     "foreach": {"cpu": _FLOATS, "cuda": _FLOATS},
 }

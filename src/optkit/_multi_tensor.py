@@ -70,6 +70,13 @@ def is_dtensor(t: object) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether work queued for ``device`` is being captured into a CUDA graph (``torch.cuda.graph``): a
+    decision taken on the host then would be baked into every replay, so callers take the device-side path
+    (as under ``torch.compile``) and read nothing back."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def local(t: Tensor) -> Tensor:
     """The tensor a kernel can operate on: the local shard of a DTensor, else ``t`` itself."""
     if is_dtensor(t):
@@ -888,7 +895,7 @@ def scale_(tensors: Sequence[Tensor | None], scale: float | Tensor | Sequence[Te
             # rounding); casting the factor to fp16/bf16 first adds a second, larger rounding error.
             torch._foreach_mul_(group, scale.to(device=device, dtype=acc_dtype(dtype)))
         elif acc_dtype(dtype) != dtype:  # a Python scalar would be rounded to fp16/bf16 first
-            torch._foreach_mul_(group, torch.tensor(float(scale), dtype=torch.float32, device=device))
+            torch._foreach_mul_(group, torch.full((), float(scale), dtype=torch.float32, device=device))
         else:
             torch._foreach_mul_(group, float(scale))
 
@@ -904,6 +911,28 @@ def clamp_(tensors: Sequence[Tensor | None], min_value: float, max_value: float)
         torch._foreach_clamp_max_(group, max_value)
 
 
+def add_tensor_(tensors: list[Tensor], value: Tensor) -> None:
+    """``t ← t + value`` for every tensor, ``value`` a 0-d tensor on their device, read by the kernel.
+
+    (``torch._foreach_add_(ts, value)`` would not do: Python's overload resolution takes a 0-d tensor for
+    the Scalar overload, a host read of the device; the Tensor overload is called by name.)"""
+    torch.ops.aten._foreach_add_.Tensor(tensors, value)
+
+
+def _lerp_by_tensor_(tg: list[Tensor], src: list[Tensor], w: Tensor) -> None:
+    """``tg ← tg + w·(src − tg)`` with a 0-d weight ``w`` on their device (dtype), no host read.
+
+    torch has no foreach lerp by a tensor weight: on CPU, whose foreach ops run tensor by tensor anyway,
+    one ``lerp_`` per tensor; elsewhere three multi-tensor kernels (difference, scale by the tensor, add)
+    instead of one launch per tensor."""
+    if tg[0].device.type == "cpu":
+        torch._foreach_lerp_(tg, src, [w] * len(tg))
+        return
+    d = torch._foreach_sub(src, tg)
+    torch._foreach_mul_(d, w)
+    torch._foreach_add_(tg, d)
+
+
 def lerp_(targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | Tensor) -> None:
     """target ← target + w·(source − target), one pass per (device, dtype) group.
 
@@ -913,8 +942,7 @@ def lerp_(targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | 
         return
     for (device, dtype), (_, (tg, src)) in group_by_device_dtype(targets, sources).items():
         if isinstance(weight, Tensor):
-            w = weight.to(device=device, dtype=dtype)
-            torch._foreach_lerp_(tg, src, [w] * len(tg))
+            _lerp_by_tensor_(tg, src, weight.to(device=device, dtype=dtype))
         else:
             torch._foreach_lerp_(tg, src, float(weight))
 
@@ -1145,5 +1173,4 @@ def lerp_local_(
         lerp_(targets, sources, weight)
         return
     device, dtype = key
-    w = weight.to(device=device, dtype=dtype)
-    torch._foreach_lerp_(list(targets), list(sources), [w] * len(targets))
+    _lerp_by_tensor_(list(targets), list(sources), weight.to(device=device, dtype=dtype))

@@ -129,7 +129,7 @@ def clip_coefficient(
     c = _positive_clip("clip_norm", clip_norm, where)
     dtype = torch.float64 if norm.dtype == torch.float64 else torch.float32
     n = norm.reshape(()).to(dtype)
-    c_t = torch.as_tensor(c, dtype=dtype, device=n.device)
+    c_t = torch.full((), float(c), dtype=dtype, device=n.device)
     coef = c_t / torch.maximum(n, c_t)
     if nan_on_nonfinite:
         coef = coef + (n - n)

@@ -135,7 +135,7 @@ class Ftrl(Optimizer):
             z_new = torch._foreach_add(z, g_s)
             torch._foreach_addcmul_(z_new, sigma, w, value=-1.0)
             quad = torch._foreach_div(p_new, lr_)
-            torch._foreach_add_(quad, 2.0 * l2 + beta / lr_)
+            mt.add_tensor_(quad, 2.0 * l2 + beta / lr_)
             shrunk = torch._foreach_abs(z_new)
             torch._foreach_sub_(shrunk, l1)
             torch._foreach_clamp_min_(shrunk, 0.0)

@@ -498,7 +498,7 @@ class LAMB(Optimizer):
             sel = [j for j, o in enumerate(own) if st.adapt_of[o] >= 0]
             own_pos = [st.adapt_of[own[j]] for j in sel]
             dec = [j for j in sel if st.decayed[own[j]]]
-            wd_t = [torch.tensor(st.wd, dtype=mt.acc_dtype(ws[j].dtype), device=ws[j].device) for j in dec]
+            wd_t = [torch.full((), st.wd, dtype=mt.acc_dtype(ws[j].dtype), device=ws[j].device) for j in dec]
             halves = [j for j, w in enumerate(ws) if w.dtype in _HALF]
             dec_all = [j for j, o in enumerate(own) if st.decayed[o]]
         k = hyper[4]
@@ -719,7 +719,7 @@ class LAMB(Optimizer):
             else:
                 torch._foreach_copy_(d, v)
                 torch._foreach_sqrt_(d)
-                torch._foreach_add_(d, e.to(device=device, dtype=acc))
+                mt.add_tensor_(d, e.to(device=device, dtype=acc))
                 torch._foreach_reciprocal_(d)
                 torch._foreach_mul_(d, m)
                 torch._foreach_mul_(d, [a[0] for a in part_aux])  # c·m/(√v + e)

@@ -171,7 +171,7 @@ class LossScale(ABC):
                 raise ValueError(f"update: {name} must have exactly one element, got shape {shape}")
             return value.to(self.device, non_blocking=True).reshape(())
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            return torch.tensor(float(value), dtype=_F32, device=self.device)
+            return torch.full((), float(value), dtype=_F32, device=self.device)
         raise TypeError(f"update: {name} must be a 0-d torch.Tensor, got {type(value).__name__}")
 
     def _overflow(self, found_inf: Tensor, amax: Tensor | None) -> Tensor:
@@ -237,8 +237,8 @@ class LossScale(ABC):
         self._updates += 1
         if not self._state_on_host():
             interval = self.floor_check_interval
-            if not interval or self._updates % interval:
-                return
+            if not interval or self._updates % interval or mt.capturing(self.device):
+                return  # (no read inside a CUDA graph capture: it would fail the capture)
         # a CPU read, or one accelerator read every `floor_check_interval` updates
         count = int(self._state["floor_overflows"])
         if count > self._floor_seen:

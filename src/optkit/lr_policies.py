@@ -147,7 +147,7 @@ def _real(fn: str, name: str, value: Any, *, low: float | None = None, strict: b
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{fn}: {name} must be a real number, got {value!r}")
     value = float(value)
-    if not math.isfinite(value):
+    if value != value or value in (math.inf, -math.inf):  # (not math.isfinite: torch < 2.13 cannot trace it)
         raise ValueError(f"{fn}: {name} must be finite, got {value!r}")
     if low is not None and (value <= low if strict else value < low):
         raise ValueError(f"{fn}: {name} must be {'>' if strict else '>='} {low:g}, got {value!r}")

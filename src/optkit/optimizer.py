@@ -740,10 +740,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             if isinstance(lr, Tensor):
                 out = lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
             else:
-                out = torch.tensor(float(lr), dtype=dtype, device=self._state_device)
+                out = torch.full((), float(lr), dtype=dtype, device=self._state_device)
             return out if not isinstance(scale, Tensor) and scale == 1.0 else out * scale
         value = float(lr) * float(scale)
-        out = torch.tensor(value, dtype=dtype, device=self._state_device)
+        out = torch.full((), value, dtype=dtype, device=self._state_device)
         out.host_value = value  # the number itself, for kernels that take a Python float (no device read)
         return out
 
@@ -1452,7 +1452,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         dev = loc(params[0]).device
         ema_w = self._ema_weight(None).to(dev) if self.use_ema else None
         # (in the lr's dtype: float64 for a group holding float64 parameters)
-        wd_t = None if decay_mask is None else torch.tensor(float(wd), dtype=lr.dtype, device=dev)
+        wd_t = None if decay_mask is None else torch.full((), float(wd), dtype=lr.dtype, device=dev)
         fn(rule, self._pointwise_hyper(group), [loc(p) for p in params], [loc(g) for g in grads],
            slot_lists, avgs, lr.to(dev), None if k is None else k.to(dev), wd_t,
            None if decay_mask is None else tuple(decay_mask), ema_w,
@@ -1539,8 +1539,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if self._ema_buffers:
             mt.lerp_([mt.local(a) for a in self._ema_buffer_avgs],
                      [mt.local(b) for _, b in self._ema_buffers], self._ema_weight(applied))
-        tracing = torch.compiler.is_compiling()
-        if tracing:  # a host count would specialise the traced step on its value: count on the device only
+        # a host count would specialise a traced step on its value and be baked into a CUDA graph's
+        # replays: count on the device only from then on
+        tracing = torch.compiler.is_compiling() or mt.capturing(self._state_device)
+        if tracing:
             self._host_exact = False
         f = self.ema_overwrite_frequency
         if self.use_ema and f:
