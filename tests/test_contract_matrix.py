@@ -213,6 +213,32 @@ def test_dtype_matches_float64_reference(row_id, dt):
         assert p.dtype == dtype
 
 
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS if torch.float64 in r.dtypes])
+def test_float64_without_a_float64_kernel_takes_the_exact_fallback(row_id, monkeypatch):
+    """Where a fused kernel takes no float64 (CUDA's read a tensor learning rate as float32), float64
+    parameters run the foreach fallback, exact in float64, rather than staged copies through the kernel
+    (which refused them). Emulated on the CPU: float64 out of the kernels' table, and kernels that refuse
+    float64 tensors as CUDA's do."""
+    from optkit import _fused
+
+    table = {k: {dev: tuple(d for d in dts if d != torch.float64) for dev, dts in v.items()}
+             for k, v in _fused.KERNELS.items() if k != "foreach"}
+    monkeypatch.setattr(_fused, "KERNELS", {**_fused.KERNELS, **table})
+
+    def refusing(kernel):
+        def run(params, *args, **kwargs):
+            if any(p.dtype == torch.float64 for p in params):
+                raise RuntimeError("expected scalar type Float but found Double")
+            return kernel(params, *args, **kwargs)
+        return run
+
+    for name in ("_fused_sgd_", "_fused_adam_", "_fused_adamw_", "_fused_adagrad_"):
+        monkeypatch.setattr(torch, name, refusing(getattr(torch, name)))
+    row = BY_ID[row_id]
+    params, _ = train(row, torch.float64)
+    assert_matches(params, reference(row, torch.float64), torch.float64, row)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS[1:])
 @pytest.mark.parametrize("row_id", ROW_IDS)
 def test_layout_matches_reference(row_id, layout):

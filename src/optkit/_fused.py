@@ -108,9 +108,11 @@ def partition(
     """
     n = len(lists[0])
     everything = list(range(n))
-    if not _available(kernel, device):
-        return [Part("fallback", everything, tuple(list(x) for x in lists))]
     dtype_ok = native_dtype_ok(kernel, device, dtype)
+    stageable = native_dtype_ok(kernel, device, staging_dtype(dtype))
+    if not _available(kernel, device) or not (dtype_ok or stageable):
+        # no kernel here, or none for this dtype nor for its staging dtype (float64 on CUDA)
+        return [Part("fallback", everything, tuple(list(x) for x in lists))]
     if dtype_ok:
         checked = lists[1:2] if static_contiguous else lists
         if kernel == "foreach" or _all_contiguous(checked):  # foreach ops handle any layout

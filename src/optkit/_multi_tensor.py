@@ -1166,10 +1166,10 @@ def scale_local_(tensors: Sequence[Tensor], scale: Tensor, key: tuple | None) ->
 
 
 def lerp_local_(
-    targets: Sequence[Tensor], sources: Sequence[Tensor], weight: Tensor, key: tuple | None
+    targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | Tensor, key: tuple | None
 ) -> None:
     """:func:`lerp_` for plain local tensors of one known (device, dtype) ``key`` (else the general path)."""
-    if key is None:
+    if key is None or not isinstance(weight, Tensor):
         lerp_(targets, sources, weight)
         return
     device, dtype = key

@@ -1265,7 +1265,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         decay = None
         if decay_mask is not None:
             decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
-        ema_w = self._ema_weight(applied) if self.use_ema else None
+        ema_w = self._ema_weight_now(applied) if self.use_ema else None
 
         cols = None
         if isinstance(aux, RunAux) or row_mult is not None:
@@ -1518,6 +1518,20 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if isinstance(sd, dict) and isinstance(sd.get("state"), dict):
             sd = {**sd, "state": {k: dict(v) if isinstance(v, _Slots) else v for k, v in sd["state"].items()}}
         return sd
+
+    def _ema_weight_now(self, applied: Tensor | None) -> float | Tensor:
+        """:meth:`_ema_weight` as a Python number when the host knows it exactly (no step can have been
+        skipped, nothing traced or captured in a CUDA graph): the averages then move in one foreach lerp
+        by a number (a lerp by a 0-d tensor has no multi-tensor kernel on CUDA). The same value either way:
+        the formula in float64 on the host or on the device."""
+        if applied is not None or not self._host_exact or torch.compiler.is_compiling() \
+                or mt.capturing(self._state_device):
+            return self._ema_weight(applied)
+        k = self._host_iterations
+        if k == 0:
+            return 1.0
+        mu = min((1.0 + k) / (10.0 + k), self.ema_momentum) if self.ema_warmup else self.ema_momentum
+        return 1.0 - mu
 
     def _ema_weight(self, applied: Tensor | None) -> Tensor:
         hp = torch.float64 if self._state_device.type in ("cpu", "cuda") else torch.float32
