@@ -920,29 +920,29 @@ def add_tensor_(tensors: list[Tensor], value: Tensor) -> None:
 
 
 def _lerp_by_tensor_(tg: list[Tensor], src: list[Tensor], w: Tensor) -> None:
-    """``tg ← tg + w·(src − tg)`` with a 0-d weight ``w`` on their device (dtype), no host read.
+    """``tg ← tg + w·(src − tg)`` with a 0-d weight ``w`` on their device (and dtype), no host read.
 
-    torch has no foreach lerp by a tensor weight: on CPU, whose foreach ops run tensor by tensor anyway,
-    one ``lerp_`` per tensor; elsewhere three multi-tensor kernels (difference, scale by the tensor, add)
-    instead of one launch per tensor."""
-    if tg[0].device.type == "cpu":
-        torch._foreach_lerp_(tg, src, [w] * len(tg))
-        return
-    d = torch._foreach_sub(src, tg)
-    torch._foreach_mul_(d, w)
-    torch._foreach_add_(tg, d)
+    torch has no multi-tensor lerp by a tensor weight: this is one ``lerp_`` per tensor (on CUDA one launch
+    each). Its arithmetic is that of the lerp by a number (:func:`lerp_`), bit for bit, so a run whose
+    weights come from the host and one whose weights stay on the device (a skip was possible, a CUDA
+    graph) agree exactly."""
+    torch._foreach_lerp_(tg, src, [w] * len(tg))
 
 
 def lerp_(targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | Tensor) -> None:
     """target ← target + w·(source − target), one pass per (device, dtype) group.
 
-    ``weight`` may be a 0-d tensor (e.g. zero on a skipped step), so no host sync is needed.
+    ``weight`` may be a 0-d tensor (e.g. zero on a skipped step), so no host sync is needed; a number takes
+    the multi-tensor lerp (one launch per group), except for half dtypes, where torch's lerp by a tensor
+    rounds the weight to the tensors' dtype: a number is rounded the same way there, so both forms agree.
     """
     if len(targets) == 0:
         return
     for (device, dtype), (_, (tg, src)) in group_by_device_dtype(targets, sources).items():
         if isinstance(weight, Tensor):
             _lerp_by_tensor_(tg, src, weight.to(device=device, dtype=dtype))
+        elif dtype in (torch.float16, torch.bfloat16):
+            _lerp_by_tensor_(tg, src, torch.full((), float(weight), dtype=dtype, device=device))
         else:
             torch._foreach_lerp_(tg, src, float(weight))
 
