@@ -271,3 +271,40 @@ def test_flat_buffer_layout(row_id):
     assert set().union(*skipped) <= flat_groups
     # and the norm and overflow check read the flat gradients once the plans were built
     assert any(w is not None for w in whole) == (not half and bool(flat_groups) and bool(whole))
+
+
+# ------------------------------------------------------------------------------------------------ host reads
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host (each a device sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero"):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS])
+def test_train_op_call_reads_no_tensor_on_the_host(row_id):
+    """After the first updates, a train-op call (forward, backward, and the update at a window's end) reads
+    no tensor value on the host: on a GPU nothing waits for the device. The loss scale is told its state
+    lives on an accelerator (on the CPU it reads it, which costs nothing there)."""
+    row = BY_ID[row_id]
+    dt = model_dtype(row)
+    model = make_model(dt)
+    op = build(row, model)
+    scaler = op.scaler
+    getattr(scaler, "scaler", scaler)._state_on_host = lambda: False
+    run(row, op, model, 2)
+    mode = _HostReads()
+    for u in range(2, 4):
+        for m in range(row.iter_size):
+            x, y = batch(10 * u + m, dt)
+            with mode:
+                op(x, y)
+    assert mode.reads == 0

@@ -356,3 +356,25 @@ def test_cuda_optimize_loss_matches_its_cpu_run(row_id):
     tol = 2e-5 if dt == torch.float32 else 3e-2
     for p, q in zip(results[CUDA], results["cpu"]):
         torch.testing.assert_close(p, q, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("row_id", _train_op_rows()[1])
+def test_cuda_optimize_loss_call_makes_no_host_sync(row_id):
+    """After the first updates a train-op call (forward, backward, the update at a window's end) queues
+    kernels only: nothing waits for the device."""
+    T, _ = _train_op_rows()
+    row = T.BY_ID[row_id]
+    dt = T.model_dtype(row)
+    model = T.make_model(dt).to(CUDA)
+    op = T.build(row, model)
+    batches = [[t.to(CUDA) for t in T.batch(10 * u + m, dt)] for u in range(4) for m in range(row.iter_size)]
+    warm = 2 * row.iter_size
+    for x, y in batches[:warm]:
+        op(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in batches[warm:]:
+            op(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
