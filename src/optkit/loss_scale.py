@@ -480,20 +480,24 @@ class DynamicLossScale(LossScale):
         return self._state["good_steps"].clone()
 
     def _transition(self, overflow: Tensor, amax: Tensor | None) -> tuple[Tensor, Tensor]:
+        # (each line a kernel or two on a 0-d tensor: on a GPU their launches are the cost, so few of them)
         st = self._state
         scale, good, run = st["scale"], st["good_steps"], st["overflow_run"]
-        grow_now = good + 1 >= self.increment_period
+        grow_now = good >= self.increment_period - 1  # (good + 1 >= period)
         candidate = scale * self.multiplier
         if self.max_loss_scale is not None:
             candidate = torch.clamp(candidate, max=self.max_loss_scale)
-        grown = torch.where(torch.isfinite(candidate), candidate, scale)
-        run_next = torch.clamp(run + 1, max=self.hysteresis)
+        # S > 0 is finite and so is the multiplier: the candidate is finite or +inf, never NaN
+        grown = torch.where(candidate <= _FP32_MAX, candidate, scale)
         shrunk = torch.clamp(scale / self.multiplier, min=self.min_loss_scale)
-        scale_overflow = torch.where(run_next >= self.hysteresis, shrunk, scale)
+        if self.hysteresis == 1:  # every overflow shrinks; the run is 1 after an overflow, else 0
+            scale_overflow, new_run = shrunk, overflow
+        else:
+            run_next = torch.clamp(run + 1, max=self.hysteresis)
+            scale_overflow = torch.where(run_next >= self.hysteresis, shrunk, scale)
+            new_run = torch.where(overflow, run_next, 0)
         new_scale = torch.where(overflow, scale_overflow, torch.where(grow_now, grown, scale))
-        zero = torch.zeros_like(good)
-        new_good = torch.where(overflow | grow_now, zero, good + 1)
-        new_run = torch.where(overflow, run_next, zero)
+        new_good = torch.where(overflow | grow_now, 0, good + 1)
         floor_hit = overflow & (scale <= self.min_loss_scale)
         scale.copy_(new_scale)
         good.copy_(new_good)
