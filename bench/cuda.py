@@ -12,6 +12,7 @@ CUDA device; it prints the Markdown and writes it to ``bench/results/cuda.md`` (
 * **Timing**: blocks of steps between two CUDA events (the step's host time counts whenever the host is
   slower than the device, as in training), median over blocks after warm-up. ``… CUDA graph`` rows capture
   one ``step()`` with ``torch.cuda.graph`` and time its replays: the device time alone, without launches.
+* ``OPTKIT_BENCH_CUDA_JIT=1`` adds ``jit_compile=True`` rows to (b)-(d) (compiled in the warm-up, untimed).
 * Parameters ``randn·0.1``, gradients ``randn·0.01`` (seeded), in the table's dtype; optimizer slots are
   those each implementation keeps. Sets as on the CPU (``bench/_harness.py``); the half-precision tables
   run on the two large sets only.
@@ -33,6 +34,8 @@ from bench import _harness as H
 DEV = "cuda"
 LR = 0.01
 BLOCKS, WARMUP, BLOCK_MS = 7, 5, 40.0
+#: ``jit_compile=True`` rows (minutes of compiling): opt-in
+JIT = os.environ.get("OPTKIT_BENCH_CUDA_JIT", "") not in ("", "0")
 ELEMENTS = {"sgd": 5, "ema": 8, "lars": 7, "lamb": 10, "lso": 6}
 
 
@@ -185,6 +188,9 @@ def main(out: str | None = None) -> str:
         if not big:
             s.append(("optkit SGD wd+EMA flat", lambda ps: SGD(ps, **ekw).step, True, False))
         s.append(("optkit SGD wd+EMA, CUDA graph", lambda ps: SGD(ps, **ekw).step, False, True))
+        if JIT:
+            s.append(("optkit SGD wd+EMA jit_compile=True", lambda ps: SGD(ps, jit_compile=True, **ekw).step,
+                      False, False))
         return s
 
     lkw = dict(momentum=0.9, weight_decay=1e-4, eeta=0.001)
@@ -204,6 +210,9 @@ def main(out: str | None = None) -> str:
         if not big:
             s.append(("optkit LARS flat", lambda ps: LARS(ps, 0.1, **lkw).step, True, False))
         s.append(("optkit LARS, CUDA graph", lambda ps: LARS(ps, 0.1, **lkw).step, False, True))
+        if JIT:
+            s.append(("optkit LARS jit_compile=True", lambda ps: LARS(ps, 0.1, jit_compile=True, **lkw).step,
+                      False, False))
         return s
 
     def lamb_specs(big: bool):
@@ -222,6 +231,10 @@ def main(out: str | None = None) -> str:
         if not big:
             s.append(("optkit LAMB flat", lamb, True, False))
         s.append(("optkit LAMB, CUDA graph", lamb, False, True))
+        if JIT:
+            s.append(("optkit LAMB jit_compile=True",
+                      lambda ps: LAMB(ps, LR, weight_decay=0.01, always_adapt=True, jit_compile=True).step,
+                      False, False))
         return s
 
     def gradscaler(ps):

@@ -378,3 +378,33 @@ def test_cuda_optimize_loss_call_makes_no_host_sync(row_id):
             op(x, y)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ------------------------------------------------------------------------------------------------ jit_compile
+
+
+@pytest.mark.parametrize("name", ["SGD-wd-ema", "LARS", "LAMB"])
+def test_cuda_jit_compile_matches_eager(name):
+    """``jit_compile=True`` on CUDA (Triton kernels) gives the eager step's weights, and compiles (its
+    fallback warning is an error here)."""
+    import warnings
+
+    def build(params, jit):
+        ps = [p for _, p in params]
+        return {"SGD-wd-ema": lambda: optkit.SGD(ps, learning_rate=LR, momentum=0.9, weight_decay=0.01,
+                                                 use_ema=True, ema_momentum=0.9, jit_compile=jit),
+                "LARS": lambda: optkit.LARS(ps, LR, eeta=0.01, weight_decay=0.01, jit_compile=jit),
+                "LAMB": lambda: optkit.LAMB(ps, LR, weight_decay=0.01, jit_compile=jit)}[name]()
+
+    runs = []
+    for jit in (False, True):
+        params = make_params(torch.float32, device=CUDA)
+        opt = build(params, jit)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="jit_compile")
+            for k in range(3):
+                _feed(params, grads_at(k, torch.float32, device=CUDA), opt)
+                opt.step()
+        runs.append(params)
+    for (n, p), (_, q) in zip(*runs):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
