@@ -50,6 +50,36 @@ def test_warmup_decay_matches_reference(warmup):
     assert np.abs(ref - other).max() > 1e-4  # the warm-up changes the average
 
 
+@pytest.mark.parametrize("write", ["zero_", "copy_"])
+def test_warmup_follows_a_count_written_from_outside(write):
+    """``opt.iterations`` is the live count tensor: a write into it from outside (resetting it, or copying a
+    checkpoint's step into it, Keras's ``assign``) restarts the warm-up where the count now stands, as the
+    schedules do (the host's own count would be stale)."""
+    rng = np.random.default_rng(2)
+    p = torch.tensor(rng.standard_normal(6), requires_grad=True)
+    opt = optkit.SGD([p], learning_rate=0.1, use_ema=True, ema_momentum=0.99, ema_warmup=True)
+    avg, k = None, 0
+    for step in range(9):
+        if step == 5:
+            if write == "zero_":
+                opt.iterations.zero_()
+                k = 0
+            else:
+                opt.iterations.copy_(torch.tensor(2))
+                k = 2
+        p.grad = torch.tensor(rng.standard_normal(6))
+        opt.step()
+        w = p.detach().numpy().copy()
+        if k == 0:
+            avg = w.copy()
+        else:
+            mu = min(0.99, (1 + k) / (10 + k))
+            avg = mu * avg + (1 - mu) * w
+        k += 1
+    np.testing.assert_allclose(opt.get_slot(p, "average").numpy(), avg, rtol=1e-13, atol=1e-14)
+    assert int(opt.iterations) == k
+
+
 def test_warmup_counts_applied_updates_only():
     """A skipped step (``found_inf``) neither moves the averages nor advances the warm-up."""
     rng = np.random.default_rng(1)

@@ -474,6 +474,14 @@ def test_nonfinite_amax_counts_as_overflow():
     assert not bool(s.update(ZERO, torch.tensor(math.inf))) and s().item() == 32.0
 
 
+@pytest.mark.parametrize("make", [lambda: DynamicLossScale(8.0), lambda: BackoffScaler({"scale_max": 8.0})])
+def test_python_amax_beyond_float32_counts_as_overflow(make):
+    """A Python number past float32's range (a float64 max, say) is inf in the float32 state: an overflow,
+    not an error from torch."""
+    s = make()
+    assert not bool(s.update(0.0, 1e39)) and s().item() == 4.0
+
+
 class _OpLog(TorchDispatchMode):
     """Records the aten ops that read or write any of the watched tensors (by storage)."""
 

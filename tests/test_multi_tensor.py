@@ -599,3 +599,33 @@ _DTENSOR_SCRIPT = textwrap.dedent(
 def test_dtensor_paths_single_rank():
     res = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_scalar_rounds_as_torch_tensor_does(dtype):
+    """``mt.scalar`` (a fill kernel, no host-to-device copy) gives the value ``torch.tensor`` gives: rounded
+    to the dtype, and ±inf for a finite number beyond its range (the fill alone would refuse it)."""
+    top = float(torch.finfo(dtype).max)
+    for v in [0.05, -1.5e-3, 1 / 3, top, -top, top * 1.0000001, 1e39, -1e39, 1e300, float("inf"),
+              float("-inf")]:
+        got, want = mt.scalar(v, dtype, "cpu"), torch.tensor(v, dtype=dtype)
+        assert got.dtype == dtype and got.shape == ()
+        assert torch.equal(got, want), (v, got, want)
+    assert mt.scalar(float("nan"), dtype, "cpu").isnan()
+
+
+def test_foreach_chain_stages_half_dtypes_on_any_device():
+    """The foreach pseudo-kernel runs anywhere: on a device it has no entry for, half tensors are staged in
+    float32 (not handed to the caller's fallback); a real kernel with no entry falls back."""
+    from optkit import _fused
+
+    lists = [[torch.zeros(4, dtype=torch.float16)], [torch.zeros(4, dtype=torch.float16)]]
+    for dev in ("mps", "xpu"):
+        parts = _fused.partition("foreach", torch.device(dev), torch.float16, lists)
+        assert [p.mode for p in parts] == ["staged"]
+        parts = _fused.partition("sgd", torch.device(dev), torch.float16, lists)
+        assert [p.mode for p in parts] == ["fallback"]
+    f64 = [[torch.zeros(4, dtype=torch.float64)], [torch.zeros(4, dtype=torch.float64)]]
+    cuda = torch.device("cuda")
+    assert [p.mode for p in _fused.partition("sgd", cuda, torch.float64, f64)] == ["fallback"]
+    assert [p.mode for p in _fused.partition("foreach", cuda, torch.float64, f64)] == ["native"]

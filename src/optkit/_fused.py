@@ -110,8 +110,9 @@ def partition(
     everything = list(range(n))
     dtype_ok = native_dtype_ok(kernel, device, dtype)
     stageable = native_dtype_ok(kernel, device, staging_dtype(dtype))
-    if not _available(kernel, device) or not (dtype_ok or stageable):
-        # no kernel here, or none for this dtype nor for its staging dtype (float64 on CUDA)
+    if not _available(kernel, device) or (kernel != "foreach" and not (dtype_ok or stageable)):
+        # no kernel here, or none for this dtype nor for its staging dtype (float64 on CUDA); the foreach
+        # chain runs anywhere and stages what it does not compute natively
         return [Part("fallback", everything, tuple(list(x) for x in lists))]
     if dtype_ok:
         checked = lists[1:2] if static_contiguous else lists

@@ -70,6 +70,22 @@ def is_dtensor(t: object) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+_FINITE_MAX: dict[torch.dtype, float] = {}
+
+
+def scalar(value: float, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A 0-d tensor of ``value`` rounded to ``dtype`` as ``torch.tensor`` rounds it (a finite number beyond
+    the dtype's range becomes ±inf), made by a fill kernel: ``torch.tensor(x, device=...)`` copies from the
+    host, which blocks on a GPU and fails inside a CUDA graph capture."""
+    v = float(value)
+    top = _FINITE_MAX.get(dtype)
+    if top is None:
+        top = _FINITE_MAX[dtype] = float(torch.finfo(dtype).max)
+    if abs(v) > top and v == v:  # (the fill refuses what the dtype cannot hold: round on the host first)
+        v = float(torch.tensor(v, dtype=dtype))
+    return torch.full((), v, dtype=dtype, device=device)
+
+
 def capturing(device: torch.device) -> bool:
     """Whether work queued for ``device`` is being captured into a CUDA graph (``torch.cuda.graph``): a
     decision taken on the host then would be baked into every replay, so callers take the device-side path
@@ -895,7 +911,7 @@ def scale_(tensors: Sequence[Tensor | None], scale: float | Tensor | Sequence[Te
             # rounding); casting the factor to fp16/bf16 first adds a second, larger rounding error.
             torch._foreach_mul_(group, scale.to(device=device, dtype=acc_dtype(dtype)))
         elif acc_dtype(dtype) != dtype:  # a Python scalar would be rounded to fp16/bf16 first
-            torch._foreach_mul_(group, torch.full((), float(scale), dtype=torch.float32, device=device))
+            torch._foreach_mul_(group, scalar(scale, torch.float32, device))
         else:
             torch._foreach_mul_(group, float(scale))
 
@@ -942,7 +958,7 @@ def lerp_(targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | 
         if isinstance(weight, Tensor):
             _lerp_by_tensor_(tg, src, weight.to(device=device, dtype=dtype))
         elif dtype in (torch.float16, torch.bfloat16):
-            _lerp_by_tensor_(tg, src, torch.full((), float(weight), dtype=dtype, device=device))
+            _lerp_by_tensor_(tg, src, scalar(weight, dtype, device))
         else:
             torch._foreach_lerp_(tg, src, float(weight))
 

@@ -198,6 +198,7 @@ class TFSurface:
             for v, w in zip(vs, converted):
                 mt.local(v).copy_(w)
         self._host_iterations = int(self._iterations)
+        self._mark_host_count()
 
     # ------------------------------------------------------------------------------------------------ config
 

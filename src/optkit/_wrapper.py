@@ -330,7 +330,7 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         lr = group["lr"]
         if isinstance(lr, Tensor):
             return lr.detach().to(device=self._device(), dtype=torch.float32).reshape(())
-        return torch.full((), float(lr), dtype=torch.float32, device=self._device())
+        return mt.scalar(lr, torch.float32, self._device())
 
     def _remap_params(self, mapping: dict[int, Tensor]) -> None:
         """Parameters were replaced (``id(old) -> new``, e.g. by fp32 masters): update id-keyed records."""

@@ -129,7 +129,8 @@ def clip_coefficient(
     c = _positive_clip("clip_norm", clip_norm, where)
     dtype = torch.float64 if norm.dtype == torch.float64 else torch.float32
     n = norm.reshape(()).to(dtype)
-    c_t = torch.full((), float(c), dtype=dtype, device=n.device)
+    # (a tensor clip stays on the device: reading it would be a host sync)
+    c_t = c.to(device=n.device, dtype=dtype) if isinstance(c, Tensor) else mt.scalar(c, dtype, n.device)
     coef = c_t / torch.maximum(n, c_t)
     if nan_on_nonfinite:
         coef = coef + (n - n)

@@ -498,7 +498,7 @@ class LAMB(Optimizer):
             sel = [j for j, o in enumerate(own) if st.adapt_of[o] >= 0]
             own_pos = [st.adapt_of[own[j]] for j in sel]
             dec = [j for j in sel if st.decayed[own[j]]]
-            wd_t = [torch.full((), st.wd, dtype=mt.acc_dtype(ws[j].dtype), device=ws[j].device) for j in dec]
+            wd_t = [mt.scalar(st.wd, mt.acc_dtype(ws[j].dtype), ws[j].device) for j in dec]
             halves = [j for j, w in enumerate(ws) if w.dtype in _HALF]
             dec_all = [j for j, o in enumerate(own) if st.decayed[o]]
         k = hyper[4]
@@ -560,7 +560,7 @@ class LAMB(Optimizer):
                 if dec_all:  # (times 0 on a skipped step: the gradient is then left as it was)
                     q_all = dec_all if src is None else [q for q, i in enumerate(ix) if i in set(dec_all)]
                     if q_all:
-                        wd_a = torch.full((), st.wd, dtype=mt.acc_dtype(dtype), device=device)
+                        wd_a = mt.scalar(st.wd, mt.acc_dtype(dtype), device)
                         if fi is not None:
                             wd_a = wd_a * (1.0 - fi)
                         torch._foreach_addcmul_([g[q] for q in q_all], [w[q] for q in q_all],

@@ -331,7 +331,7 @@ class LARC(OptimizerWrapper):
         lr = group["lr"]
         if isinstance(lr, Tensor):
             return lr.detach().to(dev).reshape(())
-        return torch.full((), float(lr), dtype=torch.float64, device=dev)
+        return mt.scalar(lr, torch.float64, dev)
 
     @staticmethod
     def _mult_vector(params: list[Tensor], multipliers: dict | None, dev: torch.device) -> Tensor | None:

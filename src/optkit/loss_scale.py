@@ -171,7 +171,7 @@ class LossScale(ABC):
                 raise ValueError(f"update: {name} must have exactly one element, got shape {shape}")
             return value.to(self.device, non_blocking=True).reshape(())
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            return torch.full((), float(value), dtype=_F32, device=self.device)
+            return mt.scalar(value, _F32, self.device)
         raise TypeError(f"update: {name} must be a 0-d torch.Tensor, got {type(value).__name__}")
 
     def _overflow(self, found_inf: Tensor, amax: Tensor | None) -> Tensor:

@@ -251,12 +251,15 @@ class _HostRecord:
     object of its own because ``torch.compile(opt.step)`` replays the mutations of plain objects but drops
     attribute assignments on the optimizer itself."""
 
-    __slots__ = ("iterations", "exact", "applied")
+    __slots__ = ("iterations", "exact", "applied", "seen")
 
     def __init__(self) -> None:
         self.iterations = 0
         self.exact = True
         self.applied: Tensor | None = None
+        #: (the count tensor, its version counter) when the host last counted: a write from outside
+        # (``opt.iterations.zero_()``) changes the version, and the host count is no longer the count
+        self.seen: tuple[Tensor, int] | None = None
 
 
 class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
@@ -421,6 +424,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         first = next(p for g in groups for p in g["params"])
         self._state_device = mt.local(first).device
         self._iterations = torch.zeros((), dtype=torch.int64, device=self._state_device)
+        self._mark_host_count()
         self.step_applied = torch.ones((), dtype=torch.bool, device=self._state_device)
 
         initial_lr = lr_value if lr_value is not None else self._evaluate_lr_host(0)
@@ -740,10 +744,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             if isinstance(lr, Tensor):
                 out = lr.detach().to(device=self._state_device, dtype=dtype).reshape(())
             else:
-                out = torch.full((), float(lr), dtype=dtype, device=self._state_device)
+                out = mt.scalar(lr, dtype, self._state_device)
             return out if not isinstance(scale, Tensor) and scale == 1.0 else out * scale
         value = float(lr) * float(scale)
-        out = torch.full((), value, dtype=dtype, device=self._state_device)
+        out = mt.scalar(value, dtype, self._state_device)
         out.host_value = value  # the number itself, for kernels that take a Python float (no device read)
         return out
 
@@ -1452,7 +1456,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         dev = loc(params[0]).device
         ema_w = self._ema_weight(None).to(dev) if self.use_ema else None
         # (in the lr's dtype: float64 for a group holding float64 parameters)
-        wd_t = None if decay_mask is None else torch.full((), float(wd), dtype=lr.dtype, device=dev)
+        wd_t = None if decay_mask is None else mt.scalar(wd, lr.dtype, dev)
         fn(rule, self._pointwise_hyper(group), [loc(p) for p in params], [loc(g) for g in grads],
            slot_lists, avgs, lr.to(dev), None if k is None else k.to(dev), wd_t,
            None if decay_mask is None else tuple(decay_mask), ema_w,
@@ -1519,13 +1523,33 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             sd = {**sd, "state": {k: dict(v) if isinstance(v, _Slots) else v for k, v in sd["state"].items()}}
         return sd
 
+    def _mark_host_count(self) -> None:
+        """Record the count tensor and its version as those the host count was taken from."""
+        it = self._iterations
+        self._record.seen = (it, it._version)
+
+    def _host_count_exact(self) -> bool:
+        """Whether the host count ``_host_iterations`` still equals ``iterations``: no step could have been
+        skipped, and nothing wrote the count tensor since the host counted (``opt.iterations.zero_()`` or a
+        copy into it from outside). Once not, the device count is used from then on."""
+        if not self._host_exact:
+            return False
+        seen = getattr(self._record, "seen", None)  # (absent in a record pickled by an earlier optkit)
+        it = self._iterations
+        if seen is None or seen[0] is not it or seen[1] != it._version:
+            self._host_exact = False
+            return False
+        return True
+
     def _ema_weight_now(self, applied: Tensor | None) -> float | Tensor:
         """:meth:`_ema_weight` as a Python number when the host knows it exactly (no step can have been
-        skipped, nothing traced or captured in a CUDA graph): the averages then move in one foreach lerp
-        by a number (a lerp by a 0-d tensor has no multi-tensor kernel on CUDA). The same value either way:
-        the formula in float64 on the host or on the device."""
-        if applied is not None or not self._host_exact or torch.compiler.is_compiling() \
-                or mt.capturing(self._state_device):
+        skipped, the count was not written from outside, nothing traced or captured in a CUDA graph, and the
+        device computes it in float64 too): the averages then move in one foreach lerp by a number (a lerp
+        by a 0-d tensor has no multi-tensor kernel on CUDA). The same value either way: the formula in
+        float64 on the host or on the device."""
+        if applied is not None or self._state_device.type not in ("cpu", "cuda") \
+                or torch.compiler.is_compiling() or mt.capturing(self._state_device) \
+                or not self._host_count_exact():
             return self._ema_weight(applied)
         k = self._host_iterations
         if k == 0:
@@ -1560,7 +1584,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._host_exact = False
         f = self.ema_overwrite_frequency
         if self.use_ema and f:
-            if self._host_exact:
+            if self._host_count_exact():
                 if (self._host_iterations + 1) % f == 0:
                     self._overwrite_with_averages(None)
             else:
@@ -1570,6 +1594,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._iterations.add_(1)
             if not tracing:
                 self._host_iterations += 1
+                self._mark_host_count()
             self.step_applied = torch.ones((), dtype=torch.bool, device=self._state_device)
         else:
             self._iterations.add_(applied.to(torch.int64))
@@ -1799,6 +1824,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                         st[key] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(v)
         self._host_iterations = int(self._iterations)
         self._host_exact = True
+        self._mark_host_count()
         if buffer_avgs is None and self._ema_buffers:  # saved without them: start from the buffers now, as a
             buffer_avgs = [b for _, b in self._ema_buffers]  # missing weight average starts from the weights
         if buffer_avgs is not None:

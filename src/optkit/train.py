@@ -558,7 +558,7 @@ class TrainOp:
     def _lr_tensor(lr: Any, device: torch.device) -> Tensor:
         if isinstance(lr, Tensor):
             return lr.detach().to(device=device, dtype=torch.float32).reshape(())
-        return torch.full((), float(lr), dtype=torch.float32, device=device)
+        return mt.scalar(lr, torch.float32, device)
 
     def _refresh_lr(self) -> None:
         step = self._host_step if self._host_exact else self._step
@@ -636,7 +636,7 @@ class TrainOp:
             elif isinstance(items, bool) or not isinstance(items, numbers.Real) or not items >= 0:
                 raise ValueError(f"num_items must be a number >= 0 or a tensor, got {items!r}")
             else:
-                items = torch.full((), float(items), dtype=torch.float64, device=self._items.device)
+                items = mt.scalar(items, torch.float64, self._items.device)
         if not isinstance(out, Tensor) or out.numel() != 1:
             raise ValueError("`loss` must return a scalar tensor" + (" as loss_sum" if pair else ""))
         # all checked: the first call fixes the mode, the count joins the window
