@@ -80,6 +80,28 @@ def test_warmup_follows_a_count_written_from_outside(write):
     assert int(opt.iterations) == k
 
 
+def test_overwrite_cadence_follows_a_count_written_from_outside():
+    """``ema_overwrite_frequency`` overwrites the weights when ``iterations + 1`` is a multiple of it: after
+    ``opt.iterations.zero_()`` the cadence restarts from the written count (the host's own count is stale)."""
+    rng = np.random.default_rng(3)
+    p = torch.tensor(rng.standard_normal(4), requires_grad=True)
+    opt = optkit.SGD([p], learning_rate=0.1, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3)
+    w, avg, k = p.detach().numpy().copy(), p.detach().numpy().copy(), 0
+    for step in range(10):
+        if step == 4:
+            opt.iterations.zero_()
+            k = 0
+        g = rng.standard_normal(4)
+        p.grad = torch.tensor(g)
+        opt.step()
+        w = w - 0.1 * g
+        avg = w.copy() if k == 0 else 0.8 * avg + 0.2 * w
+        if (k + 1) % 3 == 0:
+            w = avg.copy()
+        k += 1
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-13, atol=1e-14, err_msg=f"step {step}")
+
+
 def test_warmup_counts_applied_updates_only():
     """A skipped step (``found_inf``) neither moves the averages nor advances the warm-up."""
     rng = np.random.default_rng(1)

@@ -383,6 +383,21 @@ def test_schedule_uses_applied_update_count():
     np.testing.assert_allclose(lrs, [0.1, 0.1, 0.05, 0.05, 0.1 / 3, 0.1 / 3], rtol=1e-7)
 
 
+@pytest.mark.parametrize("scaling", [1.0, "dynamic"])
+def test_schedule_follows_a_global_step_written_from_outside(scaling):
+    """``global_step`` is the live count: written in place (restarting the schedule), the next update takes
+    the written count's learning rate, and the ones after it count on from there."""
+    w = torch.nn.Parameter(torch.ones(3, dtype=F64))
+    op = optimize_loss(lambda: (w * w).sum(), SGD, None, lambda k: 0.1 / (1 + k), var_list=[w],
+                       loss_scaling=scaling)
+    for _ in range(5):
+        op()
+    op.global_step.zero_()
+    lrs = [float(op().lr) for _ in range(3)]
+    np.testing.assert_allclose(lrs, [0.1, 0.05, 0.1 / 3], rtol=1e-7)
+    assert int(op.global_step) == 3
+
+
 @pytest.mark.parametrize("opt", ["AdamW", torch.optim.AdamW])
 def test_adamw_weight_decay_not_mutated_and_lr_scaled_once(opt):
     w = torch.nn.Parameter(torch.full((2,), 2.0, dtype=F64))

@@ -800,7 +800,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
     @property
     def iterations(self) -> Tensor:
-        """Number of applied updates (0-d int64 tensor; skipped steps do not count)."""
+        """Number of applied updates (0-d int64 tensor; skipped steps do not count). The live count: written
+        in place (``opt.iterations.zero_()``), schedules, the EMA and its overwrite cadence follow it; a
+        write that bypasses the tensor's version counter (through ``.data`` or a collective) is followed by
+        schedules and the EMA, but the ``ema_overwrite_frequency`` cadence keeps its own count until
+        :meth:`load_state_dict`."""
         return self._iterations
 
     # ------------------------------------------------------------------------------------------------ decay
@@ -1269,7 +1273,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         decay = None
         if decay_mask is not None:
             decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
-        ema_w = self._ema_weight_now(applied) if self.use_ema else None
+        ema_w = self._ema_weight(applied) if self.use_ema else None
 
         cols = None
         if isinstance(aux, RunAux) or row_mult is not None:
@@ -1529,9 +1533,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._record.seen = (it, it._version)
 
     def _host_count_exact(self) -> bool:
-        """Whether the host count ``_host_iterations`` still equals ``iterations``: no step could have been
-        skipped, and nothing wrote the count tensor since the host counted (``opt.iterations.zero_()`` or a
-        copy into it from outside). Once not, the device count is used from then on."""
+        """Whether the host count ``_host_iterations`` still equals ``iterations`` as far as the host can tell
+        without reading the device: no step could have been skipped, and the count tensor's version counter
+        shows no write since the host counted (``opt.iterations.zero_()``, a ``copy_`` into it). Once not,
+        the device count is used from then on. (Only the ``ema_overwrite_frequency`` cadence relies on it:
+        a write that bypasses the version counter, through ``.data`` or a collective, is not seen.)"""
         if not self._host_exact:
             return False
         seen = getattr(self._record, "seen", None)  # (absent in a record pickled by an earlier optkit)
@@ -1540,22 +1546,6 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._host_exact = False
             return False
         return True
-
-    def _ema_weight_now(self, applied: Tensor | None) -> float | Tensor:
-        """:meth:`_ema_weight` as a Python number when the host knows it exactly (no step can have been
-        skipped, the count was not written from outside, nothing traced or captured in a CUDA graph, and the
-        device computes it in float64 too): the averages then move in one foreach lerp by a number (a lerp
-        by a 0-d tensor has no multi-tensor kernel on CUDA). The same value either way: the formula in
-        float64 on the host or on the device."""
-        if applied is not None or self._state_device.type not in ("cpu", "cuda") \
-                or torch.compiler.is_compiling() or mt.capturing(self._state_device) \
-                or not self._host_count_exact():
-            return self._ema_weight(applied)
-        k = self._host_iterations
-        if k == 0:
-            return 1.0
-        mu = min((1.0 + k) / (10.0 + k), self.ema_momentum) if self.ema_warmup else self.ema_momentum
-        return 1.0 - mu
 
     def _ema_weight(self, applied: Tensor | None) -> Tensor:
         hp = torch.float64 if self._state_device.type in ("cpu", "cuda") else torch.float32
@@ -1582,9 +1572,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         tracing = torch.compiler.is_compiling() or mt.capturing(self._state_device)
         if tracing:
             self._host_exact = False
+        exact = not tracing and self._host_count_exact()
         f = self.ema_overwrite_frequency
         if self.use_ema and f:
-            if self._host_count_exact():
+            if exact:
                 if (self._host_iterations + 1) % f == 0:
                     self._overwrite_with_averages(None)
             else:
@@ -1592,7 +1583,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 self._overwrite_with_averages(cond if applied is None else cond * applied)
         if applied is None:
             self._iterations.add_(1)
-            if not tracing:
+            if exact:  # (a count written from outside is not counted on: the host stops counting)
                 self._host_iterations += 1
                 self._mark_host_count()
             self.step_applied = torch.ones((), dtype=torch.bool, device=self._state_device)

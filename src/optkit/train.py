@@ -448,6 +448,7 @@ class TrainOp:
         self._step = torch.zeros((), dtype=torch.int64, device=device)
         self._host_step = 0
         self._host_exact = not self._checks  # host count is exact while no update can be skipped
+        self._step_seen = self._step._version  # (a write into global_step from outside changes it)
         self._lr_now: Any = self._lr_fn(0)
         if isinstance(self._lr_now, Tensor):  # a tensor's value is checked once, here (no reads per step)
             check_lr_value("`learning_rate_decay_fn`", float(self._lr_now.detach().reshape(())), 0)
@@ -538,7 +539,9 @@ class TrainOp:
 
     @property
     def global_step(self) -> Tensor:
-        """Applied updates so far (0-d int64 tensor, live)."""
+        """Applied updates so far (0-d int64 tensor, live). Written in place (``op.global_step.zero_()``),
+        the next update takes its learning rate from the written count; a write that bypasses the tensor's
+        version counter (through ``.data`` or a collective) is not seen: use :meth:`load_state_dict`."""
         return self._step
 
     @property
@@ -560,8 +563,17 @@ class TrainOp:
             return lr.detach().to(device=device, dtype=torch.float32).reshape(())
         return mt.scalar(lr, torch.float32, device)
 
+    def _host_step_exact(self) -> bool:
+        """Whether the host's count still equals ``global_step`` as far as the host can tell without reading
+        the device: no update could have been skipped, and the count tensor's version counter shows no write
+        since the host counted (``op.global_step.zero_()``). Once not, the device count is used."""
+        if self._host_exact and self._step._version != getattr(self, "_step_seen", None):
+            self._host_exact = False
+        return self._host_exact
+
     def _refresh_lr(self) -> None:
-        step = self._host_step if self._host_exact else self._step
+        step = self._host_step if self._host_step_exact() else self._step
+        self._step_seen = self._step._version  # (the write, if any, is taken into account from here)
         self._lr_now = self._lr_fn(step)
         self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
         if not self._optkit:
@@ -578,8 +590,9 @@ class TrainOp:
         """Run one micro-step on ``inputs``: forward, backward, and (at the end of a window) the update."""
         refuse_inside_ema_weights(self.optimizer)  # before the forward adds gradients
         update = self._is_update(skip_update)
-        if update and self._lr_error is not None:
-            # the schedule failed for this update after the previous one: ask again, before anything changes
+        if update and (self._lr_error is not None or self._step._version != self._step_seen):
+            # the schedule failed for this update after the previous one, or global_step was written since:
+            # ask again, before anything changes
             self._refresh_lr()
             self._lr_error = None
         sync_off = self._ddp is not None and (self._ddp_own or not update)
@@ -747,11 +760,13 @@ class TrainOp:
         if due and self._larc is not None and log.wants("larc_summaries"):
             self._write_larc(step_now, lr_t)
 
-        if self._host_exact:
+        if self._host_step_exact():
             self._step.add_(1)
             self._host_step += 1
+            self._step_seen = self._step._version
         else:
             self._step.add_(applied.to(torch.int64))
+            self._step_seen = self._step._version
         self._clear_grads()
         for i in self._half_idx:
             self.params[i].grad = None
@@ -989,7 +1004,7 @@ class TrainOp:
             "scaler": self.scaler.state_dict(),
             "global_step": self._step.clone(),
             "host_step": self._host_step,
-            "host_exact": self._host_exact,
+            "host_exact": self._host_step_exact(),
             "micro": self._micro,
             "accumulators": acc,
             "summary_attempts": self.summaries.attempts,
@@ -1115,6 +1130,7 @@ class TrainOp:
         self._step.fill_(step)
         self._host_step = host_step
         self._host_exact = host_exact
+        self._step_seen = self._step._version
         self._micro = micro
         self._items.copy_(items)
         self.summaries.attempts = attempts
@@ -1129,7 +1145,7 @@ class TrainOp:
             q.grad = None if a is None else a.clone().to(q.dtype)
         self._lr_error = None
         try:
-            self._lr_now = self._lr_fn(self._host_step if self._host_exact else self._step)
+            self._lr_now = self._lr_fn(self._host_step if self._host_step_exact() else self._step)
             self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
         except Exception as err:  # noqa: BLE001 - the state is loaded; the next update raises it first
             self._lr_error = err
