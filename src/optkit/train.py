@@ -590,7 +590,8 @@ class TrainOp:
         """Run one micro-step on ``inputs``: forward, backward, and (at the end of a window) the update."""
         refuse_inside_ema_weights(self.optimizer)  # before the forward adds gradients
         update = self._is_update(skip_update)
-        if update and (self._lr_error is not None or self._step._version != self._step_seen):
+        written = self._step._version != getattr(self, "_step_seen", None)  # (absent: an earlier optkit's)
+        if update and (self._lr_error is not None or written):
             # the schedule failed for this update after the previous one, or global_step was written since:
             # ask again, before anything changes
             self._refresh_lr()
@@ -970,11 +971,15 @@ class TrainOp:
         leaves its ``.grad`` behind (torch), so a copy taken inside a window would lose what it summed."""
         state = dict(self.__dict__)
         state["_window_grads"] = [(q, q.grad) for q in self.masters if q.grad is not None]
+        # the copy's count tensor has a version counter of its own: say whether the count was unwritten
+        state["_step_seen"] = self._step._version == getattr(self, "_step_seen", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pairs = state.pop("_window_grads", ())
+        unwritten = state.pop("_step_seen", False) is True
         self.__dict__.update(state)
+        self._step_seen = self._step._version if unwritten else None
         for q, g in pairs:
             if q.grad is None:
                 q.grad = g
