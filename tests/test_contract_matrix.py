@@ -29,6 +29,7 @@ from contract_table import (
     innermost,
     state_tensors,
 )
+from host_reads import HostReads
 from reference_rules import Reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
@@ -727,20 +728,6 @@ def test_apply_gradients_leaves_its_arguments_untouched(row_id):
 # ------------------------------------------------------------------------------------------------ host reads
 
 
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ops that read a tensor's value on the host (``.item()``, ``float(t)``, ``bool(t)``, and a
-    0-d tensor that Python's overload resolution passed as a Scalar): each one a device sync on a GPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero"):
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("layout", ["contiguous", "flat"])
 @pytest.mark.parametrize("row_id", [r for r in ROW_IDS if r != "LossScale(torch.Adam,dynamic)"])
 def test_step_reads_no_tensor_on_the_host(row_id, layout):
@@ -757,7 +744,7 @@ def test_step_reads_no_tensor_on_the_host(row_id, layout):
         if scaler is not None:
             getattr(scaler, "scaler", scaler)._state_on_host = lambda: False
         o = getattr(o, "optimizer", None)
-    mode = _HostReads()
+    mode = HostReads()
     for k in range(2, 4):
         set_grads(params, grads_at(k, dtype), layout, feed_scale(row, opt), opt)
         with mode:

@@ -18,6 +18,7 @@ from torch import nn
 
 import contract_table
 import optkit
+from host_reads import HostReads
 
 UPDATES = 4
 
@@ -276,19 +277,6 @@ def test_flat_buffer_layout(row_id):
 # ------------------------------------------------------------------------------------------------ host reads
 
 
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ops that read a tensor's value on the host (each a device sync on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero"):
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("row_id", [r.id for r in ROWS])
 def test_train_op_call_reads_no_tensor_on_the_host(row_id):
     """After the first updates, a train-op call (forward, backward, and the update at a window's end) reads
@@ -301,7 +289,7 @@ def test_train_op_call_reads_no_tensor_on_the_host(row_id):
     scaler = op.scaler
     getattr(scaler, "scaler", scaler)._state_on_host = lambda: False
     run(row, op, model, 2)
-    mode = _HostReads()
+    mode = HostReads()
     for u in range(2, 4):
         for m in range(row.iter_size):
             x, y = batch(10 * u + m, dt)
