@@ -939,9 +939,7 @@ def _lerp_by_tensor_(tg: list[Tensor], src: list[Tensor], w: Tensor) -> None:
     """``tg ← tg + w·(src − tg)`` with a 0-d weight ``w`` on their device (and dtype), no host read.
 
     torch has no multi-tensor lerp by a tensor weight: this is one ``lerp_`` per tensor (on CUDA one launch
-    each). Its arithmetic is that of the lerp by a number (:func:`lerp_`), bit for bit, so a run whose
-    weights come from the host and one whose weights stay on the device (a skip was possible, a CUDA
-    graph) agree exactly."""
+    each). Its arithmetic is torch's lerp, the same as the multi-tensor lerp by a number's."""
     torch._foreach_lerp_(tg, src, [w] * len(tg))
 
 
