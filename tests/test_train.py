@@ -1000,6 +1000,45 @@ def test_a_schedule_failing_for_the_next_update_raises_before_that_update_change
         assert int(op.global_step) == 2
 
 
+def test_a_schedule_failing_at_a_written_global_step_raises_at_every_call():
+    """After ``global_step`` is written to a count the schedule fails at, every call raises before anything
+    changes (the write stays pending until the schedule answers), as for a count reached by updates."""
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+    table = [0.1, 0.05, 0.025, 0.0125]
+    op = optimize_loss(lambda: (w * w).sum() / 2, "SGD", None, var_list=[w],
+                       learning_rate_decay_fn=lambda k: table[int(k)])
+    for _ in range(2):
+        op()
+    before = w.detach().clone()
+    op.global_step.fill_(10)
+    for _ in range(3):
+        with pytest.raises(IndexError):
+            op()
+        assert torch.equal(w.detach(), before) and int(op.global_step) == 10
+    op.global_step.fill_(3)  # a count the schedule answers: the next update takes its rate
+    assert float(op().lr) == pytest.approx(0.0125) and int(op.global_step) == 4
+
+
+def test_a_train_op_state_without_a_recorded_count_version_keeps_counting_on_the_host():
+    """A train op pickled by an earlier optkit has no record of its count's version: it goes on with the
+    host count it had, so its learning rates are those of the uninterrupted run, bit for bit."""
+    def build():
+        w = torch.nn.Parameter(torch.ones(3))
+        return w, optimize_loss(lambda: (w * w).sum(), "SGD", None, var_list=[w],
+                                learning_rate_decay_fn=lambda k: 0.1 / (1 + 0.5 * k))
+
+    w_ref, ref = build()
+    lrs_ref = [float(ref().lr) for _ in range(6)]
+    w, op = build()
+    lrs = [float(op().lr) for _ in range(3)]
+    state = op.__getstate__()
+    del state["_step_seen"]  # as an earlier optkit's pickle
+    op2 = type(op).__new__(type(op))
+    op2.__setstate__(state)
+    lrs += [float(op2().lr) for _ in range(3)]
+    assert lrs == lrs_ref and op2._host_exact
+
+
 def test_a_bad_first_return_value_does_not_fix_the_token_weighted_mode():
     """A first call whose loss returned a tuple of 3 raised, but had already switched the op to token
     weighting, so every later scalar return raised too."""

@@ -573,9 +573,10 @@ class TrainOp:
 
     def _refresh_lr(self) -> None:
         step = self._host_step if self._host_step_exact() else self._step
-        self._step_seen = self._step._version  # (the write, if any, is taken into account from here)
-        self._lr_now = self._lr_fn(step)
-        self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
+        lr_now = self._lr_fn(step)
+        lr_t = self._lr_tensor(lr_now, self._step.device)
+        # (only now is a write into global_step taken into account: a schedule that raised is asked again)
+        self._lr_now, self._lr_t, self._step_seen = lr_now, lr_t, self._step._version
         if not self._optkit:
             value = self._lr_now
             for g in self.optimizer.param_groups:
@@ -977,7 +978,7 @@ class TrainOp:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pairs = state.pop("_window_grads", ())
-        unwritten = state.pop("_step_seen", False) is True
+        unwritten = state.pop("_step_seen", True) is True  # (absent from an earlier optkit's: it counted on)
         self.__dict__.update(state)
         self._step_seen = self._step._version if unwritten else None
         for q, g in pairs:
