@@ -58,6 +58,7 @@ __all__ = [
     "x_floor_note",
     "header",
     "log",
+    "sgd_ema_reference",
 ]
 
 QUICK: bool = os.environ.get("OPTKIT_BENCH_QUICK", "") not in ("", "0")
@@ -383,6 +384,19 @@ def variant_table(specs, set_name: str, floor: float, bytes_per_param: float, ti
     note = " ".join([x_floor_note(rows, total, bytes_per_param, floor), *notes, extra_note]).strip()
     full = f"{title}, set `{set_name}` ({len(params)} tensors, {total:,} params)"
     return markdown_table(rows, title=full, note=note)
+
+
+def sgd_ema_reference(params, lr: float):
+    """The anchor of the SGD + decay + EMA tables: ``torch.optim.SGD(momentum=0.9, weight_decay=1e-4,
+    fused=True)`` followed by a ``_foreach_lerp_`` EMA (decay 0.99) of the weights; returns its step."""
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4, fused=True)
+    avgs = [p.detach().clone() for p in params]
+
+    def step() -> None:
+        opt.step()
+        torch._foreach_lerp_(avgs, params, 0.01)
+
+    return step
 
 
 def load_timm_optim(module: str, cls: str):

@@ -48,18 +48,8 @@ def bench_sgd(set_name: str, floor: float) -> str:
 
 
 def bench_sgd_ema(set_name: str, floor: float) -> str:
-    def torch_pipeline(ps):
-        opt = torch.optim.SGD(ps, lr=LR_SGD, momentum=0.9, weight_decay=1e-4, fused=True)
-        avgs = [p.detach().clone() for p in ps]
-
-        def step():
-            opt.step()
-            torch._foreach_lerp_(avgs, ps, 0.01)
-
-        return step
-
     kw = dict(learning_rate=LR_SGD, momentum=0.9, weight_decay=1e-4, use_ema=True, ema_momentum=0.99)
-    specs = [("torch SGD fused + _foreach_lerp_ EMA", torch_pipeline, False),
+    specs = [("torch SGD fused + _foreach_lerp_ EMA", lambda ps: H.sgd_ema_reference(ps, LR_SGD), False),
              ("optkit SGD wd+EMA", lambda ps: SGD(ps, **kw).step, False)]
     if set_name != "one_big":
         specs.append(("optkit SGD wd+EMA flat", lambda ps: SGD(ps, **kw).step, True))

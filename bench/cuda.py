@@ -170,20 +170,10 @@ def main(out: str | None = None) -> str:
               ("optkit SGD, CUDA graph", optkit_sgd, False, True)]
         return s
 
-    def ema_ref(ps):
-        opt = torch.optim.SGD(ps, lr=LR, momentum=0.9, weight_decay=1e-4, fused=True)
-        avgs = [p.detach().clone() for p in ps]
-
-        def step():
-            opt.step()
-            torch._foreach_lerp_(avgs, ps, 0.01)
-
-        return step
-
     ekw = dict(learning_rate=LR, momentum=0.9, weight_decay=1e-4, use_ema=True, ema_momentum=0.99)
 
     def ema_specs(big: bool):
-        s = [("torch SGD fused + _foreach_lerp_ EMA", ema_ref, False, False),
+        s = [("torch SGD fused + _foreach_lerp_ EMA", lambda ps: H.sgd_ema_reference(ps, LR), False, False),
              ("optkit SGD wd+EMA", lambda ps: SGD(ps, **ekw).step, False, False)]
         if not big:
             s.append(("optkit SGD wd+EMA flat", lambda ps: SGD(ps, **ekw).step, True, False))

@@ -935,28 +935,17 @@ def add_tensor_(tensors: list[Tensor], value: Tensor) -> None:
     torch.ops.aten._foreach_add_.Tensor(tensors, value)
 
 
-def _lerp_by_tensor_(tg: list[Tensor], src: list[Tensor], w: Tensor) -> None:
-    """``tg ← tg + w·(src − tg)`` with a 0-d weight ``w`` on their device (and dtype), no host read.
-
-    torch has no multi-tensor lerp by a tensor weight: this is one ``lerp_`` per tensor (on CUDA one launch
-    each). Its arithmetic is torch's lerp, the same as the multi-tensor lerp by a number's."""
-    torch._foreach_lerp_(tg, src, [w] * len(tg))
-
-
 def lerp_(targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | Tensor) -> None:
     """target ← target + w·(source − target), one pass per (device, dtype) group.
 
-    ``weight`` may be a 0-d tensor (e.g. zero on a skipped step), so no host sync is needed; a number takes
-    the multi-tensor lerp (one launch per group), except for half dtypes, where torch's lerp by a tensor
-    rounds the weight to the tensors' dtype: a number is rounded the same way there, so both forms agree.
+    ``weight`` may be a 0-d tensor (e.g. zero on a skipped step), so no host sync is needed.
     """
     if len(targets) == 0:
         return
     for (device, dtype), (_, (tg, src)) in group_by_device_dtype(targets, sources).items():
         if isinstance(weight, Tensor):
-            _lerp_by_tensor_(tg, src, weight.to(device=device, dtype=dtype))
-        elif dtype in (torch.float16, torch.bfloat16):
-            _lerp_by_tensor_(tg, src, scalar(weight, dtype, device))
+            w = weight.to(device=device, dtype=dtype)
+            torch._foreach_lerp_(tg, src, [w] * len(tg))
         else:
             torch._foreach_lerp_(tg, src, float(weight))
 
@@ -1180,11 +1169,12 @@ def scale_local_(tensors: Sequence[Tensor], scale: Tensor, key: tuple | None) ->
 
 
 def lerp_local_(
-    targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | Tensor, key: tuple | None
+    targets: Sequence[Tensor], sources: Sequence[Tensor], weight: Tensor, key: tuple | None
 ) -> None:
     """:func:`lerp_` for plain local tensors of one known (device, dtype) ``key`` (else the general path)."""
-    if key is None or not isinstance(weight, Tensor):
+    if key is None:
         lerp_(targets, sources, weight)
         return
     device, dtype = key
-    _lerp_by_tensor_(list(targets), list(sources), weight.to(device=device, dtype=dtype))
+    w = weight.to(device=device, dtype=dtype)
+    torch._foreach_lerp_(list(targets), list(sources), [w] * len(targets))
