@@ -210,9 +210,9 @@ def test_non_finite_flags(rng, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_non_finite_flags_of_large_tensors(rng, dtype):
-    """Tensors of at least CHECK_READ_MIN elements take the read-only aminmax check (small ones the AMP
-    kernel): a NaN or ±inf anywhere in either kind sets the flag, large finite values never do, and no value
-    changes (compared bit for bit)."""
+    """Tensors of at least CHECK_READ_MIN elements take a read-only check (float32: scaled row sums, others
+    aminmax; small ones the AMP kernel): a NaN or ±inf anywhere in either kind sets the flag, large finite
+    values never do, and no value changes (compared bit for bit)."""
     n = mt.CHECK_READ_MIN + 37
     big = torch.from_numpy(rng.standard_normal(n)).to(dtype)
     big[7] = 6.0e4 if dtype == torch.float16 else 3.0e38 if dtype != torch.float64 else 1e300
@@ -228,6 +228,37 @@ def test_non_finite_flags_of_large_tensors(rng, dtype):
             t2[which].view(-1)[pos] = bad
             assert mt.any_non_finite(t2).item() == 1.0, (which, pos, bad)
             assert mt.global_norm_and_found_inf(t2)[1].item() == 1.0, (which, pos, bad)
+
+
+def test_float32_row_sum_check_is_exact(rng):
+    """Large float32 tensors are checked by scaled row sums (one matrix-vector product, read only): the flag
+    is set exactly when an element is non-finite. Rows full of ±FLT_MAX, of subnormals or of mixed huge
+    values never set it (no finite overflow); a NaN, +inf, −inf or +inf next to −inf (which sum to NaN) at
+    a row's first or last element, in the tail after the last full row or in a second large tensor does."""
+    fmax = float(torch.finfo(torch.float32).max)
+    n = mt.CHECK_READ_MIN + 8 * mt._FINITE_ROW + 5
+    base = torch.from_numpy(rng.standard_normal(n)).float()
+    extremes = [torch.full((n,), fmax), torch.full((n,), -fmax), torch.full((n,), 1e-45),
+                torch.from_numpy(rng.choice([fmax, -fmax, 3e38, 1e-40], n)).float()]
+    for t in extremes:
+        assert mt.any_non_finite([t]).item() == 0.0
+        assert mt.global_norm_and_found_inf([t])[1].item() == 0.0
+    big = base
+    other = torch.from_numpy(rng.standard_normal(mt.CHECK_READ_MIN + 3 * mt._FINITE_ROW)).float()
+    row = mt._FINITE_ROW
+    for pos in (0, row - 1, row, 5 * row + 17, big.numel() - 1 - (big.numel() % row), big.numel() - 1):
+        for bad in ((math.inf,), (-math.inf,), (math.nan,), (math.inf, -math.inf)):
+            b = big.clone()
+            for j, v in enumerate(bad):
+                b[pos - j if pos > 0 else pos + j] = v
+            before = b.clone()
+            assert mt.any_non_finite([other, b]).item() == 1.0, (pos, bad)
+            assert mt.global_norm_and_found_inf([b, other])[1].item() == 1.0, (pos, bad)
+            assert torch.equal(b.view(torch.int32), before.view(torch.int32))  # read only
+    o = other.clone()
+    o[-1] = math.nan
+    assert mt.any_non_finite([big, o]).item() == 1.0
+    assert mt.any_non_finite([big, other]).item() == 0.0
 
 
 def test_non_finite_check_of_sparse_values(rng):
