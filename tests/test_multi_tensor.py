@@ -261,6 +261,30 @@ def test_float32_row_sum_check_is_exact(rng):
     assert mt.any_non_finite([big, other]).item() == 0.0
 
 
+@pytest.mark.parametrize("how", ["legacy", "backend"])
+def test_row_sum_check_steps_aside_under_low_precision_matmul(how):
+    """With float32 matrix products set to bfloat16 precision (which rounds FLT_MAX up to inf) the check
+    falls back to aminmax: a tensor full of FLT_MAX is still finite, an inf still found."""
+    backend, cuda = torch.backends.mkldnn.matmul, torch.backends.cuda.matmul
+    before = (backend.fp32_precision, cuda.fp32_precision)  # (the legacy setter changes both)
+    t = torch.full((mt.CHECK_READ_MIN + 3,), float(torch.finfo(torch.float32).max))
+    try:
+        if how == "legacy":
+            torch.set_float32_matmul_precision("medium")
+        else:
+            backend.fp32_precision = "bf16"
+        assert not mt._exact_cpu_matmul()
+        assert mt.any_non_finite([t]).item() == 0.0
+        t[5] = math.inf
+        assert mt.any_non_finite([t]).item() == 1.0
+    finally:
+        if how == "legacy":
+            torch.set_float32_matmul_precision("highest")
+        backend.fp32_precision, cuda.fp32_precision = before
+    assert mt._exact_cpu_matmul()
+    assert torch.get_float32_matmul_precision() == "highest"  # the process is as it was
+
+
 def test_non_finite_check_of_sparse_values(rng):
     """Sparse COO gradients are checked through their values (the AMP kernel takes the dense values, the
     sparse tensor itself it would refuse)."""

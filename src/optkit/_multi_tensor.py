@@ -803,14 +803,29 @@ def _finite_rows(t: Tensor) -> tuple[Tensor, Tensor | None]:
     return rows, (flat[main:] if main < flat.numel() else None)
 
 
+def _exact_cpu_matmul() -> bool:
+    """Whether float32 matrix products on the CPU run in float32 (torch's default). With
+    ``torch.set_float32_matmul_precision("medium")`` or ``torch.backends.mkldnn.matmul.fp32_precision =
+    "bf16"`` oneDNN rounds the inputs to bfloat16, whose range ends below ``FLT_MAX``: a finite row could
+    then sum to inf, so the row-sum check is not used."""
+    try:
+        return torch.backends.mkldnn.matmul.fp32_precision in ("none", "ieee")
+    except (AttributeError, RuntimeError):  # pragma: no cover - torch without the per-backend setting
+        try:
+            return torch.get_float32_matmul_precision() == "highest"
+        except RuntimeError:
+            return False
+
+
 def _local_non_finite(vals: list[Tensor]) -> Tensor | None:
     """0-d fp32 flag, 1.0 when an element of the local dense values ``vals`` is NaN or ±inf. Small tensors go
     through torch's AMP check kernel (``_amp_foreach_non_finite_check_and_unscale_`` with an inverse scale
     of 1: the values are rewritten unchanged, ``x·1 = x`` exactly in every float dtype), one kernel call per
     (device, dtype) group, ~0.5 µs instead of ~10 µs of dispatch per tensor. Contiguous tensors of at least
     :data:`CHECK_READ_MIN` elements take a read-only pass (the AMP kernel writes every value back): float32
-    ones scaled row sums (:func:`_finite_rows`, their tails the AMP kernel), others ``torch.aminmax``
-    (the extremes are finite exactly when every element is; NaN propagates).
+    ones scaled row sums (:func:`_finite_rows`, their tails the AMP kernel; not when float32 matrix products
+    are set to run in lower precision, :func:`_exact_cpu_matmul`), others ``torch.aminmax`` (the extremes
+    are finite exactly when every element is; NaN propagates).
 
     None when the kernel cannot take the values: a group not on the CPU (the only device tested here) or not
     floating point, under ``torch.compile``, or a tensor the kernel refuses (one whose elements share memory,
@@ -825,13 +840,14 @@ def _local_non_finite(vals: list[Tensor]) -> Tensor | None:
     found = torch.zeros((), dtype=torch.float32)
     one = torch.ones((), dtype=torch.float32)
     rows, big = [], []
+    row_sums = _exact_cpu_matmul()
     try:
         for (_, dtype), (_, (group,)) in groups.items():
             small = []
             for t in group:
                 if t.numel() < CHECK_READ_MIN or not t.is_contiguous():
                     small.append(t)
-                elif dtype == torch.float32:
+                elif dtype == torch.float32 and row_sums:
                     r, tail = _finite_rows(t)
                     rows.append(r)
                     if tail is not None:
