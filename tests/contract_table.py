@@ -273,6 +273,14 @@ ROWS: list[Row] = [
         global_grad_norm_clip=4.0),  # binds (the gradients' global norm is ~12), keeps fp16 v normal
         "lamb", {"weight_decay": 0.05, "min_coeff": 0.6, "max_coeff": 2.0}, {"global_clipnorm": 4.0},
         per_tensor=_lamb_skip_bias, uses_names=True),
+    # jit_compile: the compiled pass 1 (sums of squares, writes nothing) and the compiled pass 2 (moments
+    # from k·g, where k carries the binding global clip)
+    Row("LAMB-jit-skiplist-clamp-nvlamb-ema", lambda ps, lr: optkit.LAMB(
+        _named(ps), lr, weight_decay=0.05, skip_list=["bias"], min_coeff=0.6, max_coeff=2.0,
+        global_grad_norm_clip=4.0, use_ema=True, ema_momentum=0.9, jit_compile=True),
+        "lamb", {"weight_decay": 0.05, "min_coeff": 0.6, "max_coeff": 2.0},
+        {"global_clipnorm": 4.0, "use_ema": True, "ema_momentum": 0.9},
+        per_tensor=_lamb_skip_bias, uses_names=True),
     Row("LAMBC-exclude1d-nobc", lambda ps, lr: optkit.LAMB(
         _plain(ps), lr, beta1=0.8, weight_decay=0.02, exclude_1d=True, lambc=True, bias_correction=False,
         always_adapt=True, use_ema=True, ema_momentum=0.9, ema_warmup=True),

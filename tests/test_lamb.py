@@ -457,6 +457,70 @@ def test_jit_compile_and_compiled_step_match_eager():
         np.testing.assert_allclose(a, t.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("case", ["paper", "no-bias-correction", "always-adapt-no-wd", "lambc"])
+def test_jit_compile_two_compiled_passes_match_the_reference(case, dtype):
+    """``jit_compile=True``: pass 1 is the compiled sums of squares (it writes nothing: the gradients are
+    left as they were, where the eager CPU pass writes the direction into them) and pass 2 the compiled
+    rule updating moments and weights; the float64 reference of Algorithm 2 holds in every dtype."""
+    ws, grads = _problem(21, steps=3)
+    kw = CASES[case]
+    ts = [torch.tensor(w, dtype=dtype, requires_grad=True) for w in ws]
+    opt = optkit.LAMB(ts, 0.05, jit_compile=True, **kw)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="jit_compile")
+        for gs in grads:
+            given = [torch.tensor(g, dtype=dtype) for g in gs]
+            for t, g in zip(ts, given):
+                t.grad = g.clone()
+            opt.step()
+            for t, g in zip(ts, given):
+                assert torch.equal(t.grad, g)
+    assert opt._compile_state == "ok"
+    ref = _ref_run(ws, grads, 0.05, kw)
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2}[dtype]
+    for r, t in zip(ref, ts):
+        np.testing.assert_allclose(t.detach().double().numpy(), r, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("broken", ["pass 1", "pass 2"])
+def test_jit_compile_failure_in_either_pass_falls_back_to_the_eager_result(broken, monkeypatch):
+    """A compile failure in pass 1 (nothing written yet) or in pass 2 (after the compiled pass 1: the eager
+    pointwise rule then forms the moments from k·g) warns once and gives the eager result, with a skipped
+    step (GradScaler-style ``found_inf``) and a loss-scale factor on the way."""
+    import optkit.optimizer as base
+    from optkit import _compile
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated compiler failure")
+
+    if broken == "pass 1":
+        monkeypatch.setitem(_compile._COMPILED_OTHER, optkit.lamb._lamb_sums, fail)
+    else:
+        monkeypatch.setattr(base, "compiled_chain", lambda: fail)
+    ws, grads = _problem(22, steps=3)
+
+    def run(jit):
+        ts = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in ws]
+        opt = optkit.LossScaleOptimizer(optkit.LAMB(ts, 0.05, weight_decay=0.01, jit_compile=jit),
+                                        optkit.DynamicLossScale(8.0))
+        for k, gs in enumerate(grads):
+            for t, g in zip(ts, gs):
+                t.grad = torch.tensor(g, dtype=torch.float32) * 8.0
+            if k == 1:
+                ts[0].grad[0, 0] = float("inf")
+            opt.grads_scaled = True
+            opt.step()
+        return [t.detach().clone() for t in ts], opt
+
+    eager, _ = run(False)
+    with pytest.warns(RuntimeWarning, match="running eagerly"):
+        jit, opt = run(True)
+    assert opt.optimizer._compile_state == "failed"
+    for a, b in zip(eager, jit):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_device_chain_with_fused_sgd(dtype, monkeypatch):
     """Pass 2 as run off the CPU (the chain ending in the fused SGD kernel with ``found_inf``), forced on

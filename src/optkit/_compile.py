@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["chain", "compiled_chain", "warn_compile_fallback"]
+__all__ = ["chain", "compiled_chain", "compiled_function", "warn_compile_fallback"]
 
 
 def warn_compile_fallback(err: Exception) -> None:
@@ -89,8 +89,23 @@ def compiled_chain() -> Callable | None:
     return _COMPILED[0]
 
 
-def _make_compiled(backend: str = "inductor") -> Callable:
-    compiled = torch.compile(chain, fullgraph=True, dynamic=False, backend=backend)
+#: other functions compiled the same way (an optimizer's own compiled pass), by function
+_COMPILED_OTHER: dict[Callable, Callable | None] = {}
+
+
+def compiled_function(fn: Callable) -> Callable | None:
+    """``fn`` compiled as :func:`compiled_chain` compiles the chain (full graph, static shapes, the raised
+    recompile limit), built once per process; None where ``torch.compile`` is unavailable."""
+    if fn not in _COMPILED_OTHER:
+        try:
+            _COMPILED_OTHER[fn] = _make_compiled(fn=fn)
+        except Exception:  # pragma: no cover - torch without a working compile stack
+            _COMPILED_OTHER[fn] = None
+    return _COMPILED_OTHER[fn]
+
+
+def _make_compiled(backend: str = "inductor", fn: Callable = chain) -> Callable:
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
     import torch._dynamo.config as dynamo_config
 
     # (torch < 2.7 spells them cache_size_limit / accumulated_cache_size_limit)

@@ -59,6 +59,14 @@ cut into cache-sized row chunks): one fused AdamW call, two row norms and an in-
 with ``s`` as a ``(rows, 1)`` column, so the host work no longer grows with the number of parameters
 (:meth:`LAMB._prepare_rows`, :meth:`LAMB._update_rows`).
 
+With ``jit_compile=True`` both passes are compiled (``torch.compile``, one loop per tensor each) and pass 1
+writes nothing: :func:`_lamb_sums` forms the new moments and ``u`` from ``k·g`` and returns only ``Σu²``
+and ``Σw²`` (read ``w, g, m, v``: 16 B/param), then the compiled rule (:func:`_lamb_pointwise`, ``fresh ==
+"raw"``) forms them again and writes ``m, v, w`` (28 B/param): 44 B/param against the eager passes' fused
+kernels plus their separate decay and norm kernels (about 15-30% faster here on large tensors; the first step
+compiles, 13 s for ResNet-50 shapes with inductor's on-disk cache warm, about a minute cold). The gradients
+are left as they were.
+
 Main memory sees: read ``w, g, m, v`` and write ``m, v, g`` (pass 1, 28 B/param in fp32), read ``w, g``
 and write ``w`` (pass 2, 12 B/param): 40 B/param, the floor of any two-pass LAMB (+4 in pass 2 for blocks of
 many small tensors, whose gradient chunks are written again). Half-precision parameters keep half moments,
@@ -80,6 +88,7 @@ from torch import Tensor
 
 from . import _fused
 from . import _multi_tensor as mt
+from ._compile import compiled_function, warn_compile_fallback
 from ._plan import RunAux
 from .optimizer import Optimizer, check_number
 
@@ -92,14 +101,47 @@ def _lamb_pointwise(hyper, w, g, slots, lr, k, aux):
     """Out-of-place pass 2 (``jit_compile``, ``torch.compile`` tracing, devices without a fused kernel):
     ``w ← w − c·m/(√v + e) − s·wd·w`` with the moments :meth:`LAMB._prepare` already updated, or, for a
     ``fresh`` (half-precision) tensor, with the moments updated here from ``g`` (unscaled in pass 1, so
-    ``k`` is not applied again); ``aux = (c, s·wd, e, s, fresh, direct)`` (``direct`` is the eager CPU
-    pass 2's, unused here)."""
+    ``k`` is not applied again), or, ``fresh == "raw"`` (the compiled pass 1, :func:`_lamb_sums`, left
+    everything as it was), from the true gradient ``k·g`` in float32 or float64 exactly as pass 1 formed
+    the direction whose norm set ``s``; ``aux = (c, s·wd, e, s, fresh, direct)`` (``direct`` is the eager
+    CPU pass 2's, unused here)."""
     beta1, beta2 = hyper
     m, v = slots
     c, swd, e, _, fresh, _ = aux
-    if fresh:
+    if fresh == "raw":
+        i = aux[5]
+        c, swd = c[i], swd[i]
+        if w.dtype in _HALF:
+            w, g, m, v = w.float(), g.float(), m.float(), v.float()
+        if k is not None:
+            g = g * k
+        m, v = _moments(g, m, v, beta1, beta2)
+    elif fresh:
         m, v = _moments(g, m, v, beta1, beta2)
     return w - m / (v.sqrt() + e) * c - w * swd, [m, v]
+
+
+def _lamb_sums(hyper, ws, gs, ms, vs, k, ratio, e, decayed):
+    """Pass 1 of ``jit_compile`` as one compiled function (read only, one loop per tensor): per tensor the
+    sums of squares ``Σu²`` and ``Σw²`` of ``u = m'/(√v' + e)·ratio + wd·w``, with the moments ``m'``,
+    ``v'`` formed from the true gradient ``k·g`` as :func:`_lamb_pointwise` forms them in pass 2 (which
+    writes them), ``ratio = √(1−β2^t)/(1−β1^t)``, ``e = ε·√(1−β2^t)``, ``decayed[i]`` = ``wd`` or None.
+    Half-precision tensors are computed in float32. Returns two stacked vectors in the sums' dtype."""
+    beta1, beta2 = hyper
+    su, sw = [], []
+    for i in range(len(ws)):
+        w, g, m, v = ws[i], gs[i], ms[i], vs[i]
+        if w.dtype in _HALF:
+            w, g, m, v = w.float(), g.float(), m.float(), v.float()
+        if k is not None:
+            g = g * k
+        m2, v2 = _moments(g, m, v, beta1, beta2)
+        u = m2 / (v2.sqrt() + e) * ratio
+        if decayed[i] is not None:
+            u = u + w * decayed[i]
+        su.append((u * u).sum())
+        sw.append((w * w).sum())
+    return torch.stack(su), torch.stack(sw)
 
 
 def _moments(g: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
@@ -379,6 +421,10 @@ class LAMB(Optimizer):
         if plan.flat_active and plan.flat.rows_pay and self._rows_ok(plan.flat):
             return self._prepare_rows(group, plan.flat, st, hyper, lr, dev, dtype)
         tracing = torch.compiler.is_compiling()
+        if self.jit_compile and self._compile_state != "failed" and not tracing:
+            aux = self._prepare_compiled(group, params, grads, plan, st, hyper, lr, dev, dtype)
+            if aux is not None:
+                return aux
         infos = None if tracing else self._block_infos(group, plan, st)
         acc: tuple[list, list, list] = ([], [], [])  # ‖w‖ and ‖u‖ of adapting chunks, their tensors
         for blk, own, ws, gs, ms, vs in self._chunks(plan, params, grads):
@@ -407,6 +453,46 @@ class LAMB(Optimizer):
         flags = direct[0] if direct is not None else [False] * n
         return [(ci, wi, e, si, p.dtype in _HALF, d)
                 for ci, wi, si, p, d in zip(c, swd, s.unbind(), params, flags)]
+
+    def _prepare_compiled(self, group, params, grads, plan, st, hyper, lr, dev, dtype) -> list | None:
+        """Pass 1 for ``jit_compile``: the sums of squares of the adapting tensors by the compiled
+        :func:`_lamb_sums`, which writes nothing (the compiled pass 2 updates the moments and the weights
+        in one loop per tensor: 16 + 28 B/param in fp32, against the eager passes' separate norm and decay
+        kernels). Returns the per-tensor ``aux`` with ``fresh == "raw"``, or None (after one
+        ``RuntimeWarning``, eager from then on) when compiling fails."""
+        beta1, beta2, eps, t, k, skip = hyper
+        fn = compiled_function(_lamb_sums)
+        if fn is None:  # pragma: no cover - torch without a working compile stack
+            return None
+        n = len(params)
+        t_d = t.to(device=dev, dtype=dtype)
+        bc1 = 1.0 - torch.pow(beta1, t_d)
+        bc2_sqrt = (1.0 - torch.pow(beta2, t_d)).sqrt()
+        ratio, e = bc2_sqrt / bc1, eps * bc2_sqrt
+        lr = lr.to(device=dev, dtype=dtype)
+        if st.n_adapt:
+            sel = [i for i, a in enumerate(st.adapt_of) if a >= 0]
+            loc = mt.local
+            m_l, v_l = plan.slots["exp_avg"], plan.slots["exp_avg_sq"]
+            lists = [[loc(x[i]) for i in sel] for x in (params, grads, m_l, v_l)]
+            tdev = lists[0][0].device
+            decayed = tuple(st.wd if st.decayed[i] else None for i in sel)
+            try:
+                u_sq, w_sq = fn((beta1, beta2), *lists, None if k is None else k.to(tdev), ratio.to(tdev),
+                                e.to(tdev), decayed)
+            except Exception as err:  # compiling failed: eager from now on (nothing was written)
+                self._compile_state = "failed"
+                warn_compile_fallback(err)
+                return None
+            trust = self._trust_from_squares(group, st, w_sq.to(device=dev, dtype=dtype),
+                                             u_sq.to(device=dev, dtype=dtype), params, dev, dtype)
+            s = lr * trust if st.n_adapt == n else torch.ones(n, dtype=dtype, device=dev).index_copy_(
+                0, st.index, trust) * lr
+        else:
+            s = lr.expand(n)
+        # whole vectors and each tensor's position: three graph inputs instead of three per tensor
+        c, swd = s * ratio, s * st.wd_vec
+        return [(c, swd, e, s, "raw", i) for i in range(n)]
 
     def _direct_flags(self, group: dict, plan: Any, params: list[Tensor]) -> tuple[list[bool], bool]:
         """Per tensor: whether pass 2 finds ``u`` in the gradient chunk (float32/float64 on the CPU, where the
@@ -646,6 +732,12 @@ class LAMB(Optimizer):
             index = mt._index_tensor(owners, dev)
             w_sq = torch.zeros(m, dtype=dtype, device=dev).index_add_(0, index, wv * wv)
             u_sq = torch.zeros(m, dtype=dtype, device=dev).index_add_(0, index, uv * uv)
+        return self._trust_from_squares(group, st, w_sq, u_sq, params, dev, dtype)
+
+    def _trust_from_squares(self, group, st, w_sq, u_sq, params, dev, dtype) -> Tensor:
+        """Trust ratios from the adapting tensors' local sums of squares (summed across the mesh for
+        DTensors)."""
+        m = st.n_adapt
         if not mt._all_plain(params) and any(mt.is_dtensor(p) for p in params):
             import torch.distributed as dist
 
@@ -676,6 +768,9 @@ class LAMB(Optimizer):
             self._update_rows(params, grads, found_inf, aux[0][0])
             return
         m_l, v_l = slots["exp_avg"], slots["exp_avg_sq"]
+        if aux and aux[0][4] == "raw":  # the compiled pass 1 ran but pass 2 fell back to eager: the rule
+            self._pointwise_fallback(group, params, grads, [m_l, v_l], lr, k, found_inf, aux)
+            return
         blk = self._block
         hit = self._block_cache.get(id(group))
         info = None if (blk is None or hit is None) else hit[2].get(id(blk))
