@@ -104,7 +104,8 @@ def _lamb_pointwise(hyper, w, g, slots, lr, k, aux):
     ``k`` is not applied again), or, ``fresh == "raw"`` (the compiled pass 1, :func:`_lamb_sums`, left
     everything as it was), from the true gradient ``k·g`` in float32 or float64 exactly as pass 1 formed
     the direction whose norm set ``s``; ``aux = (c, s·wd, e, s, fresh, direct)`` (``direct`` is the eager
-    CPU pass 2's, unused here)."""
+    CPU pass 2's, unused here; for ``"raw"``, ``c``, ``s·wd`` and ``s`` are the group's whole vectors and
+    the last field is the tensor's position in them)."""
     beta1, beta2 = hyper
     m, v = slots
     c, swd, e, _, fresh, _ = aux
@@ -142,6 +143,21 @@ def _lamb_sums(hyper, ws, gs, ms, vs, k, ratio, e, decayed):
         su.append((u * u).sum())
         sw.append((w * w).sum())
     return torch.stack(su), torch.stack(sw)
+
+
+def _corrections(beta1: float, beta2: float, t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(1 − β1^t, √(1 − β2^t))`` in ``t``'s dtype and device."""
+    return 1.0 - torch.pow(beta1, t), (1.0 - torch.pow(beta2, t)).sqrt()
+
+
+def _step_sizes(st: _Static, trust: Tensor | None, lr: Tensor, n: int) -> Tensor:
+    """``s = lr·r`` per tensor: the trust ratio of the adapting tensors (``trust``, None when none adapts),
+    1 for the others."""
+    if trust is None:
+        return lr.expand(n)
+    if st.n_adapt == n:
+        return lr * trust
+    return torch.ones(n, dtype=lr.dtype, device=lr.device).index_copy_(0, st.index, trust) * lr
 
 
 def _moments(g: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
@@ -430,16 +446,10 @@ class LAMB(Optimizer):
         for blk, own, ws, gs, ms, vs in self._chunks(plan, params, grads):
             info = None if infos is None else infos[id(blk)]
             self._pass1(blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc)
-        t_d = t.to(device=dev, dtype=dtype)
-        bc1 = 1.0 - torch.pow(beta1, t_d)
-        bc2_sqrt = (1.0 - torch.pow(beta2, t_d)).sqrt()
+        bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=dev, dtype=dtype))
         lr = lr.to(device=dev, dtype=dtype)
-        if st.n_adapt:
-            trust = self._trust(group, st, *acc, params, dev, dtype)
-            s = lr * trust if st.n_adapt == n else torch.ones(n, dtype=dtype, device=dev).index_copy_(
-                0, st.index, trust) * lr
-        else:
-            s = lr.expand(n)
+        trust = self._trust(group, st, *acc, params, dev, dtype) if st.n_adapt else None
+        s = _step_sizes(st, trust, lr, n)
         e = eps * bc2_sqrt
         # (a compiled pass 2 reads c and s·wd: the jit_compile rule, _lamb_pointwise)
         compiled = self.jit_compile and self._compile_state != "failed"
@@ -465,11 +475,10 @@ class LAMB(Optimizer):
         if fn is None:  # pragma: no cover - torch without a working compile stack
             return None
         n = len(params)
-        t_d = t.to(device=dev, dtype=dtype)
-        bc1 = 1.0 - torch.pow(beta1, t_d)
-        bc2_sqrt = (1.0 - torch.pow(beta2, t_d)).sqrt()
+        bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=dev, dtype=dtype))
         ratio, e = bc2_sqrt / bc1, eps * bc2_sqrt
         lr = lr.to(device=dev, dtype=dtype)
+        trust = None
         if st.n_adapt:
             sel = [i for i, a in enumerate(st.adapt_of) if a >= 0]
             loc = mt.local
@@ -486,10 +495,7 @@ class LAMB(Optimizer):
                 return None
             trust = self._trust_from_squares(group, st, w_sq.to(device=dev, dtype=dtype),
                                              u_sq.to(device=dev, dtype=dtype), params, dev, dtype)
-            s = lr * trust if st.n_adapt == n else torch.ones(n, dtype=dtype, device=dev).index_copy_(
-                0, st.index, trust) * lr
-        else:
-            s = lr.expand(n)
+        s = _step_sizes(st, trust, lr, n)
         # whole vectors and each tensor's position: three graph inputs instead of three per tensor
         c, swd = s * ratio, s * st.wd_vec
         return [(c, swd, e, s, "raw", i) for i in range(n)]
@@ -706,9 +712,7 @@ class LAMB(Optimizer):
                 v.copy_(v2)
             if i not in adapting:
                 continue
-            tt = t.to(device=gf.device, dtype=gf.dtype)
-            bc1 = 1.0 - torch.pow(beta1, tt)
-            bc2_sqrt = (1.0 - torch.pow(beta2, tt)).sqrt()
+            bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=gf.device, dtype=gf.dtype))
             u = m2 / (v2.sqrt() + eps * bc2_sqrt) * (bc2_sqrt / bc1)
             if i in dec:
                 u = u + wf * st.wd
@@ -768,7 +772,7 @@ class LAMB(Optimizer):
             self._update_rows(params, grads, found_inf, aux[0][0])
             return
         m_l, v_l = slots["exp_avg"], slots["exp_avg_sq"]
-        if aux and aux[0][4] == "raw":  # the compiled pass 1 ran but pass 2 fell back to eager: the rule
+        if aux and aux[0][4] == "raw":  # compiled pass 1, eager pass 2 (its compile failed): the rule
             self._pointwise_fallback(group, params, grads, [m_l, v_l], lr, k, found_inf, aux)
             return
         blk = self._block
