@@ -127,9 +127,12 @@ def _lamb_sums(hyper, ws, gs, ms, vs, k, ratio, e, decayed):
     sums of squares ``Σu²`` and ``Σw²`` of ``u = m'/(√v' + e)·ratio + wd·w``, with the moments ``m'``,
     ``v'`` formed from the true gradient ``k·g`` as :func:`_lamb_pointwise` forms them in pass 2 (which
     writes them), ``ratio = √(1−β2^t)/(1−β1^t)``, ``e = ε·√(1−β2^t)``, ``decayed[i]`` = ``wd`` or None.
-    Half-precision tensors are computed in float32. Returns two stacked vectors in the sums' dtype."""
+    Half-precision tensors are computed in float32. Returns an ``(n, 2)`` matrix in the sums' dtype: row
+    ``i`` is ``(Σu², Σw²)`` of tensor ``i``. (Stacking the two sums of each tensor together keeps them in
+    one loop: with two separate stacks, inductor's horizontal fusion grouped the ``Σw²`` of all tensors into
+    a second kernel that read every weight again, 20-25% of the pass on ResNet-50 shapes.)"""
     beta1, beta2 = hyper
-    su, sw = [], []
+    rows = []
     for i in range(len(ws)):
         w, g, m, v = ws[i], gs[i], ms[i], vs[i]
         if w.dtype in _HALF:
@@ -140,9 +143,8 @@ def _lamb_sums(hyper, ws, gs, ms, vs, k, ratio, e, decayed):
         u = m2 / (v2.sqrt() + e) * ratio
         if decayed[i] is not None:
             u = u + w * decayed[i]
-        su.append((u * u).sum())
-        sw.append((w * w).sum())
-    return torch.stack(su), torch.stack(sw)
+        rows.append(torch.stack(((u * u).sum(), (w * w).sum())))
+    return torch.stack(rows)
 
 
 def _corrections(beta1: float, beta2: float, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -487,14 +489,14 @@ class LAMB(Optimizer):
             tdev = lists[0][0].device
             decayed = tuple(st.wd if st.decayed[i] else None for i in sel)
             try:
-                u_sq, w_sq = fn((beta1, beta2), *lists, None if k is None else k.to(tdev), ratio.to(tdev),
-                                e.to(tdev), decayed)
+                sums = fn((beta1, beta2), *lists, None if k is None else k.to(tdev), ratio.to(tdev),
+                          e.to(tdev), decayed)
             except Exception as err:  # compiling failed: eager from now on (nothing was written)
                 self._compile_state = "failed"
                 warn_compile_fallback(err)
                 return None
-            trust = self._trust_from_squares(group, st, w_sq.to(device=dev, dtype=dtype),
-                                             u_sq.to(device=dev, dtype=dtype), params, dev, dtype)
+            u_sq, w_sq = sums.to(device=dev, dtype=dtype).unbind(1)
+            trust = self._trust_from_squares(group, st, w_sq, u_sq, params, dev, dtype)
         s = _step_sizes(st, trust, lr, n)
         # whole vectors and each tensor's position: three graph inputs instead of three per tensor
         c, swd = s * ratio, s * st.wd_vec
