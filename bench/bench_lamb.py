@@ -9,8 +9,10 @@ pre-normalisation (timm ``max_grad_norm=None``). Variants:
 * ``foreach LAMB (plain torch)``: a straightforward chain of ``torch._foreach_*`` ops (moments, direction,
   norms, trust ratios, update), the form most ports take — the stand-in when timm is not installed;
 * ``optkit LAMB`` eager (two blocked passes through the fused-kernel gate), and with ``jit_compile=True``
-  on the sets of few tensors or over flat buffers (``optkit.flat_parameters``) on ``many_small`` and
-  ``tiny_10k`` (compiling traces one graph input per tensor: minutes for 10k tensors).
+  on the sets of few tensors; over flat buffers (``optkit.flat_parameters``) on ``many_small`` and
+  ``tiny_10k``, eager and with ``jit_compile=True`` (there the compiled passes run over the buffer's row
+  runs: one graph of a few inputs; per tensor, compiling would trace one graph input per tensor, minutes
+  for 10k tensors).
 
 Minimal traffic of any two-pass LAMB: 40 B/param (pass 1 reads w, g, m, v and writes m, v: 24; pass 2
 reads w, m, v and writes w: 16), so "× floor" = ms / (params·40 B / floor GB/s). Targets (eager, quiet
@@ -78,6 +80,8 @@ def bench_lamb(set_name: str, floor: float, timm_lamb) -> str:
     specs.append(("optkit LAMB (eager)", lambda ps: LAMB(ps, LR, **okw).step, False))
     if set_name in MANY:
         specs.append(("optkit LAMB flat", lambda ps: LAMB(ps, LR, **okw).step, True))
+        specs.append(("optkit LAMB flat jit_compile=True",
+                      lambda ps: LAMB(ps, LR, jit_compile=True, **okw).step, True))
     else:
         specs.append(("optkit LAMB jit_compile=True", lambda ps: LAMB(ps, LR, jit_compile=True, **okw).step,
                       False))

@@ -115,20 +115,21 @@ def test_blocks_of_many_tensors_and_a_skip_match_the_reference(case, dtype):
             np.testing.assert_allclose(t.detach().double().numpy(), r, **tol)
 
 
-@pytest.mark.parametrize("layout", ["one-block", "small-blocks", "flat-rows"])
+@pytest.mark.parametrize("layout", ["one-block", "small-blocks", "flat-rows", "flat-rows-jit"])
 def test_skip_with_overflowed_gradients_leaves_everything_as_it_was(layout):
     """A skipped step (``found_inf``) after an overflow (a NaN in the gradients, so trust ratios are NaN)
     leaves the weights, the moments and the gradients bit for bit as they were, on every pass-2 form."""
     shapes = [(5, 4), (4,), (3, 2, 2), (7,), (2, 3), (6,), (4, 4), (1,), (3,)]
-    if layout == "flat-rows":
+    if layout.startswith("flat-rows"):
         shapes = [(6,)] * 6 + [(2, 3)] * 3
     ws, grads = _problem(11, shapes=shapes, steps=2)
     ts = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in ws]
     for t in ts:
         t.grad = torch.zeros_like(t)
-    if layout == "flat-rows":
+    if layout.startswith("flat-rows"):
         optkit.flat_parameters(ts)
-    opt = optkit.LAMB(ts, 0.05, weight_decay=0.01, block_numel=24 if layout == "small-blocks" else 1 << 20)
+    opt = optkit.LAMB(ts, 0.05, weight_decay=0.01, block_numel=24 if layout == "small-blocks" else 1 << 20,
+                      jit_compile=layout.endswith("jit"))
     for t, g in zip(ts, grads[0]):
         t.grad.copy_(torch.tensor(g))
     opt.step()  # state exists, the plan (and the flat part) is built
@@ -143,15 +144,21 @@ def test_skip_with_overflowed_gradients_leaves_everything_as_it_was(layout):
         v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     assert all(torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
                for x, y in zip(after, before))
+    if layout.endswith("jit"):
+        assert opt._compile_state == "ok" and list(opt._plans.values())[0].flat_active
 
 
-@pytest.mark.parametrize("case", ["paper", "no-bias-correction", "clamp", "lambc", "adam-like"])
-def test_flat_buffers_take_row_runs_and_match_the_reference(case, monkeypatch):
+@pytest.mark.parametrize("case,jit", [(c, False) for c in ("paper", "no-bias-correction", "clamp", "lambc",
+                                                               "adam-like")]
+                         + [("paper", True), ("no-bias-correction", True), ("adam-like", True)])
+def test_flat_buffers_take_row_runs_and_match_the_reference(case, jit, monkeypatch):
     """Over flat buffers (``optkit.flat_parameters``) LAMB steps row runs (consecutive parameters of one size
     as the rows of a matrix: row norms, per-row factor columns), also when a run is cut across cache chunks
     (``block_numel``) and with a per-name exclusion inside a run, or the per-tensor pass when most elements
     are in parameters over a block; the result is the float64 reference, a skipped step (``found_inf``)
-    changes nothing, and the state dict is the per-tensor one."""
+    changes nothing, and the state dict is the per-tensor one. With ``jit_compile`` the compiled row sums
+    and the compiled rule run over the whole run matrices instead (one graph whatever the number of
+    parameters)."""
     shapes = [(6,), (6,), (6,), (2, 3), (3, 2, 2), (3, 4), (4,), (4,), (1,)]
     names = [f"l{i}.weight" if len(s) > 1 else f"l{i}.bias" for i, s in enumerate(shapes)]
     names[1] = "l1.scale"
@@ -160,9 +167,12 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(case, monkeypatch):
     per = [{"_skipped": True} if "scale" in n else {} for n in names]
     ref = _ref_run(ws, grads, 0.05, {k: v for k, v in kw.items() if k != "skip_list"}, per_tensor=per)
     row_steps = []
-    original = optkit.LAMB._prepare_rows
-    monkeypatch.setattr(optkit.LAMB, "_prepare_rows",
-                        lambda self, *a: (row_steps.append(1), original(self, *a))[1])
+    entry = "_prepare_rows_compiled" if jit else "_prepare_rows"
+    original = getattr(optkit.LAMB, entry)
+    monkeypatch.setattr(optkit.LAMB, entry, lambda self, *a: (row_steps.append(1), original(self, *a))[1])
+    tol = 1e-10
+    if jit:
+        kw["jit_compile"] = True
     for block_numel in (1 << 20, 16, 8):  # one chunk; runs cut across chunks; most elements over a block
         row_steps.clear()
         ts = [torch.tensor(w, dtype=F64, requires_grad=True) for w in ws]
@@ -181,8 +191,11 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(case, monkeypatch):
         # per-tensor pass cuts them into cache-sized chunks, over the same flat buffer)
         assert flat.rows_pay == (block_numel != 8) and bool(row_steps) == flat.rows_pay
         assert len(flat.row_blocks) > (1 if block_numel == 16 else 0)
+        if jit:
+            assert opt._compile_state == "ok"
         for t, r in zip(ts, ref):
-            np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-11, atol=1e-12)
+            np.testing.assert_allclose(t.detach().numpy(), r, rtol=tol if jit else 1e-11,
+                                       atol=tol if jit else 1e-12)
         sd = opt.state_dict()["state"]
         assert all(sd[i]["exp_avg"].shape == t.shape for i, t in enumerate(ts))
 
@@ -483,11 +496,13 @@ def test_jit_compile_two_compiled_passes_match_the_reference(case, dtype):
         np.testing.assert_allclose(t.detach().double().numpy(), r, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("layout", ["tensors", "flat"])
 @pytest.mark.parametrize("broken", ["pass 1", "pass 2"])
-def test_jit_compile_failure_in_either_pass_falls_back_to_the_eager_result(broken, monkeypatch):
+def test_jit_compile_failure_in_either_pass_falls_back_to_the_eager_result(broken, layout, monkeypatch):
     """A compile failure in pass 1 (nothing written yet) or in pass 2 (after the compiled pass 1: the eager
     pointwise rule then forms the moments from k·g) warns once and gives the eager result, with a skipped
-    step (GradScaler-style ``found_inf``) and a loss-scale factor on the way."""
+    step (GradScaler-style ``found_inf``) and a loss-scale factor on the way; over flat buffers too (the
+    compiled row sums, then the rule over the run matrices run eagerly)."""
     import optkit.optimizer as base
     from optkit import _compile
 
@@ -495,20 +510,29 @@ def test_jit_compile_failure_in_either_pass_falls_back_to_the_eager_result(broke
         raise RuntimeError("simulated compiler failure")
 
     if broken == "pass 1":
-        monkeypatch.setitem(_compile._COMPILED_OTHER, optkit.lamb._lamb_sums, fail)
+        sums = optkit.lamb._lamb_row_sums if layout == "flat" else optkit.lamb._lamb_sums
+        monkeypatch.setitem(_compile._COMPILED_OTHER, sums, fail)
     else:
         monkeypatch.setattr(base, "compiled_chain", lambda: fail)
-    ws, grads = _problem(22, steps=3)
+    shapes = ((4,), (4,), (4,), (2, 3), (2, 3)) if layout == "flat" else ((5, 4), (4,), (3, 2, 2))
+    ws, grads = _problem(22, shapes=shapes, steps=3)
 
     def run(jit):
         ts = [torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in ws]
+        if layout == "flat":
+            for t in ts:
+                t.grad = torch.zeros_like(t)
+            optkit.flat_parameters(ts)
         opt = optkit.LossScaleOptimizer(optkit.LAMB(ts, 0.05, weight_decay=0.01, jit_compile=jit),
                                         optkit.DynamicLossScale(8.0))
         for k, gs in enumerate(grads):
             for t, g in zip(ts, gs):
-                t.grad = torch.tensor(g, dtype=torch.float32) * 8.0
+                if layout == "flat":  # into the flat gradient's views
+                    t.grad.copy_(torch.tensor(g, dtype=torch.float32) * 8.0)
+                else:
+                    t.grad = torch.tensor(g, dtype=torch.float32) * 8.0
             if k == 1:
-                ts[0].grad[0, 0] = float("inf")
+                ts[0].grad.view(-1)[0] = float("inf")
             opt.grads_scaled = True
             opt.step()
         return [t.detach().clone() for t in ts], opt
@@ -517,6 +541,7 @@ def test_jit_compile_failure_in_either_pass_falls_back_to_the_eager_result(broke
     with pytest.warns(RuntimeWarning, match="running eagerly"):
         jit, opt = run(True)
     assert opt.optimizer._compile_state == "failed"
+    assert list(opt.optimizer._plans.values())[0].flat_active == (layout == "flat")
     for a, b in zip(eager, jit):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import optkit
 from optkit import LARS
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
@@ -396,33 +397,57 @@ def test_config_keeps_options():
     assert LARS.from_config(cfg, [("w", torch.ones(2, requires_grad=True))]).get_config() == cfg
 
 
+@pytest.mark.parametrize("layout", ["tensors", "flat"])
 @pytest.mark.parametrize("variant,nesterov", [("tf1.15", False), ("tf1.14", True)])
-def test_jit_compile_matches_eager(variant, nesterov):
+def test_jit_compile_matches_eager(variant, nesterov, layout):
     """``jit_compile=True`` (LARS's pointwise rule in one compiled graph) really compiles and gives the eager
-    result, with a skip list, under a loss scale's unscaling factor (global clipping) and a skipped step."""
+    result, with a skip list, under a loss scale's unscaling factor (global clipping) and a skipped step;
+    over flat buffers the compiled rule steps the whole run matrices (with EMA over their averages)."""
     import warnings
+
+    from optkit.optimizer import Optimizer
 
     torch.manual_seed(3)
     shapes = [(6, 5), (5,), (4, 3, 2)]
+    names = ["a.weight", "a.bias", "b.weight"]
+    if layout == "flat":
+        shapes = [(5,), (5,), (5,), (2, 3), (3, 2), (4,)]
+        names = ["a.weight", "a.bias", "b.weight", "c.weight", "d.weight", "d.bias"]
     w0 = [torch.randn(s) for s in shapes]
     grads = [[torch.randn(s) for s in shapes] for _ in range(4)]
     runs = []
+    rows = []
+    original = Optimizer._run_compiled_rows
+
+    def counted(self, *a):
+        rows.append(1)
+        return original(self, *a)
+
     for jit in (False, True):
         ts = [w.clone().requires_grad_() for w in w0]
-        opt = LARS(list(zip(["a.weight", "a.bias", "b.weight"], ts)), 0.5, momentum=0.9, weight_decay=0.01,
+        if layout == "flat":
+            for t in ts:
+                t.grad = torch.zeros_like(t)
+            optkit.flat_parameters(ts)
+        opt = LARS(list(zip(names, ts)), 0.5, momentum=0.9, weight_decay=0.01,
                    eeta=0.01, skip_list=["bias"], use_nesterov=nesterov, variant=variant, global_clipnorm=2.0,
-                   jit_compile=jit)
-        with warnings.catch_warnings():
+                   jit_compile=jit, use_ema=layout == "flat", ema_momentum=0.5)
+        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Optimizer, "_run_compiled_rows", counted)
             warnings.filterwarnings("error", message="jit_compile")
             for k, gs in enumerate(grads):
                 for t, g in zip(ts, gs):
-                    t.grad = g.clone()
+                    if layout == "flat":  # into the flat gradient's views
+                        t.grad.copy_(g)
+                    else:
+                        t.grad = g.clone()
                 if k == 2:
                     opt.found_inf = torch.ones(())
                 opt.step()
                 opt.__dict__.pop("found_inf", None)
         if jit:
             assert opt._compile_state == "ok"
-        runs.append([t.detach() for t in ts])
+            assert len(rows) == (len(grads) if layout == "flat" else 0)
+        runs.append([t.detach() for t in ts] + ([opt.state[t]["average"] for t in ts] if opt.use_ema else []))
     for a, b in zip(*runs):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -153,12 +153,15 @@ def _run_view(ts: list[Tensor], layout: list[Tensor] | None = None) -> Tensor | 
 
 class RunAux:
     """Per-tensor values for the row blocks of a :class:`FlatPart` (what ``_prepare`` returns there): one
-    entry per row chunk, e.g. LARS's ``(s·k, s·wd)`` as ``(rows, 1)`` column tensors."""
+    entry per row chunk, e.g. LARS's ``(s·k, s·wd)`` as ``(rows, 1)`` column tensors; with ``per_run``
+    (``jit_compile``), one entry per whole run matrix instead, for the compiled rule over
+    :meth:`FlatPart.run_lists`."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "per_run")
 
-    def __init__(self, items: list) -> None:
+    def __init__(self, items: list, per_run: bool = False) -> None:
         self.items = items
+        self.per_run = per_run
 
 
 class RowMultipliers(Mapping):
@@ -226,6 +229,8 @@ class FlatPart:
             else:
                 self.runs.append((i, 1, n))
         self._flats = runs_views
+        self._slot_keys = list(slot_keys)
+        self._has_avg = has_avg
         total = sum(count * n for _, count, n in self.runs)
         oversized = sum(count * n for _, count, n in self.runs if n > block_numel)
         #: whether per-tensor quantities (LARS, LAMB) use the row runs: not when over a quarter of the
@@ -266,6 +271,17 @@ class FlatPart:
         segments): one broadcast multiply per run."""
         for (first, count, _), m in zip(self.runs, self.row_views(flat)):
             m.mul_(factors[first:first + count].unsqueeze(1))
+
+    def run_segments(self) -> list[tuple[int, int]]:
+        """Each run's ``(first segment, count)``: its rows' positions among the parameters."""
+        return [(first, count) for first, count, _ in self.runs]
+
+    def run_lists(self) -> tuple[list[Tensor], list[Tensor], dict[str, list[Tensor]], list[Tensor] | None]:
+        """The run matrices of the parameters, the gradients, each slot and the averages (None without
+        EMA): whole runs, for a compiled rule that broadcasts ``(count, 1)`` columns over them."""
+        mats = [self.row_views(f) for f in self._flats]
+        slots = {s: mats[2 + j] for j, s in enumerate(self._slot_keys)}
+        return mats[0], mats[1], slots, mats[-1] if self._has_avg else None
 
     def params_rows(self) -> list[Tensor]:
         """The parameters' run matrices."""

@@ -111,7 +111,8 @@ def _lamb_pointwise(hyper, w, g, slots, lr, k, aux):
     c, swd, e, _, fresh, _ = aux
     if fresh == "raw":
         i = aux[5]
-        c, swd = c[i], swd[i]
+        if i is not None:  # (None: a run matrix of a flat buffer, c and s·wd are its (count, 1) columns)
+            c, swd = c[i], swd[i]
         if w.dtype in _HALF:
             w, g, m, v = w.float(), g.float(), m.float(), v.float()
         if k is not None:
@@ -145,6 +146,24 @@ def _lamb_sums(hyper, ws, gs, ms, vs, k, ratio, e, decayed):
             u = u + w * decayed[i]
         rows.append(torch.stack(((u * u).sum(), (w * w).sum())))
     return torch.stack(rows)
+
+
+def _lamb_row_sums(hyper, ws, gs, ms, vs, k, ratio, e, wds):
+    """:func:`_lamb_sums` over a flat buffer's run matrices (``jit_compile``; rows are parameters): the
+    ``(rows, 2)`` matrix of each row's ``(Σu², Σw²)``, all runs stacked. ``wds``: each run's ``(count, 1)``
+    column of weight decays (0 for the tensors without), or None when no tensor is decayed."""
+    beta1, beta2 = hyper
+    out = []
+    for i in range(len(ws)):
+        w, g, m, v = ws[i], gs[i], ms[i], vs[i]
+        if k is not None:
+            g = g * k
+        m2, v2 = _moments(g, m, v, beta1, beta2)
+        u = m2 / (v2.sqrt() + e) * ratio
+        if wds is not None:
+            u = u + w * wds[i]
+        out.append(torch.stack(((u * u).sum(1), (w * w).sum(1)), 1))
+    return torch.cat(out)
 
 
 def _corrections(beta1: float, beta2: float, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -219,6 +238,7 @@ class LAMB(Optimizer):
     #: torch's (and timm's) names of these hyperparameters: refused in a param group, which would ignore them
     _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
     _decoupled_weight_decay = False  # weight_decay enters u (module doc)
+    _compiled_rows = True  # jit_compile over flat buffers: _prepare_rows_compiled
     _always_block = True
     _prepare_reads_grads = True
     #: the direction kept in the gradient chunks on CPU (module doc); False runs the scratch-and-rebuild
@@ -436,10 +456,15 @@ class LAMB(Optimizer):
         else:  # β^inf = 0: the fused kernel's bias corrections become 1
             t = torch.full((), float("inf"), dtype=torch.float32, device=self._state_device)
         hyper = (beta1, beta2, eps, t, k, self._skip)
+        jit = self.jit_compile and self._compile_state != "failed"
         if plan.flat_active and plan.flat.rows_pay and self._rows_ok(plan.flat):
+            if jit:
+                aux = self._prepare_rows_compiled(group, plan.flat, st, hyper, lr, dev, dtype)
+                if aux is not None:
+                    return aux
             return self._prepare_rows(group, plan.flat, st, hyper, lr, dev, dtype)
         tracing = torch.compiler.is_compiling()
-        if self.jit_compile and self._compile_state != "failed" and not tracing:
+        if jit and not tracing:
             aux = self._prepare_compiled(group, params, grads, plan, st, hyper, lr, dev, dtype)
             if aux is not None:
                 return aux
@@ -565,6 +590,43 @@ class LAMB(Optimizer):
             s = torch.where(skip.to(dev) > 0, torch.ones_like(s), s)  # (exactly 1 even where s is NaN)
         col = s.unsqueeze(1)
         return RunAux([(col[lo:hi], None, None, None, False, False) for lo, hi in flat.chunk_segments])
+
+    def _prepare_rows_compiled(self, group, flat, st, hyper, lr, dev, dtype) -> RunAux | None:
+        """Pass 1 for ``jit_compile`` over a flat buffer's run matrices: the compiled :func:`_lamb_row_sums`
+        (read only, row reductions), then per run the ``(count, 1)`` columns of ``c``, ``s·wd`` and ``s``
+        for the compiled rule over the whole runs (``fresh == "raw"``: it forms the moments again and
+        writes them with the weights). None (after one ``RuntimeWarning``, eager from then on) when
+        compiling fails."""
+        beta1, beta2, eps, t, k, skip = hyper
+        n = len(st.decayed)
+        bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=dev, dtype=dtype))
+        ratio, e = bc2_sqrt / bc1, eps * bc2_sqrt
+        lr = lr.to(device=dev, dtype=dtype)
+        segs = flat.run_segments()
+        trust = None
+        if st.n_adapt:
+            fn = compiled_function(_lamb_row_sums)
+            if fn is None:  # pragma: no cover - torch without a working compile stack
+                return None
+            w_r, g_r, slots, _ = flat.run_lists()
+            tdev = w_r[0].device
+            wd = st.wd_vec.to(device=tdev, dtype=w_r[0].dtype)
+            wds = [wd[a:a + c].unsqueeze(1) for a, c in segs] if st.any_decayed else None
+            try:
+                sums = fn((beta1, beta2), w_r, g_r, slots["exp_avg"], slots["exp_avg_sq"],
+                          None if k is None else k.to(tdev), ratio.to(tdev), e.to(tdev), wds)
+            except Exception as err:  # compiling failed: eager from now on (nothing was written)
+                self._compile_state = "failed"
+                warn_compile_fallback(err)
+                return None
+            u_sq, w_sq = sums.to(device=dev, dtype=dtype).unbind(1)
+            if st.n_adapt != n:
+                u_sq, w_sq = u_sq[st.index], w_sq[st.index]
+            trust = self._trust_from_squares(group, st, w_sq, u_sq, [], dev, dtype)  # (no DTensor here)
+        s = _step_sizes(st, trust, lr, n)
+        c, swd = s * ratio, s * st.wd_vec
+        return RunAux([(c[a:a + m].unsqueeze(1), swd[a:a + m].unsqueeze(1), e, s[a:a + m].unsqueeze(1), "raw",
+                        None) for a, m in segs], per_run=True)
 
     @staticmethod
     def _update_rows(params, grads, found_inf, col) -> None:

@@ -128,6 +128,7 @@ class LARS(Optimizer):
     #: torch's name of this option: refused in a param group, which would ignore it
     _torch_group_keys = {"nesterov": ("use_nesterov",), "eps": ("epsilon",)}
     _decoupled_weight_decay = False
+    _compiled_rows = True  # jit_compile over flat buffers: _prepare_rows' per-run columns
     _always_block = True
     _sparse_rule = True
 
@@ -270,7 +271,8 @@ class LARS(Optimizer):
     def _prepare_rows(self, group, flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask) -> RunAux:
         """:meth:`_prepare` over a flat buffer's runs (:class:`optkit._plan.FlatPart`): per-parameter norms as
         row norms of the run matrices (one kernel per run, no per-parameter work), the factors as ``(rows,
-        1)`` columns per row chunk."""
+        1)`` columns per row chunk, or per whole run under ``jit_compile`` (the compiled rule then steps
+        each run matrix in one loop)."""
         dev = lr.device
         if adapt:
             w_n = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype) for m in flat.params_rows()])
@@ -292,6 +294,8 @@ class LARS(Optimizer):
         else:
             c1, c2 = s, s * float(group["momentum"])
         c1, c2 = c1.unsqueeze(1), c2.unsqueeze(1)
+        if self.jit_compile and self._compile_state != "failed":  # the compiled rule, whole runs
+            return RunAux([(c1[a:a + m], c2[a:a + m]) for a, m in flat.run_segments()], per_run=True)
         return RunAux([(c1[lo:hi], c2[lo:hi]) for lo, hi in flat.chunk_segments])
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:

@@ -298,6 +298,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     _decoupled_weight_decay = True
     #: whether _update is purely elementwise given per-tensor aux values (may run on chunk views)
     _blockable = True
+    #: whether, under ``jit_compile``, :meth:`_prepare` over a flat part's row runs returns
+    #: ``RunAux(per_run=True)`` (``(count, 1)`` columns per run) for the compiled rule over whole run
+    #: matrices (LARS, LAMB); otherwise ``jit_compile`` steps the tensors one by one
+    _compiled_rows = False
     #: run the blocked pass even for a one-kernel chain (update rules made of several in-cache kernels)
     _always_block = False
     #: whether the optimizer has its own rule for sparse gradients (:meth:`_sparse_update`)
@@ -1251,8 +1255,9 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             mt.scale_([g for g, _ in sel], [m for _, m in sel])
             mult = None
         flat = getattr(plan, "flat", None) if flat_ok else None
-        plan.flat_active = flat is not None and mult is None and not tracing and not (
-            self.jit_compile and self._compile_state != "failed")
+        jit = self.jit_compile and self._compile_state != "failed"
+        plan.flat_active = flat is not None and mult is None and not tracing and (
+            not jit or self._compiled_rows)
         aux = self._prepare(group, plan, params, grads, lr, k)
         if row_mult is not None and not (aux is None or isinstance(aux, RunAux)):
             plan.flat.scale_rows_(plan.flat.grad, row_mult)
@@ -1264,7 +1269,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._run_chain(chain, group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
                             applied, mult, aux)
             return
-        if self.jit_compile and self._compile_state != "failed":
+        if isinstance(aux, RunAux) and aux.per_run:  # jit_compile over a flat part's row runs
+            self._run_compiled_rows(group, idx, flat, lr, k, found_inf, applied, aux)
+            return
+        if self.jit_compile and self._compile_state != "failed" and not isinstance(aux, RunAux):
             if self._run_compiled(group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
                                   applied, mult, aux):
                 return
@@ -1413,7 +1421,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     _pointwise: Callable | None = None
 
     def _run_compiled(self, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
-                      mult, aux) -> bool:
+                      mult, aux, avgs=None) -> bool:
         """Run decay → update → EMA of one group as one ``torch.compile``-d function. Hyperparameters that
         change during training (learning rate, clip/unscale factor, skip flag, EMA weight) are tensor inputs,
         so they never trigger a recompile. Returns False (after a RuntimeWarning) if compilation fails."""
@@ -1435,7 +1443,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 RuntimeWarning, stacklevel=5)
         try:
             self._run_chain(fn, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
-                            mult, aux)
+                            mult, aux, avgs=avgs)
         except Exception as err:  # compilation unavailable or failed: eager from now on
             self._compile_state = "failed"
             warn_compile_fallback(err)
@@ -1443,10 +1451,24 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._compile_state = "ok"
         return True
 
+    def _run_compiled_rows(self, group, idx, flat, lr, k, found_inf, applied, aux) -> None:
+        """The compiled rule over a flat part's whole run matrices (``aux.per_run``: one ``(count, 1)``
+        column entry per run, :meth:`_prepare` under ``jit_compile`` for optimizers with
+        ``_compiled_rows``): one graph of a few inputs whatever the number of parameters. If compiling
+        fails, the same chain runs eagerly on the same runs (nothing was written) and the optimizer is
+        eager from the next step on."""
+        w, g, slots, avgs = flat.run_lists()
+        if self._run_compiled(group, idx, w, g, slots, lr, k, 0.0, None, found_inf, applied, None, aux.items,
+                              avgs=avgs):
+            return
+        self._run_chain(chain, group, idx, w, g, slots, lr, k, 0.0, None, found_inf, applied, None, aux.items,
+                        avgs=avgs, upcast=True)
+
     def _run_chain(self, fn, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
-                   mult, aux) -> None:
+                   mult, aux, avgs=None, upcast=False) -> None:
         """decay → rule → EMA of one group through :func:`optkit._compile.chain` (``fn``: it, or its
-        ``torch.compile``-d form), with every changing hyperparameter as a tensor input."""
+        ``torch.compile``-d form), with every changing hyperparameter as a tensor input. ``avgs``: the
+        averages when ``params`` are not the group's tensors (a flat part's run matrices)."""
         rule = type(self)._pointwise
 
         def loc(t: Tensor) -> Tensor:
@@ -1456,7 +1478,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return t.view(1) if t.dim() == 0 else t
 
         slot_lists = tuple([loc(t) for t in slots[s]] for s in self._active_slots(group))
-        avgs = [loc(self.state[p]["average"]) for p in params] if self.use_ema else None
+        if self.use_ema and avgs is None:
+            avgs = [loc(self.state[p]["average"]) for p in params]
         dev = loc(params[0]).device
         ema_w = self._ema_weight(None).to(dev) if self.use_ema else None
         # (in the lr's dtype: float64 for a group holding float64 parameters)
@@ -1465,7 +1488,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
            slot_lists, avgs, lr.to(dev), None if k is None else k.to(dev), wd_t,
            None if decay_mask is None else tuple(decay_mask), ema_w,
            None if found_inf is None else found_inf.to(dev),
-           None if mult is None else tuple(mult), aux)
+           None if mult is None else tuple(mult), aux, **({"upcast": True} if upcast else {}))
         if self.use_ema:
             self._ema_rest(group, idx, applied)
 
