@@ -65,7 +65,9 @@ and ``Σw²`` (read ``w, g, m, v``: 16 B/param), then the compiled rule (:func:`
 "raw"``) forms them again and writes ``m, v, w`` (28 B/param): 44 B/param against the eager passes' fused
 kernels plus their separate decay and norm kernels (about 15-30% faster here on large tensors; the first step
 compiles, 13 s for ResNet-50 shapes with inductor's on-disk cache warm, about a minute cold). The gradients
-are left as they were.
+are left as they were. Over flat buffers whose row runs are in use, both compiled passes take the run
+matrices whole (:func:`_lamb_row_sums`, row reductions; the rule with ``(count, 1)`` columns): one graph of a
+few inputs whatever the number of parameters.
 
 Main memory sees: read ``w, g, m, v`` and write ``m, v, g`` (pass 1, 28 B/param in fp32), read ``w, g``
 and write ``w`` (pass 2, 12 B/param): 40 B/param, the floor of any two-pass LAMB (+4 in pass 2 for blocks of
