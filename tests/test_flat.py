@@ -10,6 +10,7 @@ from torch import nn
 
 import optkit
 from optkit.flat import flat_buffer_of
+from scaled_grads import assert_skip_changes_nothing
 
 LR, MU = 0.1, 0.9
 
@@ -554,3 +555,73 @@ def test_a_parameter_with_a_sparse_gradient_already_stays_out_of_given_tensors()
 def test_a_module_of_sparse_embeddings_only_makes_no_buffer():
     flat = optkit.flat_parameters(nn.Embedding(4, 2, sparse=True))
     assert not flat.buffers and len(flat.separate) == 1 and flat.views_intact()
+
+
+def _excluding_bias(opt):
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    return opt
+
+
+_JIT_RULES = {
+    # nothing per tensor: the compiled chain over the whole flat buffer
+    "SGD-nesterov-wd-ema": (lambda ps: optkit.SGD(ps, 0.05, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                                  use_ema=True, ema_momentum=0.5, jit_compile=True), "whole"),
+    "AdamW": (lambda ps: optkit.AdamW(ps, 0.01, learning_rate=0.01, jit_compile=True), "whole"),
+    "Adagrad": (lambda ps: optkit.Adagrad(ps, 0.05, jit_compile=True), "whole"),
+    "RMSProp": (lambda ps: optkit.RMSProp(ps, 0.05, momentum=0.5, jit_compile=True), "whole"),
+    "Ftrl": (lambda ps: optkit.Ftrl(ps, 0.05, l1_regularization_strength=0.01, jit_compile=True), "whole"),
+    # the decay differs per tensor: per tensor, as before
+    "SGD-wd-exclusion": (lambda ps: _excluding_bias(optkit.SGD(ps, 0.05, momentum=0.9, weight_decay=0.01,
+                                                               jit_compile=True)), "per tensor"),
+    # per-tensor trust ratios: the compiled rule over the row runs
+    "LARS": (lambda ps: optkit.LARS(ps, 0.05, skip_list=["bias"], use_ema=True, jit_compile=True), "runs"),
+    "LAMB": (lambda ps: optkit.LAMB(ps, 0.01, weight_decay=0.01, jit_compile=True), "runs"),
+}
+
+
+@pytest.mark.parametrize("name", list(_JIT_RULES))
+def test_jit_compile_over_flat_buffers_steps_the_buffer_and_matches_eager(name, monkeypatch):
+    """``jit_compile=True`` over flat buffers: when nothing differs per tensor the compiled chain steps the
+    whole buffer as one tensor, LARS and LAMB step the row runs (``(count, size)`` matrices with per-row
+    factor columns), and a mixed decay mask keeps the per-tensor compiled chain; every form gives the eager
+    per-tensor result (float64, EMA averages included), a skipped step changes nothing, and the state dict
+    is the per-tensor one."""
+    from optkit.optimizer import Optimizer
+
+    build, form = _JIT_RULES[name]
+    seen = []
+    original = Optimizer._run_compiled
+
+    def counted(self, group, idx, params, *a, **kw):
+        seen.append(len(params))
+        return original(self, group, idx, params, *a, **kw)
+
+    monkeypatch.setattr(Optimizer, "_run_compiled", counted)
+
+    def model():  # parameters of 16, 16, 16, 12 and 3 elements: three row runs
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(3)], nn.Linear(4, 3)).double()
+
+    net, twin = model(), model()
+    flat = optkit.flat_parameters(net)
+    opt, ref = build(net.named_parameters()), build(twin.named_parameters())
+    ref.jit_compile = False
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for k in range(3):
+        for m, o in ((net, opt), (twin, ref)):
+            o.zero_grad()
+            (m(x) - 1).square().sum().backward()
+            if k == 1 and o is opt:
+                assert_skip_changes_nothing(opt, list(net.parameters()))
+            o.step()
+    assert opt._compile_state == "ok" and flat.views_intact()
+    n = len(list(net.parameters()))
+    assert seen and all(s == {"whole": 1, "runs": 3, "per tensor": n}[form] for s in seen), seen
+    for (pn, p), (_, q) in zip(net.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12, msg=pn)
+    sd, sd_ref = opt.state_dict()["state"], ref.state_dict()["state"]
+    assert sd.keys() == sd_ref.keys()
+    for i in sd:
+        for key, v in sd_ref[i].items():
+            if torch.is_tensor(v):
+                torch.testing.assert_close(sd[i][key], v, rtol=1e-10, atol=1e-12, msg=f"{i} {key}")

@@ -283,6 +283,12 @@ class FlatPart:
         slots = {s: mats[2 + j] for j, s in enumerate(self._slot_keys)}
         return mats[0], mats[1], slots, mats[-1] if self._has_avg else None
 
+    def whole_lists(self) -> tuple[list[Tensor], list[Tensor], dict[str, list[Tensor]], list[Tensor] | None]:
+        """:meth:`run_lists` as one tensor each (the whole flat runs), for a rule with nothing per tensor."""
+        f = self._flats
+        return [f[0]], [f[1]], {s: [f[2 + j]] for j, s in enumerate(self._slot_keys)}, \
+            [f[-1]] if self._has_avg else None
+
     def params_rows(self) -> list[Tensor]:
         """The parameters' run matrices."""
         return self.row_views(self._flats[0])

@@ -240,7 +240,6 @@ class LAMB(Optimizer):
     #: torch's (and timm's) names of these hyperparameters: refused in a param group, which would ignore them
     _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
     _decoupled_weight_decay = False  # weight_decay enters u (module doc)
-    _compiled_rows = True  # jit_compile over flat buffers: _prepare_rows_compiled
     _always_block = True
     _prepare_reads_grads = True
     #: the direction kept in the gradient chunks on CPU (module doc); False runs the scratch-and-rebuild

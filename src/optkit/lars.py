@@ -128,7 +128,6 @@ class LARS(Optimizer):
     #: torch's name of this option: refused in a param group, which would ignore it
     _torch_group_keys = {"nesterov": ("use_nesterov",), "eps": ("epsilon",)}
     _decoupled_weight_decay = False
-    _compiled_rows = True  # jit_compile over flat buffers: _prepare_rows' per-run columns
     _always_block = True
     _sparse_rule = True
 

@@ -298,10 +298,6 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     _decoupled_weight_decay = True
     #: whether _update is purely elementwise given per-tensor aux values (may run on chunk views)
     _blockable = True
-    #: whether, under ``jit_compile``, :meth:`_prepare` over a flat part's row runs returns
-    #: ``RunAux(per_run=True)`` (``(count, 1)`` columns per run) for the compiled rule over whole run
-    #: matrices (LARS, LAMB); otherwise ``jit_compile`` steps the tensors one by one
-    _compiled_rows = False
     #: run the blocked pass even for a one-kernel chain (update rules made of several in-cache kernels)
     _always_block = False
     #: whether the optimizer has its own rule for sparse gradients (:meth:`_sparse_update`)
@@ -1255,9 +1251,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             mt.scale_([g for g, _ in sel], [m for _, m in sel])
             mult = None
         flat = getattr(plan, "flat", None) if flat_ok else None
-        jit = self.jit_compile and self._compile_state != "failed"
-        plan.flat_active = flat is not None and mult is None and not tracing and (
-            not jit or self._compiled_rows)
+        plan.flat_active = flat is not None and mult is None and not tracing
         aux = self._prepare(group, plan, params, grads, lr, k)
         if row_mult is not None and not (aux is None or isinstance(aux, RunAux)):
             plan.flat.scale_rows_(plan.flat.grad, row_mult)
@@ -1273,8 +1267,16 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._run_compiled_rows(group, idx, flat, lr, k, found_inf, applied, aux)
             return
         if self.jit_compile and self._compile_state != "failed" and not isinstance(aux, RunAux):
-            if self._run_compiled(group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
-                                  applied, mult, aux):
+            if self._flat_whole(plan, aux, decay_mask):
+                # nothing differs per tensor: the compiled chain over the whole flat buffers (one graph of a
+                # few inputs); if compiling fails, the eager pass below steps them (nothing was written)
+                w, g, slots, avgs = plan.flat.whole_lists()
+                if self._run_compiled(group, idx, w, g, slots, lr, k, wd,
+                                      None if decay_mask is None else (bool(plan.uniform_wd),), found_inf,
+                                      applied, None, None if aux is None else aux[:1], avgs=avgs):
+                    return
+            elif self._run_compiled(group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
+                                    applied, mult, aux):
                 return
 
         # decoupled weight decay factor, 1 − lr·wd (1 on a skipped step)
@@ -1290,8 +1292,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             aux = aux.items if isinstance(aux, RunAux) else None
             if row_mult is not None:
                 cols = [row_mult[lo:hi].unsqueeze(1) for lo, hi in flat.chunk_segments]
-        elif plan.flat_active and (aux is None or all(map(operator.is_, aux, itertools.repeat(aux[0])))) \
-                and (decay_mask is None or plan.uniform_wd is not None):
+        elif self._flat_whole(plan, aux, decay_mask):
             blocks, glocal, aux = flat.blocks, [flat.grad], None if aux is None else aux[:1]
         else:
             blocks = plan.blocks
@@ -1451,10 +1452,17 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._compile_state = "ok"
         return True
 
+    @staticmethod
+    def _flat_whole(plan, aux, decay_mask) -> bool:
+        """Whether this step may treat the flat part as one tensor: it is active, ``_prepare`` gave every
+        tensor the same entry (or none) and the decoupled decay applies to all of them or to none."""
+        return plan.flat_active and (aux is None or all(map(operator.is_, aux, itertools.repeat(aux[0])))) \
+            and (decay_mask is None or plan.uniform_wd is not None)
+
     def _run_compiled_rows(self, group, idx, flat, lr, k, found_inf, applied, aux) -> None:
         """The compiled rule over a flat part's whole run matrices (``aux.per_run``: one ``(count, 1)``
-        column entry per run, :meth:`_prepare` under ``jit_compile`` for optimizers with
-        ``_compiled_rows``): one graph of a few inputs whatever the number of parameters. If compiling
+        column entry per run, as LARS's and LAMB's :meth:`_prepare` give under ``jit_compile``): one graph
+        of a few inputs whatever the number of parameters. If compiling
         fails, the same chain runs eagerly on the same runs (nothing was written) and the optimizer is
         eager from the next step on."""
         w, g, slots, avgs = flat.run_lists()
