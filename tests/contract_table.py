@@ -266,6 +266,14 @@ ROWS: list[Row] = [
         "lars", {"eeta": 0.01, "momentum": 0.0, "weight_decay": 0.05}, {"global_clipnorm": 4.0},
         per_tensor=_lars_skip_bias, sparse="rows", sparse_rule="momentum", sparse_hp={"momentum": 0.0},
         uses_names=True),
+    # jit_compile: the compiled norm pass (row sums of squares) and the compiled rule; over flat buffers the
+    # rule over the row runs
+    Row("LARS-jit-tf1.14-nesterov-skiplist-ema", lambda ps, lr: optkit.LARS(
+        _named(ps), lr, eeta=0.01, skip_list=["bias"], use_nesterov=True, variant="tf1.14", use_ema=True,
+        ema_momentum=0.9, jit_compile=True),
+        "lars", {"eeta": 0.01, "use_nesterov": True, "variant": "tf1.14"},
+        {"use_ema": True, "ema_momentum": 0.9}, per_tensor=_lars_skip_bias, sparse="rows",
+        sparse_rule="momentum", sparse_hp={"momentum": 0.9, "use_nesterov": True}, uses_names=True),
     Row("LAMB", lambda ps, lr: optkit.LAMB(_plain(ps), lr, weight_decay=0.01), "lamb",
         {"weight_decay": 0.01}),
     Row("LAMB-skiplist-clamp-nvlamb", lambda ps, lr: optkit.LAMB(

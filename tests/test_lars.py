@@ -451,3 +451,46 @@ def test_jit_compile_matches_eager(variant, nesterov, layout):
         runs.append([t.detach() for t in ts] + ([opt.state[t]["average"] for t in ts] if opt.use_ema else []))
     for a, b in zip(*runs):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_jit_compile_norm_pass_failure_falls_back_to_the_eager_result(monkeypatch):
+    """``jit_compile``'s compiled norm pass (:func:`optkit.lars._lars_sums`, row sums of squares) failing to
+    compile warns once and gives the eager result (the eager norms, then eager steps), with a skipped step
+    on the way; when it compiles, its norms are the float64 norms of the tensors."""
+    import warnings
+
+    from optkit import _compile, lars
+
+    torch.manual_seed(5)
+    shapes = [(70, 90), (5,), (4, 3, 2)]  # the first is longer than a row of the split (4,096)
+    ws = [torch.randn(s) for s in shapes]
+    gs = [torch.randn(s) for s in shapes]
+    fn = _compile.compiled_function(lars._lars_sums)
+    got = fn(ws, gs)
+    want = torch.stack([torch.stack((w.double().square().sum(), g.double().square().sum()))
+                        for w, g in zip(ws, gs)])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setitem(_compile._COMPILED_OTHER, lars._lars_sums, fail)
+    runs = []
+    for jit in (False, True):
+        ts = [w.clone().requires_grad_() for w in ws]
+        opt = LARS(ts, 0.5, momentum=0.9, weight_decay=0.01, eeta=0.01, jit_compile=jit)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(3):
+                for t, g in zip(ts, gs):
+                    t.grad = (g * (k + 1)).clone()
+                if k == 1:
+                    opt.found_inf = torch.ones(())
+                opt.step()
+                opt.__dict__.pop("found_inf", None)
+        assert sum("running eagerly" in str(w.message) for w in caught) == (1 if jit else 0)
+        if jit:
+            assert opt._compile_state == "failed"
+        runs.append([t.detach() for t in ts])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
