@@ -1462,9 +1462,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def _run_compiled_rows(self, group, idx, flat, lr, k, found_inf, applied, aux) -> None:
         """The compiled rule over a flat part's whole run matrices (``aux.per_run``: one ``(count, 1)``
         column entry per run, as LARS's and LAMB's :meth:`_prepare` give under ``jit_compile``): one graph
-        of a few inputs whatever the number of parameters. If compiling
-        fails, the same chain runs eagerly on the same runs (nothing was written) and the optimizer is
-        eager from the next step on."""
+        of a few inputs whatever the number of parameters. If compiling fails, the same chain runs eagerly
+        on the same runs (nothing was written) and the optimizer is eager from the next step on."""
         w, g, slots, avgs = flat.run_lists()
         if self._run_compiled(group, idx, w, g, slots, lr, k, 0.0, None, found_inf, applied, None, aux.items,
                               avgs=avgs):
