@@ -494,3 +494,49 @@ def test_jit_compile_norm_pass_failure_falls_back_to_the_eager_result(monkeypatc
         runs.append([t.detach() for t in ts])
     for a, b in zip(*runs):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_jit_compile_update_step_and_many_flat_runs_take_the_eager_paths(monkeypatch):
+    """``update_step`` (Keras, one variable) under ``jit_compile`` gives the eager result (its light plan
+    takes the eager norms); over flat buffers with more row runs than
+    ``optkit.optimizer.COMPILE_WARN_TENSORS`` (lowered to 2 here; weights and biases alternate, so every
+    parameter is its own run), LARS and LAMB take the eager row pass instead of compiling every run, with
+    the eager result."""
+    from optkit import lamb, lars
+    from optkit.optimizer import Optimizer
+
+    torch.manual_seed(2)
+    w0, g0 = torch.randn(4, 3), torch.randn(4, 3)
+    got = []
+    for jit in (False, True):
+        w = w0.clone().requires_grad_()
+        opt = LARS([w], 0.5, momentum=0.9, weight_decay=0.01, eeta=0.01, jit_compile=jit)
+        for _ in range(2):
+            opt.update_step(g0, w, 0.5)
+        got.append(w.detach())
+    torch.testing.assert_close(got[1], got[0], rtol=1e-6, atol=1e-7)
+
+    monkeypatch.setattr(lars, "COMPILE_WARN_TENSORS", 2)
+    monkeypatch.setattr(lamb, "COMPILE_WARN_TENSORS", 2)
+    compiled_rows = []
+    original = Optimizer._run_compiled_rows
+    monkeypatch.setattr(Optimizer, "_run_compiled_rows",
+                        lambda self, *a: (compiled_rows.append(1), original(self, *a))[1])
+    for build in (lambda ps, jit: LARS(ps, 0.5, eeta=0.01, jit_compile=jit),
+                  lambda ps, jit: optkit.LAMB(ps, 0.05, weight_decay=0.01, jit_compile=jit)):
+        runs = []
+        for jit in (False, True):
+            torch.manual_seed(3)
+            net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+            optkit.flat_parameters(net)
+            opt = build(list(net.parameters()), jit)
+            x = torch.randn(5, 3, dtype=torch.float64)
+            for _ in range(3):
+                opt.zero_grad()
+                net(x).square().sum().backward()
+                opt.step()
+            assert list(opt._plans.values())[0].flat_active
+            runs.append([p.detach() for p in net.parameters()])
+        for a, b in zip(*runs):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
+    assert not compiled_rows

@@ -66,8 +66,9 @@ and ``Σw²`` (read ``w, g, m, v``: 16 B/param), then the compiled rule (:func:`
 kernels plus their separate decay and norm kernels (about 15-30% faster here on large tensors; the first step
 compiles, 13 s for ResNet-50 shapes with inductor's on-disk cache warm, about a minute cold). The gradients
 are left as they were. Over flat buffers whose row runs are in use, both compiled passes take the run
-matrices whole (:func:`_lamb_row_sums`, row reductions; the rule with ``(count, 1)`` columns): one graph of a
-few inputs whatever the number of parameters.
+matrices whole (:func:`_lamb_row_sums`, row reductions; the rule with ``(count, 1)`` columns): a few graph
+inputs per run of consecutive equal-size parameters, not per parameter (past
+:data:`optkit.optimizer.COMPILE_WARN_TENSORS` runs, the eager row pass).
 
 Main memory sees: read ``w, g, m, v`` and write ``m, v, g`` (pass 1, 28 B/param in fp32), read ``w, g``
 and write ``w`` (pass 2, 12 B/param): 40 B/param, the floor of any two-pass LAMB (+4 in pass 2 for blocks of
@@ -92,7 +93,7 @@ from . import _fused
 from . import _multi_tensor as mt
 from ._compile import compiled_function, warn_compile_fallback
 from ._plan import RunAux
-from .optimizer import Optimizer, check_number
+from .optimizer import COMPILE_WARN_TENSORS, Optimizer, check_number
 
 __all__ = ["LAMB"]
 
@@ -459,7 +460,7 @@ class LAMB(Optimizer):
         hyper = (beta1, beta2, eps, t, k, self._skip)
         jit = self.jit_compile and self._compile_state != "failed"
         if plan.flat_active and plan.flat.rows_pay and self._rows_ok(plan.flat):
-            if jit:
+            if jit and len(plan.flat.runs) <= COMPILE_WARN_TENSORS:  # (more runs: minutes of compiling)
                 aux = self._prepare_rows_compiled(group, plan.flat, st, hyper, lr, dev, dtype)
                 if aux is not None:
                     return aux

@@ -41,7 +41,7 @@ from . import _multi_tensor as mt
 from ._compile import compiled_function, warn_compile_fallback
 from ._plan import RunAux
 from .momentum import sparse_momentum_rows_
-from .optimizer import Optimizer, check_number
+from .optimizer import COMPILE_WARN_TENSORS, Optimizer, check_number
 
 __all__ = ["LARS"]
 
@@ -278,7 +278,7 @@ class LARS(Optimizer):
             sel_g = grads if all_adapt else [grads[i] for i in adapt]
             v = None
             if self.jit_compile and self._compile_state != "failed" and not torch.compiler.is_compiling() \
-                    and not plan.any_dtensor:
+                    and not getattr(plan, "any_dtensor", True):  # (update_step's light plan: eager norms)
                 v = self._compiled_norms(sel_p, sel_g, dev, dtype)
             if v is None:
                 ns = mt.norms(sel_p + sel_g)
@@ -343,7 +343,9 @@ class LARS(Optimizer):
         else:
             c1, c2 = s, s * float(group["momentum"])
         c1, c2 = c1.unsqueeze(1), c2.unsqueeze(1)
-        if self.jit_compile and self._compile_state != "failed":  # the compiled rule, whole runs
+        if self.jit_compile and self._compile_state != "failed" and len(flat.runs) <= COMPILE_WARN_TENSORS:
+            # the compiled rule over whole runs (past that many runs, compiling would take minutes: the
+            # eager row chunks below)
             return RunAux([(c1[a:a + m], c2[a:a + m]) for a, m in flat.run_segments()], per_run=True)
         return RunAux([(c1[lo:hi], c2[lo:hi]) for lo, hi in flat.chunk_segments])
 
