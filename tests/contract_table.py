@@ -209,6 +209,13 @@ ROWS: list[Row] = [
         ema_overwrite_frequency=3, global_clipnorm=1.5),
         "keras_sgd", {"momentum": 0.5},
         {"use_ema": True, "ema_momentum": 0.8, "ema_overwrite_frequency": 3, "global_clipnorm": 1.5}),
+    # jit_compile with a decay on every tensor: over flat buffers the compiled chain steps the whole buffer as
+    # one tensor (per tensor elsewhere)
+    Row("SGD-jit-nesterov-wd-ema", lambda ps, lr: optkit.SGD(
+        _plain(ps), learning_rate=lr, momentum=0.9, nesterov=True, weight_decay=0.1, use_ema=True,
+        ema_momentum=0.8, jit_compile=True),
+        "keras_sgd", {"momentum": 0.9, "nesterov": True},
+        {"weight_decay": 0.1, "use_ema": True, "ema_momentum": 0.8}),
     Row("SGD-ema-warmup-buffers", lambda ps, lr: _sgd_ema_buffers(ps, lr), "keras_sgd", {"momentum": 0.5},
         {"use_ema": True, "ema_momentum": 0.8, "ema_warmup": True}),
     Row("SGD-clipnorm", lambda ps, lr: optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9, clipnorm=0.7),

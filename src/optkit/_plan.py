@@ -231,6 +231,7 @@ class FlatPart:
         self._flats = runs_views
         self._slot_keys = list(slot_keys)
         self._has_avg = has_avg
+        self._run_lists: tuple | None = None
         total = sum(count * n for _, count, n in self.runs)
         oversized = sum(count * n for _, count, n in self.runs if n > block_numel)
         #: whether per-tensor quantities (LARS, LAMB) use the row runs: not when over a quarter of the
@@ -279,9 +280,11 @@ class FlatPart:
     def run_lists(self) -> tuple[list[Tensor], list[Tensor], dict[str, list[Tensor]], list[Tensor] | None]:
         """The run matrices of the parameters, the gradients, each slot and the averages (None without
         EMA): whole runs, for a compiled rule that broadcasts ``(count, 1)`` columns over them."""
-        mats = [self.row_views(f) for f in self._flats]
-        slots = {s: mats[2 + j] for j, s in enumerate(self._slot_keys)}
-        return mats[0], mats[1], slots, mats[-1] if self._has_avg else None
+        if self._run_lists is None:  # (views of the plan's own buffers: made once per plan)
+            mats = [self.row_views(f) for f in self._flats]
+            slots = {s: mats[2 + j] for j, s in enumerate(self._slot_keys)}
+            self._run_lists = (mats[0], mats[1], slots, mats[-1] if self._has_avg else None)
+        return self._run_lists
 
     def whole_lists(self) -> tuple[list[Tensor], list[Tensor], dict[str, list[Tensor]], list[Tensor] | None]:
         """:meth:`run_lists` as one tensor each (the whole flat runs), for a rule with nothing per tensor."""

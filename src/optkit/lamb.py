@@ -91,7 +91,6 @@ from torch import Tensor
 
 from . import _fused
 from . import _multi_tensor as mt
-from ._compile import compiled_function, warn_compile_fallback
 from ._plan import RunAux
 from .optimizer import COMPILE_WARN_TENSORS, Optimizer, check_number
 
@@ -135,18 +134,12 @@ def _lamb_sums(hyper, ws, gs, ms, vs, k, ratio, e, decayed):
     ``i`` is ``(Σu², Σw²)`` of tensor ``i``. (Stacking the two sums of each tensor together keeps them in
     one loop: with two separate stacks, inductor's horizontal fusion grouped the ``Σw²`` of all tensors into
     a second kernel that read every weight again, 20-25% of the pass on ResNet-50 shapes.)"""
-    beta1, beta2 = hyper
     rows = []
     for i in range(len(ws)):
         w, g, m, v = ws[i], gs[i], ms[i], vs[i]
         if w.dtype in _HALF:
             w, g, m, v = w.float(), g.float(), m.float(), v.float()
-        if k is not None:
-            g = g * k
-        m2, v2 = _moments(g, m, v, beta1, beta2)
-        u = m2 / (v2.sqrt() + e) * ratio
-        if decayed[i] is not None:
-            u = u + w * decayed[i]
+        u = _direction(hyper, w, g, m, v, k, ratio, e, decayed[i])
         rows.append(torch.stack(((u * u).sum(), (w * w).sum())))
     return torch.stack(rows)
 
@@ -155,18 +148,22 @@ def _lamb_row_sums(hyper, ws, gs, ms, vs, k, ratio, e, wds):
     """:func:`_lamb_sums` over a flat buffer's run matrices (``jit_compile``; rows are parameters): the
     ``(rows, 2)`` matrix of each row's ``(Σu², Σw²)``, all runs stacked. ``wds``: each run's ``(count, 1)``
     column of weight decays (0 for the tensors without), or None when no tensor is decayed."""
-    beta1, beta2 = hyper
     out = []
     for i in range(len(ws)):
-        w, g, m, v = ws[i], gs[i], ms[i], vs[i]
-        if k is not None:
-            g = g * k
-        m2, v2 = _moments(g, m, v, beta1, beta2)
-        u = m2 / (v2.sqrt() + e) * ratio
-        if wds is not None:
-            u = u + w * wds[i]
+        w = ws[i]
+        u = _direction(hyper, w, gs[i], ms[i], vs[i], k, ratio, e, None if wds is None else wds[i])
         out.append(torch.stack(((u * u).sum(1), (w * w).sum(1)), 1))
     return torch.cat(out)
+
+
+def _direction(hyper, w, g, m, v, k, ratio, e, wd):
+    """The direction of the compiled pass 1, out of place: ``u = m'/(√v' + e)·ratio (+ wd·w)`` with the
+    moments ``m'``, ``v'`` formed from the true gradient ``k·g`` (``wd`` None: no decay term)."""
+    if k is not None:
+        g = g * k
+    m2, v2 = _moments(g, m, v, *hyper)
+    u = m2 / (v2.sqrt() + e) * ratio
+    return u if wd is None else u + w * wd
 
 
 def _corrections(beta1: float, beta2: float, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -500,9 +497,6 @@ class LAMB(Optimizer):
         kernels). Returns the per-tensor ``aux`` with ``fresh == "raw"``, or None (after one
         ``RuntimeWarning``, eager from then on) when compiling fails."""
         beta1, beta2, eps, t, k, skip = hyper
-        fn = compiled_function(_lamb_sums)
-        if fn is None:  # pragma: no cover - torch without a working compile stack
-            return None
         n = len(params)
         bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=dev, dtype=dtype))
         ratio, e = bc2_sqrt / bc1, eps * bc2_sqrt
@@ -515,12 +509,9 @@ class LAMB(Optimizer):
             lists = [[loc(x[i]) for i in sel] for x in (params, grads, m_l, v_l)]
             tdev = lists[0][0].device
             decayed = tuple(st.wd if st.decayed[i] else None for i in sel)
-            try:
-                sums = fn((beta1, beta2), *lists, None if k is None else k.to(tdev), ratio.to(tdev),
-                          e.to(tdev), decayed)
-            except Exception as err:  # compiling failed: eager from now on (nothing was written)
-                self._compile_state = "failed"
-                warn_compile_fallback(err)
+            sums = self._call_compiled(_lamb_sums, (beta1, beta2), *lists, None if k is None else k.to(tdev),
+                                       ratio.to(tdev), e.to(tdev), decayed)
+            if sums is None:
                 return None
             u_sq, w_sq = sums.to(device=dev, dtype=dtype).unbind(1)
             trust = self._trust_from_squares(group, st, w_sq, u_sq, params, dev, dtype)
@@ -607,19 +598,14 @@ class LAMB(Optimizer):
         segs = flat.run_segments()
         trust = None
         if st.n_adapt:
-            fn = compiled_function(_lamb_row_sums)
-            if fn is None:  # pragma: no cover - torch without a working compile stack
-                return None
             w_r, g_r, slots, _ = flat.run_lists()
             tdev = w_r[0].device
             wd = st.wd_vec.to(device=tdev, dtype=w_r[0].dtype)
             wds = [wd[a:a + c].unsqueeze(1) for a, c in segs] if st.any_decayed else None
-            try:
-                sums = fn((beta1, beta2), w_r, g_r, slots["exp_avg"], slots["exp_avg_sq"],
-                          None if k is None else k.to(tdev), ratio.to(tdev), e.to(tdev), wds)
-            except Exception as err:  # compiling failed: eager from now on (nothing was written)
-                self._compile_state = "failed"
-                warn_compile_fallback(err)
+            sums = self._call_compiled(_lamb_row_sums, (beta1, beta2), w_r, g_r, slots["exp_avg"],
+                                       slots["exp_avg_sq"], None if k is None else k.to(tdev), ratio.to(tdev),
+                                       e.to(tdev), wds)
+            if sums is None:
                 return None
             u_sq, w_sq = sums.to(device=dev, dtype=dtype).unbind(1)
             if st.n_adapt != n:

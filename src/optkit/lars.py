@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from ._compile import compiled_function, warn_compile_fallback
 from ._plan import RunAux
 from .momentum import sparse_momentum_rows_
 from .optimizer import COMPILE_WARN_TENSORS, Optimizer, check_number
@@ -306,16 +305,8 @@ class LARS(Optimizer):
         """``jit_compile``'s norm pass: the compiled :func:`_lars_sums` (one read of each weight and
         gradient in row sums), as the vector ``(‖w_1‖, …, ‖w_m‖, ‖g_1‖, …, ‖g_m‖)``; None (after one
         ``RuntimeWarning``, eager from then on) when compiling fails."""
-        fn = compiled_function(_lars_sums)
-        if fn is None:  # pragma: no cover - torch without a working compile stack
-            return None
-        try:
-            sums = fn(ws, gs)
-        except Exception as err:  # compiling failed: eager from now on (nothing was written)
-            self._compile_state = "failed"
-            warn_compile_fallback(err)
-            return None
-        return sums.sqrt().to(device=dev, dtype=dtype).t().reshape(-1)
+        sums = self._call_compiled(_lars_sums, ws, gs)
+        return None if sums is None else sums.sqrt().to(device=dev, dtype=dtype).t().reshape(-1)
 
     def _prepare_rows(self, group, flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask) -> RunAux:
         """:meth:`_prepare` over a flat buffer's runs (:class:`optkit._plan.FlatPart`): per-parameter norms as

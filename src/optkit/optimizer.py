@@ -52,7 +52,7 @@ from torch import Tensor
 from . import _fused
 from . import _multi_tensor as mt
 from ._amp import AmpProtocol
-from ._compile import chain, compiled_chain, warn_compile_fallback
+from ._compile import chain, compiled_chain, compiled_function, warn_compile_fallback
 from ._gc import gc_paused
 from ._params import normalize_param_groups
 from ._plan import FlatPart, Plan, PlanView, RowMultipliers, RunAux, check_slot_fits
@@ -1451,6 +1451,20 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return False
         self._compile_state = "ok"
         return True
+
+    def _call_compiled(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` compiled as the chain is (:func:`optkit._compile.compiled_function`), for an
+        optimizer's own read-only compiled pass; None, after one ``RuntimeWarning`` and eager from then on,
+        when compiling fails (such a pass writes nothing, so the eager step can follow)."""
+        compiled = compiled_function(fn)
+        if compiled is None:  # pragma: no cover - torch without a working compile stack
+            return None
+        try:
+            return compiled(*args)
+        except Exception as err:
+            self._compile_state = "failed"
+            warn_compile_fallback(err)
+            return None
 
     @staticmethod
     def _flat_whole(plan, aux, decay_mask) -> bool:
