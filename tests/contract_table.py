@@ -323,6 +323,13 @@ ROWS: list[Row] = [
     Row("LossScale(LARC(SGD))", lambda ps, lr: optkit.LossScaleOptimizer(
         optkit.LARC(optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), 0.02), 128.0),
         "keras_sgd", {"momentum": 0.9}, feed_scale=128.0, grad_transform=larc_transform(0.02)),
+    # LARC over an optkit optimizer built with jit_compile: the compiled norm pass (row sums of squares), the
+    # unscaled gradient norms from the outer scale, the ratios folded into the compiled rule
+    Row("LossScale(LARC(SGD-jit-nesterov))", lambda ps, lr: optkit.LossScaleOptimizer(optkit.LARC(
+        optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9, nesterov=True, jit_compile=True), 0.02),
+        128.0),
+        "keras_sgd", {"momentum": 0.9, "nesterov": True}, feed_scale=128.0,
+        grad_transform=larc_transform(0.02)),
     Row("MixedPrecision(Momentum)", lambda ps, lr: optkit.MixedPrecisionOptimizerWrapper(
         optkit.Momentum(_plain(ps), lr, 0.9), loss_scale=None),
         "momentum", {"momentum": 0.9}, dtypes=(torch.float16, torch.bfloat16), half_masters=True),

@@ -488,3 +488,63 @@ def test_large_tensors_fold_the_ratios_into_the_sgd_kernel(rng, dtype):
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-6)
     for t, r in zip(ts, ref):
         np.testing.assert_allclose(t.detach().double().numpy(), r, **tol)
+
+
+@pytest.mark.parametrize("mode,wd", [("clip", None), ("scale", None), ("clip", 0.01)])
+def test_jit_compile_inner_takes_the_compiled_norm_pass(rng, monkeypatch, mode, wd):
+    """Over an optkit optimizer built with ``jit_compile=True``, LARC reads ``‖v‖`` and ``‖g‖`` with the
+    compiled norm pass (:func:`optkit._compile.norm_sums`, counted), also for :meth:`LARC.trust_ratios`; the
+    result is the float64 reference (a loss scale to divide out, a skipped attempt, an excluded parameter).
+    When the pass fails to compile: one warning, and the eager LARC's result exactly."""
+    import warnings
+
+    from optkit import _compile
+
+    shapes = [(70, 90), (5,), (4, 3, 2)]  # the first is longer than a row of the split (4,096)
+    ws = [rng.normal(size=s) for s in shapes]
+    grads = [[rng.normal(size=s) * 0.3 for s in shapes] for _ in range(3)]
+    keep = [True, False, True]
+    ref = _ref_larc_keras_sgd(ws, grads, [0.1], [0, 0, 0], 0.02, mode, keep, wd=wd)
+    compiled = _compile.compiled_function(_compile.norm_sums)
+    calls = []
+
+    def counted(*args):
+        calls.append(len(args[0]))
+        return compiled(*args)
+
+    def fail(*args):
+        raise RuntimeError("simulated compiler failure")
+
+    runs = []
+    for variant in ("eager", "jit", "jit-fails"):
+        monkeypatch.setitem(_compile._COMPILED_OTHER, _compile.norm_sums,
+                            fail if variant == "jit-fails" else counted)
+        calls.clear()
+        ts = [torch.tensor(w, dtype=torch.float64, requires_grad=True) for w in ws]
+        opt = LARC(SGD(ts, 0.1, momentum=0.9, jit_compile=variant != "eager"), 0.02, mode,
+                   exclude=lambda name, p: p.ndim == 1, wd_in_denominator=wd)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, gs in enumerate(grads):
+                for t, g in zip(ts, gs):
+                    t.grad = torch.tensor(g) * 4.0
+                if i == 1:
+                    params, r = opt.trust_ratios(grad_scale=torch.tensor(4.0))
+                    assert len(params) == 2 and r.dtype == torch.float64
+                    assert_skip_changes_nothing(opt, ts, grad_scale=torch.tensor(4.0))
+                    for t, g in zip(ts, gs):
+                        t.grad = torch.tensor(g) * 4.0
+                opt.grad_scale = torch.tensor(4.0)
+                opt.step()
+                del opt.grad_scale
+        fell_back = sum("running eagerly" in str(w.message) for w in caught)
+        assert fell_back == (1 if variant == "jit-fails" else 0)
+        if variant == "jit":  # every step, the look-ahead, the skipped attempt: the two rescaled parameters
+            assert calls and set(calls) == {2}
+        else:
+            assert not calls
+        for t, r in zip(ts, ref):
+            np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-10, atol=1e-12)
+        runs.append([t.detach() for t in ts])
+    for a, b in zip(runs[0], runs[2]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -454,18 +454,18 @@ def test_jit_compile_matches_eager(variant, nesterov, layout):
 
 
 def test_jit_compile_norm_pass_failure_falls_back_to_the_eager_result(monkeypatch):
-    """``jit_compile``'s compiled norm pass (:func:`optkit.lars._lars_sums`, row sums of squares) failing to
-    compile warns once and gives the eager result (the eager norms, then eager steps), with a skipped step
+    """``jit_compile``'s compiled norm pass (:func:`optkit._compile.norm_sums`, row sums of squares) failing
+    to compile warns once and gives the eager result (the eager norms, then eager steps), with a skipped step
     on the way; when it compiles, its norms are the float64 norms of the tensors."""
     import warnings
 
-    from optkit import _compile, lars
+    from optkit import _compile
 
     torch.manual_seed(5)
     shapes = [(70, 90), (5,), (4, 3, 2)]  # the first is longer than a row of the split (4,096)
     ws = [torch.randn(s) for s in shapes]
     gs = [torch.randn(s) for s in shapes]
-    fn = _compile.compiled_function(lars._lars_sums)
+    fn = _compile.compiled_function(_compile.norm_sums)
     got = fn(ws, gs)
     want = torch.stack([torch.stack((w.double().square().sum(), g.double().square().sum()))
                         for w, g in zip(ws, gs)])
@@ -474,7 +474,7 @@ def test_jit_compile_norm_pass_failure_falls_back_to_the_eager_result(monkeypatc
     def fail(*args, **kwargs):
         raise RuntimeError("simulated compiler failure")
 
-    monkeypatch.setitem(_compile._COMPILED_OTHER, lars._lars_sums, fail)
+    monkeypatch.setitem(_compile._COMPILED_OTHER, _compile.norm_sums, fail)
     runs = []
     for jit in (False, True):
         ts = [w.clone().requires_grad_() for w in ws]

@@ -19,12 +19,15 @@ Options beyond the original (``spec/pytorch_anchors.md`` P1, P2, P19):
   where ``‖v‖ = 0`` or ``‖g‖ = 0`` (timm). Give the inner optimizer no weight decay of its own then.
 
 Performance: one grouped norm pass over the parameters and one over the gradients, the ratios computed as one
-vector (no host sync, no per-parameter Python arithmetic). optkit inner optimizers receive the ratios as
-``grad_multipliers`` and fold them into their own pass (optkit ``SGD`` into its fused kernel's ``grad_scale``,
-one call per tensor; others as an in-cache multiply per block); other optimizers get the gradients scaled in
-place. Over flat buffers (:func:`optkit.flat_parameters`, an optkit inner optimizer whose groups all run over
-their flat part) the norms are row norms of the buffer's runs of equal-sized parameters and the ratios go in
-as one vector per group (:class:`optkit._plan.RowMultipliers`): O(#runs) kernels per step, not O(#params).
+vector (no host sync, no per-parameter Python arithmetic). With an optkit inner optimizer built with
+``jit_compile=True`` the norms come from one compiled read-only pass that reads each weight and its gradient
+in the same loop (:func:`optkit._compile.norm_sums`, as LARS's ``jit_compile``; the eager norms if it fails
+to compile). optkit inner optimizers receive the ratios as ``grad_multipliers`` and fold them into their own
+pass (optkit ``SGD`` into its fused kernel's ``grad_scale``, one call per tensor; others as an in-cache
+multiply per block); other optimizers get the gradients scaled in place. Over flat buffers
+(:func:`optkit.flat_parameters`, an optkit inner optimizer whose groups all run over their flat part) the
+norms are row norms of the buffer's runs of equal-sized parameters and the ratios go in as one vector per
+group (:class:`optkit._plan.RowMultipliers`): O(#runs) kernels per step, not O(#params).
 A ``grad_scale`` from an outer loss-scale wrapper is taken into account (``‖g‖`` is the unscaled norm) and
 passed on; ``found_inf`` is passed on unchanged.
 
@@ -43,6 +46,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._compile import norm_sums
 from ._plan import FlatPart, RowMultipliers
 from ._validation import check_params, check_real
 from ._wrapper import OptimizerWrapper, protocol_level
@@ -350,6 +354,10 @@ class LARC(OptimizerWrapper):
 
     def _ratios(self, params, grads, lr: Tensor, grad_scale, multipliers, dev) -> Tensor:
         """The trust ratio of every parameter as one fp32 vector (module doc)."""
+        v = self._compiled_norms(params, grads, dev)
+        if v is not None:
+            k = self._outer_factors(params, grad_scale, multipliers, dev)
+            return self._ratios_from_norms(v[:, 0], v[:, 1], lr.to(v.dtype), k)
         both = mt.norms(list(params) + list(grads))  # one batched mesh reduction for weights and gradients
         wn, gn = both[: len(params)], both[len(params):]
         if len({(n.device, n.dtype) for n in both}) == 1:  # one stack, one conversion
@@ -362,6 +370,23 @@ class LARC(OptimizerWrapper):
             g_norm = torch.stack([n.to(dev, dtype) for n in gn])
         k = self._outer_factors(params, grad_scale, multipliers, dev)
         return self._ratios_from_norms(w_norm, g_norm, lr.to(w_norm.dtype), k)
+
+    def _compiled_norms(self, params: list[Tensor], grads: list[Tensor], dev: torch.device) -> Tensor | None:
+        """With an optkit inner optimizer built with ``jit_compile=True`` (plain tensors, outside a compiled
+        region): the ``(n, 2)`` matrix of each parameter's ``(‖v‖, ‖g‖)`` from the compiled read-only pass
+        :func:`optkit._compile.norm_sums` (as LARS's ``jit_compile``: each weight and gradient read once in
+        one loop, row sums in registers), float64 for float64 parameters, else float32. None otherwise, or
+        when compiling fails (the inner optimizer warns once and is eager from then on)."""
+        inner = self.optimizer
+        if not isinstance(inner, Optimizer) or not inner.jit_compile or inner._compile_state == "failed" \
+                or inner._any_dtensor or torch.compiler.is_compiling() \
+                or any(t.device != dev for t in params):
+            return None
+        sums = inner._call_compiled(norm_sums, params, grads)
+        if sums is None:
+            return None
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        return sums.sqrt().to(dtype)
 
     def _ratios_from_norms(self, w_norm: Tensor, g_norm: Tensor, lr: Tensor, k: Tensor | None) -> Tensor:
         """The ratios from the norms of the weights and the raw gradients (``k``: the factor between the raw

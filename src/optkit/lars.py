@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._compile import norm_sums
 from ._plan import RunAux
 from .momentum import sparse_momentum_rows_
 from .optimizer import COMPILE_WARN_TENSORS, Optimizer, check_number
@@ -46,35 +47,6 @@ __all__ = ["LARS"]
 
 _VARIANTS = ("tf1.15", "tf1.14")
 _SCALE_IN_KERNEL = 4  # blocks of at most this many chunks pass s·k to the fused kernel as 1/grad_scale
-
-
-#: row length of the compiled norms' row split: inductor's CPU sum over more than 4,096 float32 elements goes
-#: through a cascade-summation helper kept in memory, which limits a read-only pass to about 13 GB/s here;
-#: rows of 4,096 sum in registers (then the row sums are summed)
-_ROW = 4096
-
-
-def _sum_sq(x: Tensor) -> Tensor:
-    """``Σx²`` of a whole tensor (float32 for half precision), as row sums of ``_ROW`` elements and a tail."""
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()
-    x = x.reshape(-1)
-    n = x.numel()
-    r = n // _ROW
-    if r == 0:
-        return (x * x).sum()
-    m = x[: r * _ROW].view(r, _ROW)
-    out = (m * m).sum(1).sum()
-    if r * _ROW < n:
-        t = x[r * _ROW:]
-        out = out + (t * t).sum()
-    return out
-
-
-def _lars_sums(ws, gs):
-    """The compiled norm pass of ``jit_compile`` (read only): the ``(n, 2)`` float64 matrix of each
-    tensor's ``(Σw², Σg²)``, one loop per tensor reading both."""
-    return torch.stack([torch.stack((_sum_sq(w).double(), _sum_sq(g).double())) for w, g in zip(ws, gs)])
 
 
 def _fused(params, grads, bufs, *, weight_decay, momentum, lr, nesterov, found_inf, grad_scale=None) -> None:
@@ -302,10 +274,10 @@ class LARS(Optimizer):
         return list(zip(s.unbind(), (s * float(group["momentum"])).unbind()))
 
     def _compiled_norms(self, ws, gs, dev, dtype) -> Tensor | None:
-        """``jit_compile``'s norm pass: the compiled :func:`_lars_sums` (one read of each weight and
-        gradient in row sums), as the vector ``(‖w_1‖, …, ‖w_m‖, ‖g_1‖, …, ‖g_m‖)``; None (after one
-        ``RuntimeWarning``, eager from then on) when compiling fails."""
-        sums = self._call_compiled(_lars_sums, ws, gs)
+        """``jit_compile``'s norm pass: the compiled :func:`optkit._compile.norm_sums` (one read of each
+        weight and gradient in row sums), as the vector ``(‖w_1‖, …, ‖w_m‖, ‖g_1‖, …, ‖g_m‖)``; None (after
+        one ``RuntimeWarning``, eager from then on) when compiling fails."""
+        sums = self._call_compiled(norm_sums, ws, gs)
         return None if sums is None else sums.sqrt().to(device=dev, dtype=dtype).t().reshape(-1)
 
     def _prepare_rows(self, group, flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask) -> RunAux:
