@@ -11,7 +11,10 @@ momentum 0.9 and weight decay, an EMA of the weights (momentum 0.99) and a learn
   clip_gradients=c, loss_scaling="dynamic", summaries=[])``; ``train_op()`` with a loss that depends on no
   parameter (a 0-d leaf), so forward/backward cost a few microseconds and the parameters' ``.grad`` are the
   restored gradients. Unscale, mean and clip fold into the fused SGD kernel's ``grad_scale``, the skip into
-  its ``found_inf``; the update and the EMA run block by block.
+  its ``found_inf``; the update and the EMA run block by block. Also with ``jit_compile=True`` in the SGD
+  options (the norm and overflow check in one compiled read, decay → update → EMA in one compiled loop;
+  compiled before timing, first-call time in the note): per tensor on the sets with few tensors, and over
+  flat buffers.
 
 Gradients (``randn·0.01``, treated as loss-scaled by 2^15 on both sides) are restored before every step
 (untimed); ``c`` is half the unscaled global norm, so every step clips by 0.5. Minimal traffic 32 B/param
@@ -20,6 +23,8 @@ Run ``python -m bench.bench_train`` (``OPTKIT_BENCH_QUICK=1`` for a smoke run).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -67,21 +72,31 @@ def _torch_variant(set_name: str, clip: float) -> H.Variant:
     return H.Variant(name, step, _grad_restorer(params, ref))
 
 
-def _optkit_variant(set_name: str, clip: float, flat: bool = False) -> H.Variant:
+def _optkit_variant(set_name: str, clip: float, flat: bool = False, jit: bool = False) -> H.Variant:
     params = H.make_params(set_name, seed=0)
     if flat:
         flat_parameters(params)
     ref = [p.grad.clone() for p in params]
     dummy = torch.zeros((), requires_grad=True)
+    hp = {"momentum": MOMENTUM, "nesterov": True, "weight_decay": WD, "use_ema": True, "ema_momentum": EMA}
     op = optimize_loss(
-        lambda: dummy * 1.0, "SGD",
-        {"momentum": MOMENTUM, "nesterov": True, "weight_decay": WD, "use_ema": True, "ema_momentum": EMA},
+        lambda: dummy * 1.0, "SGD", {**hp, "jit_compile": True} if jit else hp,
         lambda k: poly_decay(k, LR, 10**6), var_list=params, clip_gradients=clip, loss_scaling="dynamic",
         loss_scaling_params={"initial_loss_scale": SCALE, "increment_period": 2000}, summaries=[],
     )
-    name = "optkit optimize_loss train op (same pipeline)" + (", flat buffers" if flat else "")
+    name = "optkit optimize_loss train op (same pipeline)" + (", flat buffers" if flat else "") + (
+        ", SGD jit_compile=True" if jit else "")
     restore = _grad_restorer(params, ref) if not flat else _copy_restorer([p.grad for p in params], ref)
     return H.Variant(name, op, restore)
+
+
+def _compiled_first(v: H.Variant, notes: list[str]) -> H.Variant:
+    """Run a ``jit_compile`` variant's first update (it compiles; untimed) and note how long it took."""
+    v.setup()
+    t0 = time.perf_counter()
+    v.step()
+    notes.append(f"`{v.name}` first call (compile) {time.perf_counter() - t0:.1f} s.")
+    return v
 
 
 def _copy_restorer(grads: list[torch.Tensor], ref: list[torch.Tensor]):
@@ -100,11 +115,16 @@ def bench_set(set_name: str, floor: float) -> str:
     n_tensors = len(probe)
     del probe
     variants = [_torch_variant(set_name, clip), _optkit_variant(set_name, clip)]
+    notes: list[str] = []
+    if set_name not in ("many_small", "tiny_10k"):  # (compiling thousands of graph inputs takes minutes)
+        variants.append(_compiled_first(_optkit_variant(set_name, clip, jit=True), notes))
     if set_name != "one_big":
         variants.append(_optkit_variant(set_name, clip, flat=True))
+        variants.append(_compiled_first(_optkit_variant(set_name, clip, flat=True, jit=True), notes))
     rows = H.compare(variants, n_params=total, bytes_per_param=32, floor=floor)
     title = f"train-op update, set `{set_name}` ({n_tensors} tensors, {total:,} params)"
-    return H.markdown_table(rows, title=title, note=H.x_floor_note(rows, total, 32, floor))
+    note = " ".join([H.x_floor_note(rows, total, 32, floor), *notes])
+    return H.markdown_table(rows, title=title, note=note)
 
 
 def _encoder(seed: int = 0) -> torch.nn.Module:

@@ -71,6 +71,10 @@ ROWS = [
              extra={"rules": [(r"^2\.", {"lr_scale": 0.5})], "no_decay_1d": True}),
     TrainRow("LAMB-mixed-layer-decay", "LAMB", {"weight_decay": 0.01}, dtype="mixed", loss_scaling="Backoff",
              extra={"layer_decay": 0.8, "layer_regex": r"^(\d+)\."}),
+    # jit_compile: the compiled norm-and-check pass, the compiled update (zeroing flat gradients in its loop)
+    TrainRow("SGD-jit-fp32-dynamic-clip-ema", "SGD",
+             {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01, "use_ema": True, "jit_compile": True},
+             loss_scaling="dynamic", clip_gradients=0.5),
 ]
 BY_ID = {r.id: r for r in ROWS}
 
@@ -278,10 +282,12 @@ def test_flat_buffer_layout(row_id):
 
 
 @pytest.mark.parametrize("row_id", [r.id for r in ROWS])
-def test_train_op_call_reads_no_tensor_on_the_host(row_id):
+def test_train_op_call_reads_no_tensor_on_the_host(row_id, monkeypatch):
     """After the first updates, a train-op call (forward, backward, and the update at a window's end) reads
     no tensor value on the host: on a GPU nothing waits for the device. The loss scale is told its state
-    lives on an accelerator (on the CPU it reads it, which costs nothing there)."""
+    lives on an accelerator (on the CPU it reads it, which costs nothing there). ``jit_compile`` rows: the
+    compiled functions run as plain Python under the counting dispatch mode (compiled code cannot run under
+    it), so the code around them is checked."""
     row = BY_ID[row_id]
     dt = model_dtype(row)
     model = make_model(dt)
@@ -289,6 +295,18 @@ def test_train_op_call_reads_no_tensor_on_the_host(row_id):
     scaler = op.scaler
     getattr(scaler, "scaler", scaler)._state_on_host = lambda: False
     run(row, op, model, 2)
+    if row.params.get("jit_compile"):
+        from optkit import _compile
+
+        class _Uncompiled(dict):
+            def __contains__(self, fn: object) -> bool:
+                return True
+
+            def __missing__(self, fn):  # type: ignore[no-untyped-def]
+                return fn
+
+        monkeypatch.setattr(_compile, "_COMPILED", [_compile.chain])
+        monkeypatch.setattr(_compile, "_COMPILED_OTHER", _Uncompiled())
     mode = HostReads()
     for u in range(2, 4):
         for m in range(row.iter_size):

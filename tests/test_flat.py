@@ -4,6 +4,8 @@ the fallbacks when a gradient or a parameter's storage is replaced. Every step i
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -625,3 +627,72 @@ def test_jit_compile_over_flat_buffers_steps_the_buffer_and_matches_eager(name, 
         for key, v in sd_ref[i].items():
             if torch.is_tensor(v):
                 torch.testing.assert_close(sd[i][key], v, rtol=1e-10, atol=1e-12, msg=f"{i} {key}")
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_optimize_loss_under_jit_compile_reads_each_gradient_once_for_norm_and_check(flat, monkeypatch):
+    """``optimize_loss`` over an optimizer built with ``jit_compile=True`` (SGD, Nesterov, decay, EMA, a clip
+    and a dynamic scale): the global norm and the overflow flag come from one compiled read per gradient
+    (:func:`optkit._compile.norm_check_sums`, counted) and, over flat buffers, the compiled update zeroes the
+    flat gradient in its own loop (the train op's clear skips that group) and the views stay. The weights,
+    EMA, norms, skip flags and loss scale equal the eager train op's in float64, through an overflowing
+    update (a NaN gradient: skipped, the scale halves). If the pass fails to compile: one warning, then the
+    eager passes with the same results."""
+    import warnings
+
+    from optkit import _compile
+
+    compiled = _compile.compiled_function(_compile.norm_check_sums)
+    calls = []
+
+    def counted(ts):
+        calls.append(len(ts))
+        return compiled(ts)
+
+    def fail(ts):
+        raise RuntimeError("simulated compiler failure")
+
+    runs = []
+    for variant in ("eager", "jit", "jit-fails"):
+        monkeypatch.setitem(_compile._COMPILED_OTHER, _compile.norm_check_sums,
+                            fail if variant == "jit-fails" else counted)
+        calls.clear()
+        model = _model().double()
+        if flat:
+            optkit.flat_parameters(model)
+        hp = {"momentum": MU, "nesterov": True, "weight_decay": 0.01, "use_ema": True}
+        def loss(k, model=model):
+            return model(_batch(k).double()).square().mean() * (math.nan if k == 2 else 1.0)
+
+        op = optkit.optimize_loss(loss, "SGD", {**hp, "jit_compile": variant != "eager"}, LR, model=model,
+                                  clip_gradients=0.05, loss_scaling="dynamic")
+        skips = []
+        base = op.base_optimizer
+        zero_grad = base._zero_grad
+        monkeypatch.setattr(base, "_zero_grad", lambda s, skip, skips=skips, zero_grad=zero_grad: (
+            skips.append(set(skip)) or zero_grad(s, skip)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = [op(k) for k in range(5)]
+        assert sum("running eagerly" in str(w.message) for w in caught) == (variant == "jit-fails")
+        assert [bool(r.applied) for r in res] == [True, True, False, True, True]
+        if variant == "jit":
+            n = sum(1 for p in model.parameters())
+            assert calls and all(c == (1 if flat else n) for c in calls[1:]) and calls[0] == n
+            # from the second update on (plans exist), the compiled pass zeroed the flat gradient itself
+            assert all(s == ({id(base.param_groups[0])} if flat else set()) for s in skips[1:])
+        else:
+            assert not calls
+        if flat:
+            assert len({flat_buffer_of(p).data_ptr() for p in model.parameters()}) == 1
+            assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1  # views
+            assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+        state = [p.detach().clone() for p in model.parameters()]
+        state += [base.state[p]["average"].clone() for p in model.parameters()]
+        runs.append((state, [r.grad_norm for r in res], op.scaler.loss_scale))
+    for other in runs[1:]:
+        for a, b in zip(runs[0][0], other[0]):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(torch.stack(other[1]), torch.stack(runs[0][1]), rtol=1e-12, atol=0,
+                                   equal_nan=True)
+        assert float(other[2]) == float(runs[0][2])

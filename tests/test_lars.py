@@ -419,9 +419,9 @@ def test_jit_compile_matches_eager(variant, nesterov, layout):
     rows = []
     original = Optimizer._run_compiled_rows
 
-    def counted(self, *a):
+    def counted(self, *a, **kw):
         rows.append(1)
-        return original(self, *a)
+        return original(self, *a, **kw)
 
     for jit in (False, True):
         ts = [w.clone().requires_grad_() for w in w0]
@@ -521,7 +521,7 @@ def test_jit_compile_update_step_and_many_flat_runs_take_the_eager_paths(monkeyp
     compiled_rows = []
     original = Optimizer._run_compiled_rows
     monkeypatch.setattr(Optimizer, "_run_compiled_rows",
-                        lambda self, *a: (compiled_rows.append(1), original(self, *a))[1])
+                        lambda self, *a, **kw: (compiled_rows.append(1), original(self, *a, **kw))[1])
     for build in (lambda ps, jit: LARS(ps, 0.5, eeta=0.01, jit_compile=jit),
                   lambda ps, jit: optkit.LAMB(ps, 0.05, weight_decay=0.01, jit_compile=jit)):
         runs = []

@@ -684,3 +684,40 @@ def test_foreach_chain_stages_half_dtypes_on_any_device():
     cuda = torch.device("cuda")
     assert [p.mode for p in _fused.partition("sgd", cuda, torch.float64, f64)] == ["fallback"]
     assert [p.mode for p in _fused.partition("foreach", cuda, torch.float64, f64)] == ["native"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_compiled_norm_and_check_pass_matches_the_eager_one(rng, dtype):
+    """``global_norm_and_found_inf(compiled=...)`` with the compiled :func:`optkit._compile.norm_check_sums`
+    (the train op's pass under ``jit_compile``: both sums per tensor from one read): the norm is the float64
+    reference and the eager result; the flag is set exactly when an element is NaN or ±inf (first, last,
+    inside a row, in the tail after the last full row, in a small or a transposed tensor), never by large
+    finite values whose squares overflow (the norm is then inf, as the eager one); nothing is written."""
+    from optkit import _compile
+
+    compiled = _compile.compiled_function(_compile.norm_check_sums)
+    n = 3 * _compile.SUM_ROW + 37
+    ts = [make(rng, (n,), dtype), make(rng, (5, 3), dtype), make(rng, (40, 300), dtype).t(),
+          torch.zeros(0, dtype=dtype)]
+    before = [t.clone() for t in ts]
+    norm, found = mt.global_norm_and_found_inf(ts, compiled=compiled)
+    want = math.sqrt(sum(float(t.double().square().sum()) for t in ts))
+    assert norm.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and found.item() == 0.0
+    assert norm.item() == pytest.approx(want, rel=1e-12 if dtype == torch.float64 else 1e-6)
+    eager = mt.global_norm_and_found_inf(ts)
+    assert norm.item() == pytest.approx(eager[0].item(), rel=1e-12 if dtype == torch.float64 else 1e-5)
+    for a, b in zip(ts, before):
+        assert torch.equal(a, b)
+    for which, pos in ((0, 0), (0, n - 1), (0, _compile.SUM_ROW + 5), (1, 4), (2, 77)):
+        for bad in (math.inf, -math.inf, math.nan):
+            t2 = [t.clone() for t in ts]
+            cols = t2[which].shape[-1]
+            t2[which][divmod(pos, cols) if t2[which].dim() == 2 else pos] = bad
+            assert mt.global_norm_and_found_inf(t2, compiled=compiled)[1].item() == 1.0, (which, pos, bad)
+    if dtype != torch.float64:
+        huge = [t.clone() for t in ts]
+        huge[0][5] = 3.0e38
+        norm, found = mt.global_norm_and_found_inf(huge, compiled=compiled)
+        eager = mt.global_norm_and_found_inf(huge)
+        assert found.item() == 0.0 and eager[1].item() == 0.0
+        assert math.isinf(norm.item()) and math.isinf(eager[0].item())

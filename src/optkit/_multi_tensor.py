@@ -22,7 +22,7 @@ import math
 import operator
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -887,7 +887,8 @@ def any_non_finite(tensors: Sequence[Tensor | None], *, pipeline_group: object =
 
 
 def global_norm_and_found_inf(
-    tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET
+    tensors: Sequence[Tensor | None], *, pipeline_group: object = _UNSET,
+    compiled: Callable[[list[Tensor]], Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(:func:`global_norm`, :func:`any_non_finite`) with one collective per mesh-dim group for both.
 
@@ -896,6 +897,9 @@ def global_norm_and_found_inf(
     any number of ranks. Each tensor contributes ``0·max|t|`` (0, or NaN when it holds a NaN/inf) to the
     same fp64 sum as its squares, so the flag travels with the norm; replicated copies are identical, so
     summing over the splitting mesh dims is enough for every rank to agree.
+
+    ``compiled``: for plain dense tensors on one device, a callable giving both sums per tensor in one read
+    (:func:`optkit._compile.norm_check_sums` compiled), or None when it cannot (then the eager passes).
     """
     group = _pp(pipeline_group)
     ts = present(tensors)
@@ -903,6 +907,14 @@ def global_norm_and_found_inf(
         totals = _empty_total(group, "sum", 2)
         return totals[0].sqrt().to(torch.float32), torch.isnan(totals[1]).to(torch.float32)
     import torch.distributed as dist
+
+    if compiled is not None and _all_plain(ts) and not any(t.is_sparse for t in ts) \
+            and len({t.device for t in ts}) == 1:
+        v = compiled(ts)
+        if v is not None:
+            dtype = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+            totals = _pipeline_reduce(v.sum(0), dist.ReduceOp.SUM, group)
+            return totals[0].sqrt().to(dtype), torch.isnan(totals[1]).to(torch.float32)
 
     ts = _reduce_partials(ts) if not _all_plain(ts) else ts
     l2 = _local_norms(ts, 2.0)

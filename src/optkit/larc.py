@@ -378,11 +378,10 @@ class LARC(OptimizerWrapper):
         one loop, row sums in registers), float64 for float64 parameters, else float32. None otherwise, or
         when compiling fails (the inner optimizer warns once and is eager from then on)."""
         inner = self.optimizer
-        if not isinstance(inner, Optimizer) or not inner.jit_compile or inner._compile_state == "failed" \
-                or inner._any_dtensor or torch.compiler.is_compiling() \
-                or any(t.device != dev for t in params):
+        call = inner._compiled_pass(norm_sums) if isinstance(inner, Optimizer) else None
+        if call is None or any(t.device != dev for t in params):
             return None
-        sums = inner._call_compiled(norm_sums, params, grads)
+        sums = call(params, grads)
         if sums is None:
             return None
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32

@@ -1263,20 +1263,29 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._run_chain(chain, group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
                             applied, mult, aux)
             return
+        # every gradient is a view of the flat gradient, cleared after this step: the pass zeroes it (each
+        # chunk in cache, or in the compiled loop that reads it)
+        zero = self._zero_grads_in_pass and flat_ok and plan.flat is not None
         if isinstance(aux, RunAux) and aux.per_run:  # jit_compile over a flat part's row runs
-            self._run_compiled_rows(group, idx, flat, lr, k, found_inf, applied, aux)
+            self._run_compiled_rows(group, idx, flat, lr, k, found_inf, applied, aux, zero=zero)
+            if zero:
+                self._zeroed_groups.add(id(group))
             return
         if self.jit_compile and self._compile_state != "failed" and not isinstance(aux, RunAux):
             if self._flat_whole(plan, aux, decay_mask):
                 # nothing differs per tensor: the compiled chain over the whole flat buffers (one graph of a
                 # few inputs); if compiling fails, the eager pass below steps them (nothing was written)
                 w, g, slots, avgs = plan.flat.whole_lists()
-                if self._run_compiled(group, idx, w, g, slots, lr, k, wd,
-                                      None if decay_mask is None else (bool(plan.uniform_wd),), found_inf,
-                                      applied, None, None if aux is None else aux[:1], avgs=avgs):
-                    return
-            elif self._run_compiled(group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
-                                    applied, mult, aux):
+                done = self._run_compiled(group, idx, w, g, slots, lr, k, wd,
+                                          None if decay_mask is None else (bool(plan.uniform_wd),), found_inf,
+                                          applied, None, None if aux is None else aux[:1], avgs=avgs,
+                                          zero=zero)
+            else:
+                done = self._run_compiled(group, idx, params, grads, plan.slots, lr, k, wd, decay_mask,
+                                          found_inf, applied, mult, aux, zero=zero)
+            if done:
+                if zero:
+                    self._zeroed_groups.add(id(group))
                 return
 
         # decoupled weight decay factor, 1 − lr·wd (1 on a skipped step)
@@ -1298,8 +1307,6 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             blocks = plan.blocks
             glocal = grads if not plan.any_dtensor else [mt.local(g) for g in grads]
         folds = mult is not None and self._folds_mult(group)
-        # every gradient is a view of the flat gradient, cleared after this step: zero each chunk in cache
-        zero = self._zero_grads_in_pass and flat_ok and plan.flat is not None
         for blk in blocks:
             owners, bp, bslots, bavg = blk.owners, blk.params, blk.slots, blk.averages
             if blk.split is None:
@@ -1422,7 +1429,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     _pointwise: Callable | None = None
 
     def _run_compiled(self, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
-                      mult, aux, avgs=None) -> bool:
+                      mult, aux, avgs=None, zero=False) -> bool:
         """Run decay → update → EMA of one group as one ``torch.compile``-d function. Hyperparameters that
         change during training (learning rate, clip/unscale factor, skip flag, EMA weight) are tensor inputs,
         so they never trigger a recompile. Returns False (after a RuntimeWarning) if compilation fails."""
@@ -1444,13 +1451,23 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 RuntimeWarning, stacklevel=5)
         try:
             self._run_chain(fn, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
-                            mult, aux, avgs=avgs)
+                            mult, aux, avgs=avgs, zero=zero)
         except Exception as err:  # compilation unavailable or failed: eager from now on
             self._compile_state = "failed"
             warn_compile_fallback(err)
             return False
         self._compile_state = "ok"
         return True
+
+    def _compiled_pass(self, fn: Callable) -> Callable | None:
+        """For a wrapper or the train op around this optimizer: ``fn`` (a read-only pass over plain tensors)
+        compiled as this optimizer's own passes are, as a callable that gives None once compiling failed
+        (:meth:`_call_compiled`), when ``jit_compile`` is on and has not failed, outside a compiled region
+        and without DTensor parameters; else None (take the eager pass)."""
+        if not self.jit_compile or self._compile_state == "failed" or self._any_dtensor \
+                or torch.compiler.is_compiling():
+            return None
+        return functools.partial(self._call_compiled, fn)
 
     def _call_compiled(self, fn: Callable, *args: Any) -> Any:
         """``fn(*args)`` compiled as the chain is (:func:`optkit._compile.compiled_function`), for an
@@ -1473,23 +1490,24 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         return plan.flat_active and (aux is None or all(map(operator.is_, aux, itertools.repeat(aux[0])))) \
             and (decay_mask is None or plan.uniform_wd is not None)
 
-    def _run_compiled_rows(self, group, idx, flat, lr, k, found_inf, applied, aux) -> None:
+    def _run_compiled_rows(self, group, idx, flat, lr, k, found_inf, applied, aux, zero=False) -> None:
         """The compiled rule over a flat part's whole run matrices (``aux.per_run``: one ``(count, 1)``
         column entry per run, as LARS's and LAMB's :meth:`_prepare` give under ``jit_compile``): one graph
         of a few inputs whatever the number of parameters. If compiling fails, the same chain runs eagerly
         on the same runs (nothing was written) and the optimizer is eager from the next step on."""
         w, g, slots, avgs = flat.run_lists()
         if self._run_compiled(group, idx, w, g, slots, lr, k, 0.0, None, found_inf, applied, None, aux.items,
-                              avgs=avgs):
+                              avgs=avgs, zero=zero):
             return
         self._run_chain(chain, group, idx, w, g, slots, lr, k, 0.0, None, found_inf, applied, None, aux.items,
-                        avgs=avgs, upcast=True)
+                        avgs=avgs, upcast=True, zero=zero)
 
     def _run_chain(self, fn, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
-                   mult, aux, avgs=None, upcast=False) -> None:
+                   mult, aux, avgs=None, upcast=False, zero=False) -> None:
         """decay → rule → EMA of one group through :func:`optkit._compile.chain` (``fn``: it, or its
         ``torch.compile``-d form), with every changing hyperparameter as a tensor input. ``avgs``: the
-        averages when ``params`` are not the group's tensors (a flat part's run matrices)."""
+        averages when ``params`` are not the group's tensors (a flat part's run matrices); ``zero``: the
+        chain zeroes the gradients after reading them (flat gradients that the train op clears next)."""
         rule = type(self)._pointwise
 
         def loc(t: Tensor) -> Tensor:
@@ -1509,7 +1527,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
            slot_lists, avgs, lr.to(dev), None if k is None else k.to(dev), wd_t,
            None if decay_mask is None else tuple(decay_mask), ema_w,
            None if found_inf is None else found_inf.to(dev),
-           None if mult is None else tuple(mult), aux, **({"upcast": True} if upcast else {}))
+           None if mult is None else tuple(mult), aux, **({"upcast": True} if upcast else {}),
+           **({"zero_grads": True} if zero else {}))
         if self.use_ema:
             self._ema_rest(group, idx, applied)
 

@@ -21,10 +21,11 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
 6. clip (``clip_gradients = c``): ``s = min(1, c/N)`` (no epsilon, as the original);
 7. summaries of the learning rate, the norms and the variables (due steps only);
 8. non-finite check (any NaN/inf element in any gradient of the window, from a max-abs pass next to the norm
-   pass, so the decision is the same on any number of ranks; with ``clip_gradients`` and a scaler that backs
-   off, also a non-finite ``‖Σ grads‖`` of finite elements under a scale above 1, which is then too large
-   for a float32 norm) decides whether the scaler lets the update apply (the scaler itself advances after
-   step 9, so an update that raises leaves the scale as it was);
+   pass, or in the same compiled read as the norm when the optimizer was built with ``jit_compile=True``
+   (:func:`optkit._compile.norm_check_sums`), so the decision is the same on any number of ranks; with
+   ``clip_gradients`` and a scaler that backs off, also a non-finite ``‖Σ grads‖`` of finite elements under
+   a scale above 1, which is then too large for a float32 norm) decides whether the scaler lets the update
+   apply (the scaler itself advances after step 9, so an update that raises leaves the scale as it was);
 9. the optimizer stack's step with ``lr(k)``, ``k`` = applied updates so far (a skipped update changes
    nothing): ``LARC`` (``larc_params``, :mod:`optkit.larc`) computes per parameter
    ``r = min(max(η‖w‖/(lr(‖g‖+ε)), min_update), 1)`` (clip mode) or ``max(η‖w‖/(‖g‖+ε), min_update)``
@@ -81,6 +82,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _multi_tensor as mt
+from ._compile import norm_check_sums
 from ._validation import check_count, check_int, check_lr_value, check_params
 from ._wrapper import OptimizerWrapper, handed_over, overflow_probe, protocol_level, refuse_inside_ema_weights
 from .clipping import clip_coefficient
@@ -713,9 +715,10 @@ class TrainOp:
             inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
             raw = mt.global_norm(self._whole_grads(idx, seen) or grads, pipeline_group=pp)
             norm = raw if denom is None else raw / denom
-        elif self._checks:
+        elif self._checks:  # (one compiled read for both under the optimizer's jit_compile)
+            compiled = self.base_optimizer._compiled_pass(norm_check_sums) if self._optkit_inst else None
             raw, found_raw = mt.global_norm_and_found_inf(self._whole_grads(idx, seen) or grads,
-                                                          pipeline_group=pp)
+                                                          pipeline_group=pp, compiled=compiled)
             norm = raw if denom is None else raw / denom
         elif self.clip_gradients is not None or (due and log.wants("global_gradient_norm")):
             raw = mt.global_norm(self._whole_grads(idx, seen) or grads, pipeline_group=pp)
