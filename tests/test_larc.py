@@ -495,9 +495,11 @@ def test_jit_compile_inner_takes_the_compiled_norm_pass(rng, monkeypatch, mode, 
     """Over an optkit optimizer built with ``jit_compile=True``, LARC reads ``‖v‖`` and ``‖g‖`` with the
     compiled norm pass (:func:`optkit._compile.norm_sums`, counted), also for :meth:`LARC.trust_ratios`; the
     result is the float64 reference (a loss scale to divide out, a skipped attempt, an excluded parameter).
-    When the pass fails to compile: one warning, and the eager LARC's result exactly."""
+    When the pass fails to compile: one warning, and the eager LARC's result exactly; past
+    ``COMPILE_WARN_TENSORS`` parameters, the eager norms."""
     import warnings
 
+    import optkit.optimizer
     from optkit import _compile
 
     shapes = [(70, 90), (5,), (4, 3, 2)]  # the first is longer than a row of the split (4,096)
@@ -516,9 +518,11 @@ def test_jit_compile_inner_takes_the_compiled_norm_pass(rng, monkeypatch, mode, 
         raise RuntimeError("simulated compiler failure")
 
     runs = []
-    for variant in ("eager", "jit", "jit-fails"):
+    for variant in ("eager", "jit", "jit-fails", "jit-capped"):
         monkeypatch.setitem(_compile._COMPILED_OTHER, _compile.norm_sums,
                             fail if variant == "jit-fails" else counted)
+        # more parameters than COMPILE_WARN_TENSORS (here: any) take the eager norms instead of compiling
+        monkeypatch.setattr(optkit.optimizer, "COMPILE_WARN_TENSORS", 0 if variant == "jit-capped" else 1000)
         calls.clear()
         ts = [torch.tensor(w, dtype=torch.float64, requires_grad=True) for w in ws]
         opt = LARC(SGD(ts, 0.1, momentum=0.9, jit_compile=variant != "eager"), 0.02, mode,
@@ -548,3 +552,4 @@ def test_jit_compile_inner_takes_the_compiled_norm_pass(rng, monkeypatch, mode, 
         runs.append([t.detach() for t in ts])
     for a, b in zip(runs[0], runs[2]):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert len(runs) == 4

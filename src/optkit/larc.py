@@ -375,10 +375,11 @@ class LARC(OptimizerWrapper):
         """With an optkit inner optimizer built with ``jit_compile=True`` (plain tensors, outside a compiled
         region): the ``(n, 2)`` matrix of each parameter's ``(‖v‖, ‖g‖)`` from the compiled read-only pass
         :func:`optkit._compile.norm_sums` (as LARS's ``jit_compile``: each weight and gradient read once in
-        one loop, row sums in registers), float64 for float64 parameters, else float32. None otherwise, or
-        when compiling fails (the inner optimizer warns once and is eager from then on)."""
+        one loop, row sums in registers), float64 for float64 parameters, else float32. None otherwise (also
+        past ``COMPILE_WARN_TENSORS`` parameters), or when compiling fails (the inner optimizer warns once
+        and is eager from then on)."""
         inner = self.optimizer
-        call = inner._compiled_pass(norm_sums) if isinstance(inner, Optimizer) else None
+        call = inner._compiled_pass(norm_sums, len(params)) if isinstance(inner, Optimizer) else None
         if call is None or any(t.device != dev for t in params):
             return None
         sums = call(params, grads)

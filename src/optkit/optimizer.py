@@ -1459,13 +1459,14 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._compile_state = "ok"
         return True
 
-    def _compiled_pass(self, fn: Callable) -> Callable | None:
-        """For a wrapper or the train op around this optimizer: ``fn`` (a read-only pass over plain tensors)
-        compiled as this optimizer's own passes are, as a callable that gives None once compiling failed
-        (:meth:`_call_compiled`), when ``jit_compile`` is on and has not failed, outside a compiled region
-        and without DTensor parameters; else None (take the eager pass)."""
+    def _compiled_pass(self, fn: Callable, n_tensors: int) -> Callable | None:
+        """For a wrapper or the train op around this optimizer: ``fn`` (a read-only pass over ``n_tensors``
+        plain tensors) compiled as this optimizer's own passes are, as a callable that gives None once
+        compiling failed (:meth:`_call_compiled`), when ``jit_compile`` is on and has not failed, outside a
+        compiled region, without DTensor parameters and for at most :data:`COMPILE_WARN_TENSORS` tensors
+        (one graph input each: more would take minutes to compile); else None (take the eager pass)."""
         if not self.jit_compile or self._compile_state == "failed" or self._any_dtensor \
-                or torch.compiler.is_compiling():
+                or n_tensors > COMPILE_WARN_TENSORS or torch.compiler.is_compiling():
             return None
         return functools.partial(self._call_compiled, fn)
 

@@ -86,6 +86,7 @@ from ._compile import norm_check_sums
 from ._validation import check_count, check_int, check_lr_value, check_params
 from ._wrapper import OptimizerWrapper, handed_over, overflow_probe, protocol_level, refuse_inside_ema_weights
 from .clipping import clip_coefficient
+from .flat import flat_buffer_of
 from .larc import LARC
 from .loss_scale import AutomaticLossScaler, DynamicLossScale, FixedLossScale, LossScale
 from .mixed_precision import MixedPrecisionOptimizerWrapper
@@ -715,10 +716,10 @@ class TrainOp:
             inf_norms = torch.stack([x.float() for x in mt.norms(grads, float("inf"))])
             raw = mt.global_norm(self._whole_grads(idx, seen) or grads, pipeline_group=pp)
             norm = raw if denom is None else raw / denom
-        elif self._checks:  # (one compiled read for both under the optimizer's jit_compile)
-            compiled = self.base_optimizer._compiled_pass(norm_check_sums) if self._optkit_inst else None
-            raw, found_raw = mt.global_norm_and_found_inf(self._whole_grads(idx, seen) or grads,
-                                                          pipeline_group=pp, compiled=compiled)
+        elif self._checks:
+            whole = self._whole_grads(idx, seen)
+            raw, found_raw = mt.global_norm_and_found_inf(whole or grads, pipeline_group=pp,
+                                                          compiled=self._compiled_check(whole, grads))
             norm = raw if denom is None else raw / denom
         elif self.clip_gradients is not None or (due and log.wants("global_gradient_norm")):
             raw = mt.global_norm(self._whole_grads(idx, seen) or grads, pipeline_group=pp)
@@ -780,6 +781,16 @@ class TrainOp:
         except Exception as err:  # noqa: BLE001 - raised by the next update's call, before it changes anything
             self._lr_error = err
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
+
+    def _compiled_check(self, whole: list[Tensor] | None, grads: list[Tensor]):
+        """The compiled norm-and-check pass (:func:`optkit._compile.norm_check_sums`) under the optimizer's
+        ``jit_compile`` (:meth:`optkit.Optimizer._compiled_pass`), or None for the eager passes: also over
+        flat parameters whose optimizer has no plan yet (the first update reads the per-tensor gradients;
+        every later one the flat gradients, a graph of its own), so as not to compile for that one update."""
+        if not self._optkit_inst or (whole is None and bool(self.masters)
+                                     and flat_buffer_of(self.masters[0]) is not None):
+            return None
+        return self.base_optimizer._compiled_pass(norm_check_sums, len(whole or grads))
 
     def _whole_grads(self, idx: list[int], seen: dict) -> list[Tensor] | None:
         """The optimizer's flat gradients (:meth:`optkit.Optimizer.whole_grads`) when they hold exactly this
