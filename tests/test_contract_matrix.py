@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import optkit
+from compiled_passes import run_uncompiled
 from contract_table import (
     BY_ID,
     LR,
@@ -741,17 +742,7 @@ def test_step_reads_no_tensor_on_the_host(row_id, layout, monkeypatch):
     dtype = default_dtype(row)
     params, opt = train(row, dtype, layout, steps=2)
     if "jit" in row_id:
-        from optkit import _compile
-
-        class _Uncompiled(dict):
-            def __contains__(self, fn: object) -> bool:
-                return True
-
-            def __missing__(self, fn):  # type: ignore[no-untyped-def]
-                return fn
-
-        monkeypatch.setattr(_compile, "_COMPILED", [_compile.chain])
-        monkeypatch.setattr(_compile, "_COMPILED_OTHER", _Uncompiled())
+        run_uncompiled(monkeypatch)
     o = opt
     while o is not None:
         scaler = getattr(o, "loss_scaler", None)

@@ -18,6 +18,7 @@ from torch import nn
 
 import contract_table
 import optkit
+from compiled_passes import run_uncompiled
 from host_reads import HostReads
 
 UPDATES = 4
@@ -296,17 +297,7 @@ def test_train_op_call_reads_no_tensor_on_the_host(row_id, monkeypatch):
     getattr(scaler, "scaler", scaler)._state_on_host = lambda: False
     run(row, op, model, 2)
     if row.params.get("jit_compile"):
-        from optkit import _compile
-
-        class _Uncompiled(dict):
-            def __contains__(self, fn: object) -> bool:
-                return True
-
-            def __missing__(self, fn):  # type: ignore[no-untyped-def]
-                return fn
-
-        monkeypatch.setattr(_compile, "_COMPILED", [_compile.chain])
-        monkeypatch.setattr(_compile, "_COMPILED_OTHER", _Uncompiled())
+        run_uncompiled(monkeypatch)
     mode = HostReads()
     for u in range(2, 4):
         for m in range(row.iter_size):

@@ -640,25 +640,13 @@ def test_optimize_loss_under_jit_compile_reads_each_gradient_once_for_norm_and_c
     eager passes with the same results; past ``COMPILE_WARN_TENSORS`` tensors, the eager passes."""
     import warnings
 
+    from compiled_passes import VARIANTS, set_variant
     from optkit import _compile
 
-    compiled = _compile.compiled_function(_compile.norm_check_sums)
-    calls = []
-
-    def counted(ts):
-        calls.append(len(ts))
-        return compiled(ts)
-
-    def fail(ts):
-        raise RuntimeError("simulated compiler failure")
-
+    calls: list[int] = []
     runs = []
-    for variant in ("eager", "jit", "jit-fails", "jit-capped"):
-        monkeypatch.setitem(_compile._COMPILED_OTHER, _compile.norm_check_sums,
-                            fail if variant == "jit-fails" else counted)
-        # more tensors than COMPILE_WARN_TENSORS (here: any) take the eager passes instead of compiling
-        monkeypatch.setattr(optkit.optimizer, "COMPILE_WARN_TENSORS", 0 if variant == "jit-capped" else 1000)
-        calls.clear()
+    for variant in VARIANTS:
+        set_variant(monkeypatch, _compile.norm_check_sums, variant, calls)
         model = _model().double()
         if flat:
             optkit.flat_parameters(model)

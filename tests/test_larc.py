@@ -499,7 +499,7 @@ def test_jit_compile_inner_takes_the_compiled_norm_pass(rng, monkeypatch, mode, 
     ``COMPILE_WARN_TENSORS`` parameters, the eager norms."""
     import warnings
 
-    import optkit.optimizer
+    from compiled_passes import VARIANTS, set_variant
     from optkit import _compile
 
     shapes = [(70, 90), (5,), (4, 3, 2)]  # the first is longer than a row of the split (4,096)
@@ -507,23 +507,10 @@ def test_jit_compile_inner_takes_the_compiled_norm_pass(rng, monkeypatch, mode, 
     grads = [[rng.normal(size=s) * 0.3 for s in shapes] for _ in range(3)]
     keep = [True, False, True]
     ref = _ref_larc_keras_sgd(ws, grads, [0.1], [0, 0, 0], 0.02, mode, keep, wd=wd)
-    compiled = _compile.compiled_function(_compile.norm_sums)
-    calls = []
-
-    def counted(*args):
-        calls.append(len(args[0]))
-        return compiled(*args)
-
-    def fail(*args):
-        raise RuntimeError("simulated compiler failure")
-
+    calls: list[int] = []
     runs = []
-    for variant in ("eager", "jit", "jit-fails", "jit-capped"):
-        monkeypatch.setitem(_compile._COMPILED_OTHER, _compile.norm_sums,
-                            fail if variant == "jit-fails" else counted)
-        # more parameters than COMPILE_WARN_TENSORS (here: any) take the eager norms instead of compiling
-        monkeypatch.setattr(optkit.optimizer, "COMPILE_WARN_TENSORS", 0 if variant == "jit-capped" else 1000)
-        calls.clear()
+    for variant in VARIANTS:
+        set_variant(monkeypatch, _compile.norm_sums, variant, calls)
         ts = [torch.tensor(w, dtype=torch.float64, requires_grad=True) for w in ws]
         opt = LARC(SGD(ts, 0.1, momentum=0.9, jit_compile=variant != "eager"), 0.02, mode,
                    exclude=lambda name, p: p.ndim == 1, wd_in_denominator=wd)
