@@ -247,11 +247,12 @@ class LARS(Optimizer):
         if adapt:
             sel_p = params if all_adapt else [params[i] for i in adapt]
             sel_g = grads if all_adapt else [grads[i] for i in adapt]
-            v = None
-            if self.jit_compile and self._compile_state != "failed" and not torch.compiler.is_compiling() \
-                    and not getattr(plan, "any_dtensor", True):  # (update_step's light plan: eager norms)
-                v = self._compiled_norms(sel_p, sel_g, dev, dtype)
-            if v is None:
+            # (jit_compile's compiled norm pass; update_step's light plan has no any_dtensor: eager norms)
+            call = None if getattr(plan, "any_dtensor", True) else self._compiled_pass(norm_sums, len(sel_p))
+            sums = None if call is None else call(sel_p, sel_g)
+            if sums is not None:  # (‖w_1‖, …, ‖w_m‖, ‖g_1‖, …, ‖g_m‖)
+                v = sums.sqrt().to(device=dev, dtype=dtype).t().reshape(-1)
+            else:
                 ns = mt.norms(sel_p + sel_g)
                 if len({(x.device, x.dtype) for x in ns}) == 1:
                     v = torch.stack(ns).to(device=dev, dtype=dtype)
@@ -272,13 +273,6 @@ class LARS(Optimizer):
             sk = s if k is None else s * k.to(device=dev, dtype=dtype)
             return list(zip(sk.unbind(), (s * wd_vec).unbind()))
         return list(zip(s.unbind(), (s * float(group["momentum"])).unbind()))
-
-    def _compiled_norms(self, ws, gs, dev, dtype) -> Tensor | None:
-        """``jit_compile``'s norm pass: the compiled :func:`optkit._compile.norm_sums` (one read of each
-        weight and gradient in row sums), as the vector ``(‖w_1‖, …, ‖w_m‖, ‖g_1‖, …, ‖g_m‖)``; None (after
-        one ``RuntimeWarning``, eager from then on) when compiling fails."""
-        sums = self._call_compiled(norm_sums, ws, gs)
-        return None if sums is None else sums.sqrt().to(device=dev, dtype=dtype).t().reshape(-1)
 
     def _prepare_rows(self, group, flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask) -> RunAux:
         """:meth:`_prepare` over a flat buffer's runs (:class:`optkit._plan.FlatPart`): per-parameter norms as

@@ -787,10 +787,11 @@ class TrainOp:
         ``jit_compile`` (:meth:`optkit.Optimizer._compiled_pass`), or None for the eager passes: also over
         flat parameters whose optimizer has no plan yet (the first update reads the per-tensor gradients;
         every later one the flat gradients, a graph of its own), so as not to compile for that one update."""
-        if not self._optkit_inst or (whole is None and bool(self.masters)
-                                     and flat_buffer_of(self.masters[0]) is not None):
+        call = self.base_optimizer._compiled_pass(norm_check_sums, len(whole or grads)) \
+            if self._optkit_inst else None
+        if call is None or (whole is None and self.masters and flat_buffer_of(self.masters[0]) is not None):
             return None
-        return self.base_optimizer._compiled_pass(norm_check_sums, len(whole or grads))
+        return call
 
     def _whole_grads(self, idx: list[int], seen: dict) -> list[Tensor] | None:
         """The optimizer's flat gradients (:meth:`optkit.Optimizer.whole_grads`) when they hold exactly this
