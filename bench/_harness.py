@@ -7,7 +7,8 @@ The method follows ``shared/spec/perf_baseline.md``:
   tensors of 256 (host work per tensor dominates: the case for flat buffers). Params are ``randn·0.1``
   and grads ``randn·0.01`` from a seeded generator (never zero).
 * **Floor** = the in-place triad ``a.add_(c, alpha=s)`` on 256 MiB arrays (reads a and c, writes a: the access
-  pattern of an optimizer update), in GB/s (1e9 bytes/s). "% of floor" = a variant's effective GB/s over it.
+  pattern of an optimizer update), in GB/s (1e9 bytes/s), timed in every round of each table's comparison
+  beside its variants (the VM's bandwidth drifts). "% of floor" = a variant's effective GB/s over it.
 * **Timing** = the median of per-step ``perf_counter_ns`` after 3 warm-up steps, with the number of steps
   chosen to fill about 0.8 s (at least 15, at most 400). Minor page faults per step come from
   ``resource.getrusage``: a non-zero value means the step touches freshly mapped memory every time.
@@ -76,6 +77,7 @@ WARMUP = 2 if QUICK else 3
 ROUNDS = 2 if QUICK else 5
 FLOOR_REPEATS = 5 if QUICK else 15
 FLOOR_MIB = 256
+TRIADS_PER_ROUND = 1 if QUICK else 3
 
 
 def log(msg: str) -> None:
@@ -166,23 +168,34 @@ def make_params(
 # floor and timing
 
 
-def floor_gbps(mib: int = FLOOR_MIB, repeats: int = FLOOR_REPEATS) -> float:
-    """In-place triad ``a.add_(c, alpha=s)`` on two ``mib``-MiB fp32 arrays: median GB/s (3 streams counted).
+_TRIAD: list[torch.Tensor] = []  # the triad's two arrays, made once per process (fresh memory faults)
 
-    ``s`` alternates in sign so ``a`` does not drift.
-    """
+
+def _triad_ns(repeats: int, out: list[int], mib: int = FLOOR_MIB) -> int:
+    """Time ``repeats`` in-place triads ``a.add_(c, alpha=s)`` on two ``mib``-MiB fp32 arrays into ``out``
+    (ns each); returns the bytes one triad moves (3 streams). ``s`` alternates in sign so ``a`` does not
+    drift."""
     n = mib * (1 << 20) // 4
-    a = torch.randn(n)
-    c = torch.randn(n)
-    for _ in range(2):
-        a.add_(c, alpha=1e-3)
-    times = []
+    if not _TRIAD or _TRIAD[0].numel() != n:
+        _TRIAD[:] = [torch.randn(n), torch.randn(n)]
+        for _ in range(2):
+            _TRIAD[0].add_(_TRIAD[1], alpha=1e-3)
+    a, c = _TRIAD
+    start = len(out)
     for i in range(repeats):
-        s = 1e-3 if i % 2 else -1e-3
+        s = 1e-3 if (start + i) % 2 else -1e-3
         t0 = time.perf_counter_ns()
         a.add_(c, alpha=s)
-        times.append(time.perf_counter_ns() - t0)
-    return 3 * n * 4 / statistics.median(times)  # bytes per ns == GB/s
+        out.append(time.perf_counter_ns() - t0)
+    return 3 * n * 4
+
+
+def floor_gbps(mib: int = FLOOR_MIB, repeats: int = FLOOR_REPEATS) -> float:
+    """In-place triad ``a.add_(c, alpha=s)`` on two ``mib``-MiB fp32 arrays: median GB/s (3 streams counted).
+    The header's figure; each table's own floor is timed interleaved with its variants (:func:`compare`)."""
+    times: list[int] = []
+    nbytes = _triad_ns(repeats, times, mib)
+    return nbytes / statistics.median(times)  # bytes per ns == GB/s
 
 
 def _minflt() -> int:
@@ -256,6 +269,9 @@ class Row:
     pct_floor: float
     faults_per_step: float
     steps: int
+    #: the floor of the row's table: the triad timed in every round of its comparison (median GB/s); None
+    #: where the rows come from elsewhere (their % of floor then uses the header's floor)
+    floor_gbps: float | None = None
 
 
 def compare(
@@ -263,7 +279,6 @@ def compare(
     *,
     n_params: int,
     bytes_per_param: float,
-    floor: float,
     reference: str | None = None,
     rounds: int = ROUNDS,
 ) -> list[Row]:
@@ -272,6 +287,11 @@ def compare(
     Each variant is warmed up and calibrated, then ``rounds`` rounds each run ``ceil(steps/rounds)`` steps of
     every variant, the starting variant rotating from round to round. A variant's time is the median over all
     its per-step samples. GB/s = ``n_params·bytes_per_param`` (the minimal traffic) / time.
+
+    The floor is timed the same way: ``TRIADS_PER_ROUND`` in-place triads open every round, and "% of floor"
+    divides by their median GB/s. The bandwidth this VM gives drifts by up to 2x over minutes
+    (perf_baseline.md: 37.6-84.9 GB/s), so a floor timed once before the table can sit in another phase than
+    its variants.
     """
     if not variants:
         return []
@@ -283,18 +303,22 @@ def compare(
     for v in variants:
         per_round[v.name] = max(1, math.ceil(_calibrate(v.step, v.setup) / rounds))
     timings = {v.name: Timing() for v in variants}
+    triads: list[int] = []
+    triad_bytes = 0
     for r in range(rounds):
+        triad_bytes = _triad_ns(TRIADS_PER_ROUND, triads)
         k = r % len(variants)
         for v in [*variants[k:], *variants[:k]]:
             _run(v.step, v.setup, per_round[v.name], timings[v.name])
     ref_ms = timings[ref].median_ms
+    floor = triad_bytes / statistics.median(triads)
     rows = []
     total_bytes = n_params * bytes_per_param
     for v in variants:
         t = timings[v.name]
         gbps = total_bytes / (t.median_ms * 1e6)
         rows.append(Row(v.name, t.median_ms, t.median_ms / ref_ms, bytes_per_param, gbps,
-                        100.0 * gbps / floor, t.faults_per_step, len(t.samples)))
+                        100.0 * gbps / floor, t.faults_per_step, len(t.samples), floor))
     return rows
 
 
@@ -317,15 +341,19 @@ def markdown_table(rows: Sequence[Row], title: str | None = None, note: str | No
             f"| {r.variant} | {_fmt_ms(r.ms)} | {r.ratio:.3f} | {r.bytes_per_param:g} | {r.gbps:.1f} | "
             f"{r.pct_floor:.0f} | {r.faults_per_step:.0f} | {r.steps} |"
         )
+    if rows and rows[0].floor_gbps is not None:
+        floor = (f"Floor of this table (the triad timed in each round, {TRIADS_PER_ROUND} per round, "
+                 f"median): **{rows[0].floor_gbps:.1f} GB/s**.")
+        note = f"{floor} {note}" if note else floor
     if note:
         lines += ["", note]
     lines.append("")
     return "\n".join(lines)
 
 
-def x_floor_note(rows: Sequence[Row], total: int, bytes_per_param: float, floor: float) -> str:
-    """"× floor" of every row: its time over (minimal bytes ÷ the floor bandwidth)."""
-    floor_ms = total * bytes_per_param / (floor * 1e6)
+def x_floor_note(rows: Sequence[Row], total: int, bytes_per_param: float) -> str:
+    """"× floor" of every row: its time over (minimal bytes ÷ the table's floor bandwidth)."""
+    floor_ms = total * bytes_per_param / (rows[0].floor_gbps * 1e6)
     return (f"Floor time for {bytes_per_param:g} B/param: {floor_ms:.2f} ms; × floor: "
             + ", ".join(f"{r.variant} {r.ms / floor_ms:.2f}×" for r in rows) + ".")
 
@@ -339,8 +367,10 @@ def header(title: str, floor: float) -> str:
         f"{os.cpu_count()} cpus, {platform.machine()}; mode: {mode}; "
         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC; load average at start "
         f"{os.getloadavg()[0]:.2f}\n\n"
-        f"Floor (in-place triad `a.add_(c, alpha=s)`, {FLOOR_MIB} MiB arrays, median of {FLOOR_REPEATS}): "
-        f"**{floor:.1f} GB/s**. Times are medians of per-step `perf_counter_ns`; variants of one table ran "
+        f"Floor at the start (in-place triad `a.add_(c, alpha=s)`, {FLOOR_MIB} MiB arrays, median of "
+        f"{FLOOR_REPEATS}): **{floor:.1f} GB/s**. Each table times the same triad in every round of its "
+        f"comparison and takes its % of floor and × floor from that (its note gives it), since this VM's "
+        f"bandwidth drifts. Times are medians of per-step `perf_counter_ns`; variants of one table ran "
         f"interleaved in one process ({ROUNDS} rounds), so compare ratios within a table only.\n"
     )
 
@@ -365,7 +395,7 @@ def step_variant(name: str, set_name: str, build, *, flat: bool = False):
     return Variant(name, build(params), setup), params
 
 
-def variant_table(specs, set_name: str, floor: float, bytes_per_param: float, title: str,
+def variant_table(specs, set_name: str, bytes_per_param: float, title: str,
                   extra_note: str = "") -> str:
     """One Markdown table: ``specs`` are ``(name, build, flat)`` (see :func:`step_variant`), timed
     interleaved with :func:`compare`; a variant whose name says ``jit`` is compiled first (untimed, the
@@ -380,8 +410,8 @@ def variant_table(specs, set_name: str, floor: float, bytes_per_param: float, ti
             notes.append(f"`{name}` first call (compile) {time.perf_counter() - t0:.1f} s.")
         variants.append(v)
     total = n_params([p.shape for p in params])
-    rows = compare(variants, n_params=total, bytes_per_param=bytes_per_param, floor=floor)
-    note = " ".join([x_floor_note(rows, total, bytes_per_param, floor), *notes, extra_note]).strip()
+    rows = compare(variants, n_params=total, bytes_per_param=bytes_per_param)
+    note = " ".join([x_floor_note(rows, total, bytes_per_param), *notes, extra_note]).strip()
     full = f"{title}, set `{set_name}` ({len(params)} tensors, {total:,} params)"
     return markdown_table(rows, title=full, note=note)
 

@@ -42,7 +42,7 @@ def _restore(grads: list[torch.Tensor], ref: list[torch.Tensor]):
     return setup
 
 
-def bench_clip(set_name: str, floor: float) -> str:
+def bench_clip(set_name: str) -> str:
     params = H.make_params(set_name, seed=0)
     grads = [p.grad for p in params]
     ref = [g.clone() for g in grads]
@@ -54,12 +54,12 @@ def bench_clip(set_name: str, floor: float) -> str:
                   lambda: torch.nn.utils.clip_grad_norm_(params, c, foreach=True), setup),
         H.Variant("optkit clip_grads_by_global_norm_", lambda: clip_grads_by_global_norm_(params, c), setup),
     ]
-    rows = H.compare(variants, n_params=total, bytes_per_param=12, floor=floor)
+    rows = H.compare(variants, n_params=total, bytes_per_param=12)
     return H.markdown_table(rows, title=f"(a) global-norm clip, set `{set_name}` ({len(params)} tensors, "
                                           f"{total:,} params)")
 
 
-def bench_scaler(set_name: str, floor: float) -> str:
+def bench_scaler(set_name: str) -> str:
     params = H.make_params(set_name, seed=0)
     grads = [p.grad for p in params]
     ref = [g.clone() for g in grads]
@@ -84,7 +84,7 @@ def bench_scaler(set_name: str, floor: float) -> str:
         H.Variant("torch GradScaler unscale_ + update", torch_step, setup),
         H.Variant("optkit DynamicLossScale unscale_ + update", optkit_step, setup),
     ]
-    rows = H.compare(variants, n_params=total, bytes_per_param=8, floor=floor)
+    rows = H.compare(variants, n_params=total, bytes_per_param=8)
     return H.markdown_table(rows, title=f"(b) loss-scale unscale + check + update, set `{set_name}` "
                                           f"({len(params)} tensors, {total:,} params)")
 
@@ -96,9 +96,9 @@ def main() -> str:
     clip, scal = [], []
     for set_name in H.SET_NAMES:
         H.log(f"bench_foundations: clip, {set_name} ...")
-        clip.append(bench_clip(set_name, floor))
+        clip.append(bench_clip(set_name))
         H.log(f"bench_foundations: loss scale, {set_name} ...")
-        scal.append(bench_scaler(set_name, floor))
+        scal.append(bench_scaler(set_name))
     parts += [*clip, CLIP_NOTE, "", *scal, SCALER_NOTE, ""]
     return "\n".join(parts)
 

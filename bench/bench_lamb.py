@@ -68,7 +68,7 @@ class ForeachLamb:
 MANY = ("many_small", "tiny_10k")
 
 
-def bench_lamb(set_name: str, floor: float, timm_lamb) -> str:
+def bench_lamb(set_name: str, timm_lamb) -> str:
     specs = []
     if timm_lamb is not None:
         tkw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=None)
@@ -89,7 +89,7 @@ def bench_lamb(set_name: str, floor: float, timm_lamb) -> str:
     missing = "" if timm_lamb is not None else (
         "timm is not installed: no timm rows (`pip install --no-deps timm`); the plain foreach LAMB is the "
         "reference.")
-    return H.variant_table(specs, set_name, floor, BYTES, "LAMB β 0.9/0.999, ε 1e-6, wd 0.01", missing)
+    return H.variant_table(specs, set_name, BYTES, "LAMB β 0.9/0.999, ε 1e-6, wd 0.01", missing)
 
 
 def main() -> str:
@@ -99,7 +99,7 @@ def main() -> str:
     parts = [H.header("LAMB: optkit.LAMB vs timm Lamb vs a plain foreach LAMB", floor)]
     for set_name in H.SET_NAMES:
         H.log(f"bench_lamb: {set_name} ...")
-        parts.append(bench_lamb(set_name, floor, timm_lamb))
+        parts.append(bench_lamb(set_name, timm_lamb))
     return "\n".join(parts)
 
 

@@ -35,7 +35,7 @@ LR_SGD, LR_LARS = 0.01, 0.1
 MANY = ("many_small", "tiny_10k")
 
 
-def bench_sgd(set_name: str, floor: float) -> str:
+def bench_sgd(set_name: str) -> str:
     specs = [
         ("torch SGD fused=True",
          lambda ps: torch.optim.SGD(ps, lr=LR_SGD, momentum=0.9, fused=True).step, False),
@@ -45,10 +45,10 @@ def bench_sgd(set_name: str, floor: float) -> str:
     ]
     if set_name != "one_big":
         specs.append(("optkit SGD flat", lambda ps: SGD(ps, learning_rate=LR_SGD, momentum=0.9).step, True))
-    return H.variant_table(specs, set_name, floor, 20, "(a) SGD momentum 0.9")
+    return H.variant_table(specs, set_name, 20, "(a) SGD momentum 0.9")
 
 
-def bench_sgd_ema(set_name: str, floor: float) -> str:
+def bench_sgd_ema(set_name: str) -> str:
     kw = dict(learning_rate=LR_SGD, momentum=0.9, weight_decay=1e-4, use_ema=True, ema_momentum=0.99)
     specs = [("torch SGD fused + _foreach_lerp_ EMA", lambda ps: H.sgd_ema_reference(ps, LR_SGD), False),
              ("optkit SGD wd+EMA", lambda ps: SGD(ps, **kw).step, False)]
@@ -60,11 +60,11 @@ def bench_sgd_ema(set_name: str, floor: float) -> str:
     else:  # the compiled chain over the whole flat buffer (one graph of a few inputs)
         specs.append(("optkit SGD wd+EMA flat jit_compile=True",
                       lambda ps: SGD(ps, jit_compile=True, **kw).step, True))
-    return H.variant_table(specs, set_name, floor, 32, "(b) SGD momentum 0.9 + weight decay 1e-4 + EMA 0.99",
+    return H.variant_table(specs, set_name, 32, "(b) SGD momentum 0.9 + weight decay 1e-4 + EMA 0.99",
                 "Bytes/param count the reference pipeline's two passes (32); one fused pass would move 28.")
 
 
-def bench_lars(set_name: str, floor: float, timm_lars) -> str:
+def bench_lars(set_name: str, timm_lars) -> str:
     specs = []
     if timm_lars is not None:
         tkw = dict(lr=LR_LARS, momentum=0.9, weight_decay=1e-4, trust_coeff=0.001)
@@ -83,7 +83,7 @@ def bench_lars(set_name: str, floor: float, timm_lars) -> str:
                       lambda ps: LARS(ps, LR_LARS, jit_compile=True, **okw).step, True))
     note = "" if timm_lars is not None else \
         "timm is not installed: no timm rows (`pip install --no-deps timm`)."
-    return H.variant_table(specs, set_name, floor, 28, "(c) LARS momentum 0.9, wd 1e-4, eeta 0.001", note)
+    return H.variant_table(specs, set_name, 28, "(c) LARS momentum 0.9, wd 1e-4, eeta 0.001", note)
 
 
 def main() -> str:
@@ -94,11 +94,11 @@ def main() -> str:
     sgd, ema, lars = [], [], []
     for set_name in H.SET_NAMES:
         H.log(f"bench_optimizers: SGD, {set_name} ...")
-        sgd.append(bench_sgd(set_name, floor))
+        sgd.append(bench_sgd(set_name))
         H.log(f"bench_optimizers: SGD + wd + EMA, {set_name} ...")
-        ema.append(bench_sgd_ema(set_name, floor))
+        ema.append(bench_sgd_ema(set_name))
         H.log(f"bench_optimizers: LARS, {set_name} ...")
-        lars.append(bench_lars(set_name, floor, timm_lars))
+        lars.append(bench_lars(set_name, timm_lars))
     parts += [*sgd, *ema, *lars]
     return "\n".join(parts)
 

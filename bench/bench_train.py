@@ -107,7 +107,7 @@ def _copy_restorer(grads: list[torch.Tensor], ref: list[torch.Tensor]):
     return setup
 
 
-def bench_set(set_name: str, floor: float) -> str:
+def bench_set(set_name: str) -> str:
     probe = H.make_params(set_name, seed=0)
     total = H.n_params([p.shape for p in probe])
     norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in probe]))))
@@ -121,9 +121,9 @@ def bench_set(set_name: str, floor: float) -> str:
     if set_name != "one_big":
         variants.append(_optkit_variant(set_name, clip, flat=True))
         variants.append(_compiled_first(_optkit_variant(set_name, clip, flat=True, jit=True), notes))
-    rows = H.compare(variants, n_params=total, bytes_per_param=32, floor=floor)
+    rows = H.compare(variants, n_params=total, bytes_per_param=32)
     title = f"train-op update, set `{set_name}` ({n_tensors} tensors, {total:,} params)"
-    note = " ".join([H.x_floor_note(rows, total, 32, floor), *notes])
+    note = " ".join([H.x_floor_note(rows, total, 32), *notes])
     return H.markdown_table(rows, title=title, note=note)
 
 
@@ -173,7 +173,7 @@ def bench_end_to_end() -> str:
             loss_scaling_params={"initial_loss_scale": SCALE, "increment_period": 2000}, summaries=[])
         variants.append(H.Variant("optkit optimize_loss" + (" (flat buffers)" if flat else ""), op))
     n = H.n_params([p.shape for p in params])
-    rows = H.compare(variants, n_params=n, bytes_per_param=32, floor=H.floor_gbps())
+    rows = H.compare(variants, n_params=n, bytes_per_param=32)
     return H.markdown_table(rows, title=f"end to end: forward, backward and update, transformer encoder "
                                         f"({len(params)} tensors, {n:,} params)",
                             note="Bytes/param and % of floor count the update only; forward and backward "
@@ -186,7 +186,7 @@ def main() -> str:
     parts = [H.header("optimize_loss train op vs hand-written torch (optkit / torch)", floor)]
     for set_name in (*H.SET_NAMES, "transformer"):
         H.log(f"bench_train: {set_name} ...")
-        parts.append(bench_set(set_name, floor))
+        parts.append(bench_set(set_name))
     parts += [NOTE, ""]
     H.log("bench_train: end to end ...")
     parts += [bench_end_to_end(), ""]

@@ -56,7 +56,7 @@ def _two_param_copies(set_name: str, grad_scale: float = 1.0):
     return a, b, ref
 
 
-def bench_loss_scaled_step(set_name: str, floor: float) -> str:
+def bench_loss_scaled_step(set_name: str) -> str:
     pa, pb, ref = _two_param_copies(set_name, SCALE)
     total = H.n_params([p.shape for p in pa])
     torch_opt = torch.optim.SGD(pa, lr=0.01, momentum=0.9, fused=True)
@@ -91,12 +91,12 @@ def bench_loss_scaled_step(set_name: str, floor: float) -> str:
         variants.append(optkit_variant("optkit LossScaleOptimizer(SGD) flat", pc, True))
     # the first torch step creates its momentum buffers; do it untimed so both sides start with state
     torch_step()
-    rows = H.compare(variants, n_params=total, bytes_per_param=24, floor=floor)
+    rows = H.compare(variants, n_params=total, bytes_per_param=24)
     return H.markdown_table(rows, title=f"(a) loss-scaled SGD step, set `{set_name}` ({len(pa)} tensors, "
-                                          f"{total:,} params)", note=H.x_floor_note(rows, total, 24, floor))
+                                          f"{total:,} params)", note=H.x_floor_note(rows, total, 24))
 
 
-def bench_larc(set_name: str, floor: float, lars_cls) -> str:
+def bench_larc(set_name: str, lars_cls) -> str:
     pa, pb, ref = _two_param_copies(set_name)
     total = H.n_params([p.shape for p in pa])
     opt = LARC(SGD(pa, 0.1, momentum=0.9), 0.001)
@@ -118,9 +118,9 @@ def bench_larc(set_name: str, floor: float, lars_cls) -> str:
         timm_opt = lars_cls(pb, lr=0.1, momentum=0.9, trust_coeff=0.001, trust_clip=True, always_adapt=True)
         variants.insert(0, H.Variant("timm Lars(trust_clip=True)", timm_opt.step,
                                      _restore([p.grad for p in pb], ref)))
-    rows = H.compare(variants, n_params=total, bytes_per_param=28, floor=floor)
+    rows = H.compare(variants, n_params=total, bytes_per_param=28)
     return H.markdown_table(rows, title=f"(b) LARC, set `{set_name}` ({len(pa)} tensors, {total:,} params)",
-                            note=" ".join([H.x_floor_note(rows, total, 28, floor), *notes]))
+                            note=" ".join([H.x_floor_note(rows, total, 28), *notes]))
 
 
 def main() -> str:
@@ -131,9 +131,9 @@ def main() -> str:
     ls, larc = [], []
     for set_name in H.SET_NAMES:
         H.log(f"bench_wrappers: loss-scaled step, {set_name} ...")
-        ls.append(bench_loss_scaled_step(set_name, floor))
+        ls.append(bench_loss_scaled_step(set_name))
         H.log(f"bench_wrappers: LARC, {set_name} ...")
-        larc.append(bench_larc(set_name, floor, lars_cls))
+        larc.append(bench_larc(set_name, lars_cls))
     if lars_cls is None:
         larc.append("timm is not installed: the timm Lars rows are missing.")
     parts += [*ls, LS_NOTE, "", *larc, LARC_NOTE, ""]
