@@ -251,9 +251,9 @@ def test_flat_buffer_layout(row_id):
     op_a, op_b = build(row, a), build(row, b)
     half = row.dtype == "mixed"  # the half parameters' gradients are dropped: the masters are updated
     inner, skipped, whole = op_b.base_optimizer, [], []
-    zero_grad, whole_grads = inner._zero_grad, op_b._whole_grads
+    zero_grad, whole_grads = inner._zero_grad, inner.whole_grads
     inner._zero_grad = lambda set_to_none, skip: (skipped.append(set(skip)), zero_grad(set_to_none, skip))
-    op_b._whole_grads = lambda idx, seen: whole.append(whole_grads(idx, seen)) or whole[-1]
+    inner.whole_grads = lambda seen=None: whole.append(whole_grads(seen)) or whole[-1]
     for u in range(UPDATES):
         for m in range(row.iter_size):
             ra = op_a(*batch(10 * u + m, dt))

@@ -5,6 +5,7 @@ the fallbacks when a gradient or a parameter's storage is replaced. Every step i
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -85,6 +86,7 @@ def test_layout_views_values_names_and_strides():
     ([torch.zeros(2, requires_grad=True) * 2], ValueError, "non-leaf"),
     ([torch.zeros(2, 2).to_sparse().requires_grad_()], TypeError, "dense strided"),
     (["weight"], TypeError, "expected tensors"),
+    ([{"lr": 0.1}], TypeError, "'params' entry"),
 ])
 def test_refusals_name_the_problem(bad, err, match):
     with pytest.raises(err, match=match):
@@ -107,6 +109,47 @@ def test_steps_match_torch_and_zero_grad_keeps_the_views():
     plan = next(iter(opt._plans.values()))
     assert plan.flat is not None and plan.flat.same_grads([p.grad for p in model.parameters()])
     _assert_same(model, twin)
+
+
+def test_param_groups_are_laid_out_group_after_group_and_step_flat():
+    """Given param groups (weights and biases split, as ``no_decay_1d`` does), the buffer holds each group's
+    parameters back to back in the group's order, so every group steps over the flat buffer, without a
+    warning, and the weights are those of per-tensor steps on a plain copy. The same model flattened in
+    module order interleaves the groups: they step tensor by tensor (same weights) and the optimizer says
+    so, once."""
+    rules = [(r"^[45]\.", {"lr_scale": 2.0})]
+    results = {}
+    for how in ("groups", "module", "plain"):
+        model = _model()
+        if how == "groups":
+            flat = optkit.flat_parameters(optkit.param_groups(model, rules))
+            bufs = {id(p): (flat.buffers[(p.device, p.dtype)], p) for p in model.parameters()}
+            start = 0
+            for g in optkit.param_groups(model, rules):  # back to back, group after group
+                for _, p in g["params"]:
+                    buf, _ = bufs[id(p)]
+                    assert p.data_ptr() == buf.data_ptr() + start * p.element_size()
+                    start += p.numel()
+        elif how == "module":
+            optkit.flat_parameters(model)
+        opt = optkit.SGD(optkit.param_groups(model, rules), 0.1, momentum=MU, weight_decay=0.01)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(3):
+                opt.zero_grad()
+                _loss(model, k).backward()
+                opt.step()
+        said = [w for w in caught if "not back to back" in str(w.message)]
+        flat_groups = [opt._plans[id(g)].flat is not None for g in opt.param_groups]
+        assert len(opt.param_groups) == 4
+        if how == "groups":
+            assert all(flat_groups) and not said
+        else:
+            assert not any(flat_groups) and len(said) == (1 if how == "module" else 0)
+        results[how] = [p.detach().clone() for p in model.parameters()]
+    for a, b, c in zip(results["groups"], results["module"], results["plain"]):
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(b, c, rtol=1e-6, atol=1e-7)
 
 
 def test_replaced_gradients_fall_back_per_tensor_and_views_come_back():
@@ -275,8 +318,9 @@ def test_optimize_loss_over_a_subset_of_flat_parameters():
                                     loss_scaling="dynamic")
 
     op, ref = build(model), build(twin)
-    whole, whole_grads = [], op._whole_grads
-    op._whole_grads = lambda idx, seen: whole.append(whole_grads(idx, seen)) or whole[-1]
+    inner = op.base_optimizer
+    whole, whole_grads = [], inner.whole_grads
+    inner.whole_grads = lambda seen=None: whole.append(whole_grads(seen)) or whole[-1]
     for k in range(4):
         r, s = op(k), ref(k)
         torch.testing.assert_close(r.grad_norm, s.grad_norm, rtol=1e-6, atol=0)
@@ -286,6 +330,61 @@ def test_optimize_loss_over_a_subset_of_flat_parameters():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
     for p, f in zip(model[:4].parameters(), frozen):
         assert torch.equal(p.detach(), f)
+
+
+class _Scalars:
+    """A summary writer that keeps the scalars."""
+
+    def __init__(self):
+        self.scalars: dict[str, list[tuple[int, float]]] = {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.setdefault(tag, []).append((step, value))
+
+    def add_histogram(self, tag, values, step):  # (not asked for here)
+        raise AssertionError(tag)
+
+
+@pytest.mark.parametrize("rules", [None, [(r"^[45]\.", {"lr_scale": 2.0})]], ids=["one-group", "rules"])
+def test_optimize_loss_over_flat_parameters_reads_each_gradient_once(rules):
+    """Once the optimizer's plans are flat, the train op takes the gradients from the optimizer's own read
+    (it reads no ``.grad`` itself), also when rules split and reorder the groups (the buffer laid out by the
+    same groups): the per-variable gradient norms, the global norm and the updates equal those of the same
+    train op on a plain copy. A gradient set to None in between sends it back to its own read for that
+    update, with the same results."""
+    model = _model()
+    twin = _model()
+    twin.load_state_dict(model.state_dict())
+    optkit.flat_parameters(model if rules is None else optkit.param_groups(model, rules))
+    writers = [_Scalars(), _Scalars()]
+
+    def build(m, w):
+        return optkit.optimize_loss(lambda k: _loss(m, k), "SGD", {"momentum": MU}, LR, model=m, rules=rules,
+                                    clip_gradients=0.05, loss_scaling="dynamic", summary_writer=w,
+                                    summaries=["global_gradient_norm", "gradient_norm"], summary_every=1)
+
+    op, ref = build(model, writers[0]), build(twin, writers[1])
+    reads, with_grads = [], op._with_grads
+    op._with_grads = lambda: reads.append(1) or with_grads()
+    for k in range(5):
+        if k == 3:  # a gradient dropped by hand: not the flat part's any more
+            model[5].bias.grad = None
+            twin[5].bias.grad = None
+        n = len(reads)
+        op(k), ref(k)
+        assert len(reads) - n == (1 if k in (0, 3) else 0), k  # first update: no plan yet
+    inner = op.base_optimizer
+    assert all(inner._plans[id(g)].flat is not None for g in inner.param_groups)
+    if rules is not None:
+        assert len(inner.param_groups) > 1 and op._group_idx != sorted(op._group_idx)
+    got, want = writers[0].scalars, writers[1].scalars
+    assert got.keys() == want.keys() and len(got) == 2 + len(list(model.parameters()))  # + the clipped norm
+    for tag in want:
+        assert [s for s, _ in got[tag]] == [s for s, _ in want[tag]] == list(range(5))
+        # (abs: the conv bias before batch norm has a gradient of rounding noise, about 1e-10)
+        assert [v for _, v in got[tag]] == pytest.approx([v for _, v in want[tag]], rel=1e-5, abs=1e-8), tag
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=n)
 
 
 def test_optimize_loss_honours_a_step_pre_hook_on_its_wrapper():

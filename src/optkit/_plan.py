@@ -13,6 +13,7 @@ instead of corrupting memory in a kernel.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from . import _fused
 from . import _multi_tensor as mt
-from .flat import _VIEWS_RESTORED
+from .flat import _VIEWS_RESTORED, flat_buffer_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import Optimizer
@@ -47,6 +48,25 @@ def _permutable(ts: list[Tensor]) -> list[int]:
 
 def _strides(ts: list[Tensor], idx: list[int]) -> list[tuple[int, ...]]:
     return [mt.local(ts[i]).stride() for i in idx]
+
+
+def _warn_interleaved(opt: Optimizer, group: dict, params: list[Tensor]) -> None:
+    """Warn once per optimizer when a group's parameters all lie in one flat buffer
+    (:func:`optkit.flat_parameters`) but not back to back in the group's order, so that the group steps
+    tensor by tensor: typically a module flattened in its own order, then split into groups by rules."""
+    if getattr(opt, "_warned_interleaved", False):
+        return
+    bufs = [flat_buffer_of(p) for p in params]
+    if bufs[0] is None or any(b is None or b.data_ptr() != bufs[0].data_ptr() for b in bufs):
+        return
+    opt._warned_interleaved = True
+    i = next((k for k, g in enumerate(opt.param_groups) if g is group), "?")
+    warnings.warn(
+        f"{type(opt).__name__}: the {len(params)} parameters of param group {i} lie in one flat buffer but "
+        "not back to back in the group's order (the buffer interleaves groups), so this group steps tensor "
+        "by tensor instead of over the flat buffer: lay the buffer out by groups with "
+        "optkit.flat_parameters(optkit.param_groups(model, rules)) (or the groups you pass to the optimizer) "
+        "before building the optimizer", UserWarning, stacklevel=4)
 
 
 def check_slot_fits(name: str, slot: str, p: Tensor, t: object) -> None:
@@ -371,6 +391,8 @@ class Plan:
                 self.flat = FlatPart(fblocks, runs, list(grads), bool(self.uniform_wd),
                                      [p.numel() for p in lists[0]], slot_keys, self.averages is not None,
                                      opt.block_numel)
+            elif runs[0] is None:
+                _warn_interleaved(opt, group, lists[0])
         #: set by the optimizer before ``_prepare`` each step: whether this step may use the flat part
         self.flat_active = False
 

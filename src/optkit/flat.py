@@ -17,6 +17,10 @@ of the optimizers (skips, checkpoints, hooks).
 Rules:
 
 * call it before building the optimizer (the optimizer allocates flat slots for flat parameters);
+* an optimizer steps a param group over the flat buffer when the group's parameters lie back to back in it,
+  in the group's order; given param groups (``flat_parameters(optkit.param_groups(model, rules))``), it lays
+  the buffer out that way. Groups interleaved in the buffer (a module's order, then weights and biases split
+  by a ``no_decay_1d`` rule) step tensor by tensor, correct but slower, and the optimizer warns once;
 * clear gradients with the optimizer's ``zero_grad()`` or :meth:`FlatParameters.zero_grad`: they zero the flat
   gradient and keep the views (so, as with torch's ``set_to_none=False``, a parameter that took no part in a
   backward has a zero gradient, not None, and momentum and decay still move it). ``model.zero_grad()`` sets
@@ -47,8 +51,9 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -141,10 +146,20 @@ def _segment_stride(p: Tensor) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def flat_parameters(params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> FlatParameters:
-    """Move the parameters (a module's, or an iterable of tensors / ``(name, tensor)`` pairs) that require
-    grad into one flat buffer per (device, dtype), in order, and give each a zero gradient that is a view into
-    a matching flat gradient buffer (existing gradients are copied in). Returns the :class:`FlatParameters`.
+def flat_parameters(
+    params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[Mapping[str, Any]],
+) -> FlatParameters:
+    """Move the parameters (a module's, or an iterable of tensors / ``(name, tensor)`` pairs / param-group
+    dicts) that require grad into one flat buffer per (device, dtype), in order, and give each a zero gradient
+    that is a view into a matching flat gradient buffer (existing gradients are copied in). Returns the
+    :class:`FlatParameters`.
+
+    Param groups (dicts with ``"params"``, such as :func:`optkit.param_groups` returns) are laid out group
+    after group, so that each group's parameters lie back to back: an optimizer steps a group over the flat
+    buffer only then. A module's parameters in module order, grouped afterwards by rules that split weights
+    from biases (``no_decay_1d``), interleave the groups, and each group steps tensor by tensor (the optimizer
+    warns once): pass the same groups here, ``flat_parameters(optkit.param_groups(model, rules))``, and build
+    the optimizer (or ``optimize_loss(..., rules=rules)``) with those rules.
 
     Parameters with sparse gradients stay out, with their own storage and ``.grad``, so that the optimizer's
     sparse rule sees their sparse gradients (``FlatParameters.separate`` lists them): given a module, the
@@ -165,7 +180,16 @@ def flat_parameters(params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, T
         raise TypeError("flat_parameters: `params` must be an nn.Module or an iterable of tensors or (name, "
                         f"tensor) pairs, got {type(params).__name__}")
     else:
-        items = [x[1] if isinstance(x, tuple) else x for x in params]
+        items = []
+        for x in params:
+            if isinstance(x, Mapping):  # a param group: its parameters, in order
+                if "params" not in x:
+                    raise TypeError("flat_parameters: a param group (dict) needs a 'params' entry")
+                ps = x["params"]
+                ps = [ps] if isinstance(ps, Tensor) else list(ps)
+                items += [y[1] if isinstance(y, tuple) else y for y in ps]
+            else:
+                items.append(x[1] if isinstance(x, tuple) else x)
     seen: set[int] = set()
     by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     out = FlatParameters()
