@@ -609,6 +609,28 @@ def test_sparse_embedding_weights_stay_out_and_keep_their_sparse_rule(name):
     assert plan.flat.same_grads([p.grad for p in dense])
 
 
+@pytest.mark.parametrize("name", ["Momentum", "Adagrad"])
+def test_optimize_loss_clears_kept_out_sparse_gradients(name):
+    """``optimize_loss`` over a flat model whose sparse embeddings stay out of the buffer: the update's pass
+    zeroes the flat part, and the embeddings' sparse gradients are still cleared after every update (they
+    used to pile up: each update then applied the sum of all gradients so far), so the weights equal those
+    of the same train op on a plain copy (float64)."""
+    model, twin = _sparse_model(), _sparse_model()
+    optkit.flat_parameters(model)
+    opts = {"Momentum": {"momentum": 0.9}, "Adagrad": {}}[name]
+    ops = [optkit.optimize_loss(lambda k, m=m: _sparse_loss(m, k), name, opts, 0.05, model=m)
+           for m in (model, twin)]
+    for k in range(4):
+        for op in ops:
+            op(k)
+        assert model.emb.weight.grad is None and model.bag.weight.grad is None, k
+        assert ops[0].base_optimizer._zeroed_groups == set()  # (handed to the clear, then reset)
+        for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12, msg=f"{n} update {k}")
+    plan = next(iter(ops[0].base_optimizer._plans.values()))
+    assert plan.flat is not None  # the dense part of the group still stepped over the buffer
+
+
 def test_kept_out_parameters_keep_names_state_dict_and_zero_grad():
     """``named_parameters()`` and the model's ``state_dict()`` are unchanged; the optimizer's ``state_dict``
     loads into an optimizer without flat buffers and back; its ``zero_grad()`` sets the embeddings'

@@ -882,22 +882,27 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def _zero_grad(self, set_to_none: bool, skip: Collection[int]) -> None:
         """:meth:`zero_grad` except for the groups whose ids are in ``skip`` (their flat gradients were zeroed
         by the step that just ran, see ``_zero_grads_in_pass``)."""
-        rest = []
+        rest: list[list[Tensor]] = []
         for group in self.param_groups:
-            if id(group) in skip:
-                continue
             plan = self._plans.get(id(group))
             flat = None if plan is None else plan.flat
+            if id(group) in skip:
+                if flat is not None and len(flat.grad_objs) != len(group["params"]):
+                    # the pass zeroed the flat part only: the others (a sparse embedding kept out of the
+                    # buffer) are cleared here
+                    held = {id(g) for g in flat.grad_objs}
+                    rest.append([p for p in group["params"] if id(p.grad) not in held])
+                continue
             if flat is not None and len(flat.grad_objs) == len(group["params"]) \
                     and flat.same_grads([p.grad for p in group["params"]]):
                 flat.grad.zero_()
             else:
-                rest.append(group)
+                rest.append(group["params"])
         zero = []
         views = self._flat_grad_views
-        for group in rest:
+        for params in rest:
             restored = False
-            for p in group["params"]:
+            for p in params:
                 g = p.grad
                 rec = views.get(id(p)) if views else None
                 if rec is not None and g is not rec[0]:
