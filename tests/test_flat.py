@@ -87,6 +87,7 @@ def test_layout_views_values_names_and_strides():
     ([torch.zeros(2, 2).to_sparse().requires_grad_()], TypeError, "dense strided"),
     (["weight"], TypeError, "expected tensors"),
     ([{"lr": 0.1}], TypeError, "'params' entry"),
+    ([{"params": (p for p in [nn.Parameter(torch.ones(2))])}], TypeError, "one-shot iterator"),
 ])
 def test_refusals_name_the_problem(bad, err, match):
     with pytest.raises(err, match=match):
@@ -114,9 +115,9 @@ def test_steps_match_torch_and_zero_grad_keeps_the_views():
 def test_param_groups_are_laid_out_group_after_group_and_step_flat():
     """Given param groups (weights and biases split, as ``no_decay_1d`` does), the buffer holds each group's
     parameters back to back in the group's order, so every group steps over the flat buffer, without a
-    warning, and the weights are those of per-tensor steps on a plain copy. The same model flattened in
-    module order interleaves the groups: they step tensor by tensor (same weights) and the optimizer says
-    so, once."""
+    warning (also not for a step where some parameters have no gradient), and the weights are those of
+    per-tensor steps on a plain copy. The same model flattened in module order interleaves the groups: they
+    step tensor by tensor (same weights) and the optimizer says so, once, pointing at the ``step()``."""
     rules = [(r"^[45]\.", {"lr_scale": 2.0})]
     results = {}
     for how in ("groups", "module", "plain"):
@@ -135,11 +136,16 @@ def test_param_groups_are_laid_out_group_after_group_and_step_flat():
         opt = optkit.SGD(optkit.param_groups(model, rules), 0.1, momentum=MU, weight_decay=0.01)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for k in range(3):
-                opt.zero_grad()
-                _loss(model, k).backward()
+            for k in range(4):
+                if k == 1:  # a parameter without a gradient for one step is not a layout matter
+                    model.zero_grad()
+                    model[5](model[4].bias.detach().unsqueeze(0)).sum().backward()  # model[4] gets none
+                else:
+                    opt.zero_grad()
+                    _loss(model, k).backward()
                 opt.step()
         said = [w for w in caught if "not back to back" in str(w.message)]
+        assert all(w.filename == __file__ for w in said)  # pointed at the step() that met the layout
         flat_groups = [opt._plans[id(g)].flat is not None for g in opt.param_groups]
         assert len(opt.param_groups) == 4
         if how == "groups":
@@ -629,6 +635,26 @@ def test_optimize_loss_clears_kept_out_sparse_gradients(name):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12, msg=f"{n} update {k}")
     plan = next(iter(ops[0].base_optimizer._plans.values()))
     assert plan.flat is not None  # the dense part of the group still stepped over the buffer
+
+
+def test_param_groups_of_a_module_keep_its_sparse_embeddings_out():
+    """``flat_parameters(optkit.param_groups(model))`` keeps the module's sparse embedding weights out of the
+    buffer as ``flat_parameters(model)`` does (the groups carry which ones they are); the sparse rule then
+    steps them as on a plain copy."""
+    model, twin = _sparse_model(), _sparse_model()
+    groups = optkit.param_groups(model, [("head", {"lr_scale": 2.0})])
+    flat = optkit.flat_parameters(groups)
+    assert {id(p) for p in flat.separate} == {id(model.emb.weight), id(model.bag.weight)}
+    opt = optkit.Momentum(groups, 0.05, 0.9)
+    ref = optkit.Momentum(optkit.param_groups(twin, [("head", {"lr_scale": 2.0})]), 0.05, 0.9)
+    for k in range(3):
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            _sparse_loss(m, k).backward()
+            o.step()
+    assert model.emb.weight.grad.is_sparse
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-12, msg=n)
 
 
 def test_kept_out_parameters_keep_names_state_dict_and_zero_grad():

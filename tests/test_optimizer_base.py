@@ -345,6 +345,8 @@ def test_params_validation():
         SGD(torch.zeros(3, requires_grad=True))
     with pytest.raises(ValueError, match="params"):
         SGD([])
+    with pytest.raises(ValueError, match="`params`: the param groups hold no parameters"):
+        SGD([{"params": []}, {"params": iter(())}])  # (was a bare StopIteration)
 
 
 def usable(opt, params):

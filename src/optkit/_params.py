@@ -95,6 +95,8 @@ def normalize_param_groups(params: Any, start: int = 0) -> tuple[list[dict], boo
         check_group_hyperparameters(g, "`params`")
         g["params"] = tensors
         g["param_names"] = names
+    if not any(g["params"] for g in groups):
+        raise ValueError("`params`: the param groups hold no parameters: the optimizer got none to update")
     if len(named_flags) > 1:
         raise ValueError(
             "all optimizer params should be with/without names; some param names are missing "

@@ -13,6 +13,7 @@ instead of corrupting memory in a kernel.
 from __future__ import annotations
 
 import operator
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -50,12 +51,25 @@ def _strides(ts: list[Tensor], idx: list[int]) -> list[tuple[int, ...]]:
     return [mt.local(ts[i]).stride() for i in idx]
 
 
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in this function's caller that points the warning at the
+    first frame outside optkit and torch (the user's ``step()`` or train-op call)."""
+    import os
+
+    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, mt) if m.__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _warn_interleaved(opt: Optimizer, group: dict, params: list[Tensor]) -> None:
     """Warn once per optimizer when a group's parameters all lie in one flat buffer
     (:func:`optkit.flat_parameters`) but not back to back in the group's order, so that the group steps
     tensor by tensor: typically a module flattened in its own order, then split into groups by rules."""
-    if getattr(opt, "_warned_interleaved", False):
-        return
+    if getattr(opt, "_warned_interleaved", False) or len(params) != len(group["params"]) \
+            or not all(type(p) in (Tensor, torch.nn.Parameter) for p in params):
+        return  # (a parameter without a gradient this step, or a subclass, is not a layout matter)
     bufs = [flat_buffer_of(p) for p in params]
     if bufs[0] is None or any(b is None or b.data_ptr() != bufs[0].data_ptr() for b in bufs):
         return
@@ -66,7 +80,7 @@ def _warn_interleaved(opt: Optimizer, group: dict, params: list[Tensor]) -> None
         "not back to back in the group's order (the buffer interleaves groups), so this group steps tensor "
         "by tensor instead of over the flat buffer: lay the buffer out by groups with "
         "optkit.flat_parameters(optkit.param_groups(model, rules)) (or the groups you pass to the optimizer) "
-        "before building the optimizer", UserWarning, stacklevel=4)
+        "before building the optimizer", UserWarning, stacklevel=_outside_stacklevel())
 
 
 def check_slot_fits(name: str, slot: str, p: Tensor, t: object) -> None:

@@ -159,7 +159,10 @@ def flat_parameters(
     buffer only then. A module's parameters in module order, grouped afterwards by rules that split weights
     from biases (``no_decay_1d``), interleave the groups, and each group steps tensor by tensor (the optimizer
     warns once): pass the same groups here, ``flat_parameters(optkit.param_groups(model, rules))``, and build
-    the optimizer (or ``optimize_loss(..., rules=rules)``) with those rules.
+    the optimizer (or ``optimize_loss(..., rules=rules)``) with those rules. Groups from
+    :func:`optkit.param_groups` of a module also tell which weights get sparse gradients (its sparse
+    embeddings), as the module does; a group's ``"params"`` must be a list or tuple, not a generator (the
+    optimizer reads it again).
 
     Parameters with sparse gradients stay out, with their own storage and ``.grad``, so that the optimizer's
     sparse rule sees their sparse gradients (``FlatParameters.separate`` lists them): given a module, the
@@ -181,11 +184,17 @@ def flat_parameters(
                         f"tensor) pairs, got {type(params).__name__}")
     else:
         items = []
-        for x in params:
+        # (optkit.param_groups records the weights of a module's sparse embeddings)
+        sparse_grad = set(getattr(params, "sparse_grad_ids", ()))
+        for i, x in enumerate(params):
             if isinstance(x, Mapping):  # a param group: its parameters, in order
                 if "params" not in x:
                     raise TypeError("flat_parameters: a param group (dict) needs a 'params' entry")
                 ps = x["params"]
+                if not isinstance(ps, Tensor) and iter(ps) is ps:
+                    raise TypeError(f"flat_parameters: param group {i}'s 'params' is a one-shot iterator "
+                                    "(a generator): reading it here would leave it empty for the optimizer "
+                                    "built from the same groups; pass a list")
                 ps = [ps] if isinstance(ps, Tensor) else list(ps)
                 items += [y[1] if isinstance(y, tuple) else y for y in ps]
             else:

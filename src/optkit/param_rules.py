@@ -136,9 +136,13 @@ class ParamGroups(list):
     """The groups :func:`param_groups` built (a list of dicts, accepted wherever param groups are), with the
     per-parameter record behind them: ``records`` = ``[(name, shape, group index, layer id or None)]``."""
 
-    def __init__(self, groups: list[dict], records: list[tuple[str, tuple, int, int | None]]) -> None:
+    def __init__(self, groups: list[dict], records: list[tuple[str, tuple, int, int | None]],
+                 sparse_grad_ids: frozenset[int] = frozenset()) -> None:
         super().__init__(groups)
         self.records = records
+        #: ids of the weights of the module's ``nn.Embedding`` / ``nn.EmbeddingBag(sparse=True)`` (sparse
+        #: gradients): :func:`optkit.flat_parameters` given these groups keeps them out of the buffer
+        self.sparse_grad_ids = sparse_grad_ids
 
     def describe(self, per_parameter: bool = False, width: int = 60) -> str:
         """A Markdown table: one row per group (index, parameters, elements, lr_scale, weight_decay, other
@@ -282,7 +286,13 @@ def param_groups(
         elif not hit:
             warnings.warn(f"param_groups: rule {pattern.pattern!r} decides nothing: every parameter it "
                           "matches is taken by an earlier rule (the first matching rule wins)", stacklevel=2)
-    return ParamGroups(groups, records)
+    sparse = frozenset()
+    if isinstance(model, nn.Module):
+        from .flat import _SPARSE_GRAD_MODULES
+
+        sparse = frozenset(id(m.weight) for m in model.modules() if isinstance(m, _SPARSE_GRAD_MODULES)
+                           and m.sparse and isinstance(m.weight, Tensor))
+    return ParamGroups(groups, records, sparse)
 
 
 # ------------------------------------------------------------------------------------------------------------
