@@ -105,7 +105,11 @@ class FlatParameters:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        """Zero every flat gradient (one fill per buffer) and point each ``.grad`` back at its view."""
+        """Zero every flat gradient (one fill per buffer) and point each ``.grad`` back at its view; the
+        parameters kept out of the buffers (:attr:`separate`) get ``.grad = None``, as torch's
+        ``zero_grad()`` gives them."""
+        for p in self.separate:
+            p.grad = None
         restored = False
         for key, gflat in self.grads.items():
             gflat.zero_()
