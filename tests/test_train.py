@@ -1000,6 +1000,101 @@ def test_a_schedule_failing_for_the_next_update_raises_before_that_update_change
         assert int(op.global_step) == 2
 
 
+class _FailingWriter:
+    """A summary writer whose ``add_scalar`` raises once, at step ``fail_at`` (an I/O error)."""
+
+    def __init__(self, fail_at):
+        self.fail_at = fail_at
+
+    def add_scalar(self, tag, value, step):
+        if step == self.fail_at:
+            self.fail_at = None
+            raise OSError("disk full")
+
+    def add_histogram(self, tag, values, step):
+        pass
+
+
+@pytest.mark.parametrize("layout", ["plain", "flat", "mixed"])
+def test_an_update_that_raises_drops_its_window(layout):
+    """An update that raises before it is committed (here the summary writer, at update 1 of windows of two
+    micro-batches) changes no weight, step or scale and drops its window: the window's gradients are
+    cleared, so the next window is not added to them (it was: the next update applied two windows'
+    gradients divided by one window's count). The run equals one that never saw the failed window."""
+    import optkit
+
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        if layout == "mixed":
+            m = m.to(torch.bfloat16)
+        elif layout == "flat":
+            optkit.flat_parameters(m)
+        return m
+
+    xs = [torch.randn(5, 3, generator=torch.Generator().manual_seed(k)) for k in range(8)]
+
+    def build(m, writer):
+        return optimize_loss(lambda x: m(x.to(next(m.parameters()).dtype)).float().pow(2).mean(), "Momentum",
+                             {"momentum": 0.9}, 0.1, model=m, iter_size=2, loss_scaling="dynamic",
+                             dtype="mixed" if layout == "mixed" else torch.float32,
+                             summaries=["learning_rate"],
+                             summary_writer=writer, summary_every=1)
+
+    m, ref_m = make(), make()
+    op, ref = build(m, _FailingWriter(fail_at=1)), build(ref_m, _FailingWriter(fail_at=None))
+    for x in xs[:2]:
+        op(x), ref(x)
+    before = [p.detach().clone() for p in m.parameters()]
+    op(xs[2])
+    with pytest.raises(OSError, match="disk full"):
+        op(xs[3])
+    assert op.micro_steps == 0 and int(op.global_step) == 1
+    assert all(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+    assert all(p.grad is None or not p.grad.any() for p in m.parameters())
+    for x in xs[4:]:  # the reference never saw xs[2:4]
+        op(x), ref(x)
+    assert int(op.global_step) == int(ref.global_step) == 3
+    for p, q in zip(m.parameters(), ref_m.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_parameter_frozen_after_the_op_was_built_gets_no_gradient(flat):
+    """``requires_grad_(False)`` on a ``var_list`` parameter after the op was built (freezing a backbone for a
+    while) raised torch's "can't retain_grad" from ``backward(inputs=...)``. Now it gets no gradient, as in a
+    torch.optim loop: the weights equal ``torch.optim.SGD(momentum)`` with ``zero_grad()`` (a frozen
+    parameter's gradient is None, so it stays) or, over flat buffers, ``zero_grad(set_to_none=False)`` (its
+    gradient is a zero view, so momentum still moves it, as documented); unfreezing trains it again. All
+    frozen: a ValueError."""
+    import optkit
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+
+    xs = [torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+    m, ref_m = make(), make()
+    if flat:
+        optkit.flat_parameters(m)
+    op = optimize_loss(lambda x: m(x).pow(2).mean(), "Momentum", {"momentum": 0.9}, 0.1, model=m)
+    ref = torch.optim.SGD(ref_m.parameters(), lr=0.1, momentum=0.9)
+    for k, x in enumerate(xs):
+        frozen = k in (2, 3)
+        for mm in (m, ref_m):
+            mm[0].weight.requires_grad_(not frozen)
+        op(x)
+        ref.zero_grad(set_to_none=not flat)
+        ref_m(x).pow(2).mean().backward()
+        ref.step()
+        for p, q in zip(m.parameters(), ref_m.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-14)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad=False"):
+        op(xs[0])
+
+
 def test_a_schedule_failing_at_a_written_global_step_raises_at_every_call():
     """After ``global_step`` is written to a count the schedule fails at, every call raises before anything
     changes (the write stays pending until the schedule answers), as for a count reached by updates."""

@@ -32,7 +32,9 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
    (scale mode, §4) on the mean unscaled gradient and hands ``r`` inward; LARC summaries are written from
    the ratios it used; ``"mixed"``: the :class:`~optkit.mixed_precision.MixedPrecisionOptimizerWrapper`
    steps the fp32 masters and copies back ``p16 ← saturate(master)``;
-10. gradients cleared for the next window.
+10. gradients cleared for the next window. An update that raises before it is committed (a summary writer's
+    I/O error, an optimizer refusing its state) changes no weight, slot, scale or step and drops its window:
+    the window's gradients are cleared too, so the next window starts afresh.
 
 The optimizer stack is ``MixedPrecisionOptimizerWrapper(LARC(cls(params)))`` with the parts not asked for left
 out. The wrappers get no loss scale of their own (``loss_scale=None``: a fixed scale of 1, no check); the
@@ -626,7 +628,7 @@ class TrainOp:
                 for p in self._frozen:  # parameters left out of var_list get no gradient
                     p.grad = None
             else:
-                torch.autograd.backward(target, inputs=self.params)
+                self._backward(target)
         if self._mp is not None:
             if self._dtensor:  # Partial (tensor-parallel) half gradients are reduced before the fp32 fold
                 mt.reduce_partial_grads_(self.params)
@@ -639,6 +641,22 @@ class TrainOp:
         if not update:
             return StepResult(shown, self._false, self._step.clone(), self._lr_t, scale, None)
         return self._update(shown, scale)
+
+    def _backward(self, target: Tensor) -> None:
+        """Backward of ``target`` into the parameters' ``.grad`` only (``inputs=``, so leaves outside
+        ``var_list`` get nothing). A parameter frozen since the op was built (``requires_grad_(False)``)
+        gets no gradient, as with a plain ``backward()``: torch refuses it as an input, so it is left out
+        then (the check costs nothing while no parameter is frozen)."""
+        try:
+            torch.autograd.backward(target, inputs=self.params)
+        except RuntimeError:
+            live = [p for p in self.params if p.requires_grad]
+            if len(live) == len(self.params):
+                raise
+            if not live:
+                raise ValueError("every parameter in `var_list` has requires_grad=False: nothing to "
+                                 "train") from None
+            torch.autograd.backward(target, inputs=live)
 
     def _token_split(self, out: Any) -> Tensor:
         """The loss to back-propagate: ``out`` itself, or ``loss_sum`` of a ``(loss_sum, num_items)`` pair
@@ -687,6 +705,30 @@ class TrainOp:
         return mt.with_grads(self.masters)
 
     def _update(self, loss: Tensor, scale: Tensor) -> StepResult:
+        """The update that ends a window (:meth:`_apply_window`). One that raises before it is committed
+        (the step counter moved) changes no parameter, slot, scale or step, and drops its window: the
+        window's gradients are cleared, so the next call starts a new window instead of adding to gradients
+        that the reset micro-batch count no longer covers."""
+        version = self._step._version
+        try:
+            return self._apply_window(loss, scale)
+        except BaseException:
+            if self._step._version == version:
+                self._drop_window()
+            raise
+
+    def _drop_window(self) -> None:
+        """Clear the window's gradients and counts (after an update that raised)."""
+        self._micro = 0
+        self._items = torch.zeros_like(self._items)
+        self._zeroed = frozenset()
+        if self._mp is not None:
+            self._mp.zero_grad()  # the half gradients and the pending fp32 sum
+        self._clear_grads()
+        for i in self._half_idx:
+            self.params[i].grad = None
+
+    def _apply_window(self, loss: Tensor, scale: Tensor) -> StepResult:
         if self._dtensor:  # Partial (tensor-parallel) gradients: reduced before any norm or update
             mt.reduce_partial_grads_(self.masters)
         seen: dict = {}  # what the optimizer's whole_grads read of its groups, handed to its step
@@ -781,8 +823,6 @@ class TrainOp:
             applied = applied & (refused < 0.5).to(applied.device)
         if self._checks:
             self.scaler.update(overflow, amax)
-        if due and self._larc is not None and log.wants("larc_summaries"):
-            self._write_larc(step_now, lr_t)
 
         if self._host_step_exact():
             self._step.add_(1)
@@ -798,6 +838,8 @@ class TrainOp:
             self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
         except Exception as err:  # noqa: BLE001 - raised by the next update's call, before it changes anything
             self._lr_error = err
+        if due and self._larc is not None and log.wants("larc_summaries"):
+            self._write_larc(step_now, lr_t)  # (after the commit: a writer that raises loses only these)
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
 
     def _compiled_check(self, whole: list[Tensor] | None, grads: list[Tensor]):
