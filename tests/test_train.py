@@ -1095,6 +1095,54 @@ def test_a_parameter_frozen_after_the_op_was_built_gets_no_gradient(flat):
         op(xs[0])
 
 
+@pytest.mark.parametrize("token", [False, True], ids=["mean", "token-weighted"])
+@pytest.mark.parametrize("where", ["first-node", "mid-way"])
+def test_a_backward_that_raises_drops_its_window(token, where):
+    """A micro-step whose backward raises (out of memory, a hook), at the first node or after some gradients
+    landed, drops its window: gradients and item count cleared, micro-step count 0 (the partial gradient and,
+    token-weighted, the items used to stay in the window). The next window's update equals one SGD step on
+    that window alone (float64, from torch.autograd.grad)."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+
+    xs = [torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    m, fail = model(), {"on": False}
+
+    def boom(_):
+        raise OSError("backward failed")
+
+    def loss(x, n):
+        h = m[1](m[0](x))
+        if fail["on"] and where == "mid-way":  # after the last layer's gradients landed
+            h.register_hook(boom)
+        out = m[2](h).pow(2).sum(1)
+        out = out.sum() if token else out.mean()
+        if fail["on"] and where == "first-node":
+            out.register_hook(boom)
+        fail["on"] = False
+        return (out, n) if token else out
+
+    op = optimize_loss(loss, "SGD", None, 0.1, model=m, iter_size=2)
+    w0 = [p.detach().clone() for p in m.parameters()]
+    op(xs[0], 5.0)
+    fail["on"] = True
+    with pytest.raises(OSError, match="backward failed"):
+        op(xs[1], 5.0)
+    assert op.micro_steps == 0 and all(p.grad is None for p in m.parameters())
+    assert all(torch.equal(p.detach(), w) for p, w in zip(m.parameters(), w0))
+    assert not bool(op(xs[2], 3.0).applied) and bool(op(xs[3], 4.0).applied)
+    ref = model()
+    ps = list(ref.parameters())
+    if token:
+        tot = (ref(xs[2]).pow(2).sum() + ref(xs[3]).pow(2).sum()) / 7.0
+    else:
+        tot = (ref(xs[2]).pow(2).sum(1).mean() + ref(xs[3]).pow(2).sum(1).mean()) / 2.0
+    tol = 1e-7 if token else 1e-12  # (1/7 as the float32 factor of the step protocol: about 3e-8 relative)
+    for p, w, g in zip(m.parameters(), w0, torch.autograd.grad(tot, ps)):
+        torch.testing.assert_close(p.detach(), w - 0.1 * g, rtol=tol, atol=tol / 100)
+
+
 def test_a_schedule_failing_at_a_written_global_step_raises_at_every_call():
     """After ``global_step`` is written to a count the schedule fails at, every call raises before anything
     changes (the write stays pending until the schedule answers), as for a count reached by updates."""

@@ -34,7 +34,9 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
    steps the fp32 masters and copies back ``p16 ← saturate(master)``;
 10. gradients cleared for the next window. An update that raises before it is committed (a summary writer's
     I/O error, an optimizer refusing its state) changes no weight, slot, scale or step and drops its window:
-    the window's gradients are cleared too, so the next window starts afresh.
+    the window's gradients are cleared too, so the next window starts afresh. So does a micro-step whose
+    backward (or fp32 fold) raises, out of memory or in a hook: part of its gradient may have landed and
+    cannot be told apart from the window's. A loss function that raises changes nothing.
 
 The optimizer stack is ``MixedPrecisionOptimizerWrapper(LARC(cls(params)))`` with the parts not asked for left
 out. The wrappers get no loss scale of their own (``loss_scale=None``: a fixed scale of 1, no check); the
@@ -622,17 +624,25 @@ class TrainOp:
                 loss32 = loss32.float()
             scale = self._one if self._unit_scale else self.scaler.loss_scale
             target = loss32 if self._unit_scale else loss32 * scale.to(loss32.device)
-            if self._plain_backward:
-                # DDP / FSDP2 reduce in hooks that backward(inputs=...) would bypass
-                target.backward()
-                for p in self._frozen:  # parameters left out of var_list get no gradient
-                    p.grad = None
-            else:
-                self._backward(target)
+            try:
+                if self._plain_backward:
+                    # DDP / FSDP2 reduce in hooks that backward(inputs=...) would bypass
+                    target.backward()
+                    for p in self._frozen:  # parameters left out of var_list get no gradient
+                        p.grad = None
+                else:
+                    self._backward(target)
+            except BaseException:  # (out of memory, a hook): part of this backward may have landed
+                self._drop_window()
+                raise
         if self._mp is not None:
-            if self._dtensor:  # Partial (tensor-parallel) half gradients are reduced before the fp32 fold
-                mt.reduce_partial_grads_(self.params)
-            self._mp.accumulate_grads()  # the window's half gradients are summed in fp32
+            try:
+                if self._dtensor:  # Partial (tensor-parallel) half gradients are reduced before the fold
+                    mt.reduce_partial_grads_(self.params)
+                self._mp.accumulate_grads()  # the window's half gradients are summed in fp32
+            except BaseException:
+                self._drop_window()
+                raise
         self._micro += 1
         shown = loss32.detach()
         if self._token_weighted:  # report the micro-batch's mean per item
