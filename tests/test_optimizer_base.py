@@ -340,6 +340,38 @@ def test_constructor_validation(kwargs, exc, name):
         assert torch.equal(p, b)
 
 
+@pytest.mark.parametrize("key, value", [("momentum", None), ("lr_scale", "x"), ("lr", None),
+                                        ("weight_decay", "a")])
+def test_a_bad_hyperparameter_in_a_later_group_raises_before_any_group_is_written(key, value):
+    """A hyperparameter written into the second group between steps (or loaded for a key this optimizer's
+    groups lack) that is not a number raised from ``float()`` after the first group was updated. Now the
+    step raises TypeError naming the key before any weight, slot or the step count changes, and such a
+    loaded value is refused (ValueError) before anything loads."""
+    from optkit import Momentum
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(3, dtype=torch.float64)) for _ in range(4)]
+    opt = Momentum([{"params": ps[:2]}, {"params": ps[2:]}], 0.1, 0.9)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    before = [p.detach().clone() for p in ps]
+    slots = [opt.state[p]["momentum_buffer"].clone() for p in ps]
+    opt.param_groups[1][key] = value
+    with pytest.raises(TypeError, match=key):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(ps, slots))
+    assert int(opt.iterations) == 1
+    if key == "lr_scale":  # a key the live groups lack, from a file
+        del opt.param_groups[1][key]
+        saved["param_groups"][1][key] = value
+        with pytest.raises(ValueError, match=key):
+            opt.load_state_dict(saved)
+        assert "lr_scale" not in opt.param_groups[1]
+
+
 def test_params_validation():
     with pytest.raises(TypeError, match="params"):
         SGD(torch.zeros(3, requires_grad=True))

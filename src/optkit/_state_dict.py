@@ -205,6 +205,15 @@ def check_group_hyperparameters(group: dict, where: str) -> None:
     """The numeric hyperparameters a user puts into a param group (``{"params": ..., "lr": 0.1, ...}``, given
     to the constructor or ``add_param_group``): a real number or a one-element real floating tensor, finite
     and within :data:`_RANGES`; ``TypeError`` / ``ValueError`` naming the key, before anything changes."""
+    for key, value in check_group_types(group, where):
+        _check_number_value(where, None, key, value)
+
+
+def check_group_types(group: dict, where: str) -> list[tuple[str, Any]]:
+    """The kinds of a param group's numeric hyperparameters (a number, or a one-element tensor; ``None`` only
+    for LAMB's ``max_coeff`` / ``min_coeff``), without reading a tensor's value (no host sync: a step runs
+    it over every group before it writes any); returns the ``(key, value)`` pairs checked."""
+    out = []
     for key, value in group.items():
         if key not in _RANGES:
             continue
@@ -216,7 +225,8 @@ def check_group_hyperparameters(group: dict, where: str) -> None:
         if isinstance(value, Tensor) and value.numel() != 1:
             raise ValueError(f"{where}: param group key {key!r} must be a single number, got a tensor of "
                              f"shape {tuple(value.shape)}")
-        _check_number_value(where, None, key, value)
+        out.append((key, value))
+    return out
 
 
 def _check_number_value(where: str, gi: int | None, key: str, value: Any) -> None:
@@ -245,7 +255,15 @@ def _check_group_values(where: str, gi: int, saved: dict, live: dict) -> None:
     """A saved hyperparameter must have the type of the live one (a hostile or foreign file must not put
     a string learning rate or a list momentum into a group)."""
     for key, value in saved.items():
-        if key in ("params", "param_names") or key not in live:
+        if key in ("params", "param_names"):
+            continue
+        if key not in live:  # (a key this optimizer's groups lack: a known hyperparameter is still checked)
+            try:
+                checked = check_group_types({key: value}, f"{where} (param group {gi})")
+            except TypeError as err:
+                raise ValueError(str(err)) from None
+            for k, v in checked:
+                _check_number_value(where, gi, k, v)
             continue
         cur = live[key]
         ok = True

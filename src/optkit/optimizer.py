@@ -56,7 +56,13 @@ from ._compile import chain, compiled_chain, compiled_function, warn_compile_fal
 from ._gc import gc_paused
 from ._params import normalize_param_groups
 from ._plan import FlatPart, Plan, PlanView, RowMultipliers, RunAux, check_slot_fits
-from ._state_dict import adopt_torch_groups, check_loaded_slot, torch_required, validate_state_dict
+from ._state_dict import (
+    adopt_torch_groups,
+    check_group_types,
+    check_loaded_slot,
+    torch_required,
+    validate_state_dict,
+)
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
 from ._validation import check_number, is_number
 from .flat import _VIEWS_RESTORED, flat_buffer_of
@@ -1013,6 +1019,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                     zip(self.param_groups, gathered, flat_plans, mults)):
                 if fp is None and params:
                     pre_plans[i] = self._check_group_plan(group, idx, params, grads, sparse_handled, mult)
+
+        # every group's numeric hyperparameters are numbers before any group is written (a None momentum in
+        # the second group raised from float() after the first was updated)
+        for gi, group in enumerate(self.param_groups):
+            check_group_types(group, f"{type(self).__name__}.step (param group {gi})")
 
         inv = None
         if grad_scale is not None:
