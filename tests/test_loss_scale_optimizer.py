@@ -402,3 +402,49 @@ def test_a_huge_scale_under_gradscaler_is_not_skipped_for_good():
         scaler.step(opt)
         scaler.update()
     np.testing.assert_allclose(w.detach().numpy(), 1.0 - 2 * 0.1 * 0.5, rtol=1e-6)  # clip to norm 1: 0.5 each
+
+
+def _refuse_once(opt):
+    """A step pre-hook on ``opt`` that raises at the first step only (any refusal of the inner step)."""
+    armed = [True]
+
+    def pre(o, args, kwargs):
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("inner step refused")
+
+    return opt.register_step_pre_hook(pre)
+
+
+@pytest.mark.parametrize("scale", [128.0, 1000.0])
+def test_a_refused_inner_step_leaves_the_gradients_scaled_for_a_retry(scale):
+    """Around a torch optimizer (the gradients are unscaled in place before its step), an inner step that
+    raises left them unscaled while they still counted as scaled, so a retried step unscaled them twice.
+    Now they carry the scale again, and the retry gives the one-step result (float64 formula, and
+    torch.amp.GradScaler's retry); a non-power-of-two scale comes back to within the float32 rounding of the
+    factor 1/S (which the step protocol uses, as GradScaler does)."""
+    import optkit
+
+    w0 = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    w = torch.nn.Parameter(w0.clone())
+    inner = torch.optim.SGD([w], lr=0.1)
+    opt = optkit.LossScaleOptimizer(inner, scale)
+    opt.scale_loss((w ** 2).sum()).backward()  # grad = S·2w
+    g = w.grad.clone()
+    _refuse_once(inner)
+    with pytest.raises(RuntimeError, match="refused"):
+        opt.step()
+    tol = 1e-15 if scale == 128.0 else 1e-7
+    torch.testing.assert_close(w.grad, g, rtol=tol, atol=0)
+    assert torch.equal(w.detach(), w0)
+    opt.step()
+    torch.testing.assert_close(w.detach(), w0 * (1 - 0.2), rtol=tol, atol=0)
+    w2 = torch.nn.Parameter(w0.clone())
+    inner2 = torch.optim.SGD([w2], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler.scale((w2 ** 2).sum()).backward()
+    _refuse_once(inner2)
+    with pytest.raises(RuntimeError, match="refused"):
+        scaler.step(inner2)
+    scaler.step(inner2)
+    torch.testing.assert_close(w.detach(), w2.detach(), rtol=tol, atol=0)

@@ -544,3 +544,39 @@ def test_a_wrapper_pickled_before_the_window_flags_existed_still_steps():
     state.accumulate_grads()
     state.step()
     torch.testing.assert_close(g.detach(), torch.full((2,), 0.8))
+
+
+@pytest.mark.parametrize("inner", ["optkit", "torch"])
+def test_a_refused_inner_step_keeps_the_window_for_a_retry(inner):
+    """A window folded with ``accumulate_grads`` (two bf16 micro-batches, an fp32 LayerNorm weight beside,
+    L2 on the masters), then an inner step that raises once: the fp32 sum stayed marked as folded no more,
+    so the retry applied nothing to the half parameters (and, around a torch optimizer, divided the fp32
+    gradient by S once more). Now the retry equals a twin that never failed, bit for bit."""
+    def run(fail):
+        torch.manual_seed(0)
+        lin, norm = torch.nn.Linear(4, 3).to(torch.bfloat16), torch.nn.LayerNorm(3)
+        params = [*lin.parameters(), *norm.parameters()]
+        if inner == "optkit":
+            opt = MP.wrap(SGD, params, 1024.0, l2_regularization=0.01, learning_rate=0.1, momentum=0.9)
+        else:
+            opt = MP.wrap(torch.optim.SGD, params, 1024.0, l2_regularization=0.01, lr=0.1, momentum=0.9)
+        for k in range(2):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(k))
+            opt.scale_loss(norm(lin(x.to(torch.bfloat16)).float()).pow(2).mean()).backward()
+            opt.accumulate_grads()
+        if fail:
+            armed = [True]
+
+            def pre(o, a, kw):
+                if armed[0]:
+                    armed[0] = False
+                    raise RuntimeError("inner step refused")
+
+            opt.optimizer.register_step_pre_hook(pre)
+            with pytest.raises(RuntimeError, match="refused"):
+                opt.step()
+        opt.step()
+        return [p.detach().clone() for p in params] + [m.detach().clone() for _, m in opt._pairs]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)

@@ -91,6 +91,7 @@ def loss_scaled_step(
     ``wrapper.step_applied``.
     """
     step_grads = check_grads if step_grads is None else step_grads
+    unscaled = False  # whether step_grads were unscaled in place (undone if the inner step raises)
     dev = wrapper._device()
     total = _times(scale, outer_scale)
     check = _checks(scaler)
@@ -110,6 +111,7 @@ def loss_scaled_step(
         if total is not None:
             inv = torch.reciprocal(total.to(device=dev, dtype=torch.float32))
             mt.non_finite_check_and_unscale_(step_grads, found, inv)
+            unscaled = True
         elif check:
             found = mt.any_non_finite(step_grads).to(dev)
         if scaler.needs_amax:
@@ -122,8 +124,14 @@ def loss_scaled_step(
     # overflows float32 (the scale is too large): it reports that in the probe, counted here as an overflow
     # so that a scale that can back off does (a fixed scale cannot: no probe, as before)
     backs_off = check and not isinstance(scaler, FixedLossScale)
-    with overflow_probe(wrapper, backs_off) as probe, handed_over(wrapper.optimizer, gathered):
-        applied = wrapper._delegate(grad_scale, skip, multipliers)
+    try:
+        with overflow_probe(wrapper, backs_off) as probe, handed_over(wrapper.optimizer, gathered):
+            applied = wrapper._delegate(grad_scale, skip, multipliers)
+    except BaseException:
+        if unscaled:  # the gradients carry the scale again, so a retried step unscales them once, as
+            # GradScaler's does (exact for the power-of-two scales of a dynamic scaler)
+            mt.scale_(list(step_grads), total.to(device=dev, dtype=torch.float32))
+        raise
     if check:  # after the inner step: a step that raises (bad input) leaves the scale as it was
         if probe:
             found = torch.maximum(found, probe[0].to(found.device)) if found is not None else probe[0]

@@ -328,11 +328,22 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
             self.grads_scaled = False
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
-        src, dst, half_grads = [], [], []
         if self._accumulated:
             self.accumulate_grads()  # half gradients that arrived since the last fold
         pending, self._accumulated = self._accumulated, set()
+        folds = (self._unscaled_fold, self._scaled_fold)
         self._unscaled_fold = self._scaled_fold = False
+        try:
+            self._fold_and_step(pending, grad_scale, found_inf, multipliers)
+        except BaseException:  # a step that raises keeps the window's fp32 sum for a retry
+            self._accumulated |= pending
+            self._unscaled_fold, self._scaled_fold = folds
+            raise
+
+    def _fold_and_step(self, pending: set[int], grad_scale, found_inf, multipliers) -> None:
+        """The masters' gradients (the pending fp32 sums ``pending``, else the half gradients in fp32), the
+        decay term, and the step; the decay term comes off again if the step raises."""
+        src, dst, half_grads = [], [], []
         for j, ((p, m), buf) in enumerate(zip(self._pairs, self._grad_bufs)):
             g = p.grad
             if j in pending:
@@ -352,12 +363,17 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
         scale = self.loss_scaler()
         self._add_regularization(scale)
         fp32_grads = [p.grad for p in self._fp32_params if p.grad is not None]
-        self._step_masters(half_grads + fp32_grads, scale, grad_scale, found_inf, multipliers)
+        try:
+            self._step_masters(half_grads + fp32_grads, scale, grad_scale, found_inf, multipliers)
+        except BaseException:
+            self._add_regularization(scale, sign=-1.0)  # (the retry adds it again)
+            raise
 
-    def _add_regularization(self, scale: Tensor | None) -> None:
+    def _add_regularization(self, scale: Tensor | None, sign: float = 1.0) -> None:
         lam = self.l2_regularization
         if not lam:
             return
+        lam = sign * lam
         ms = [m for _, m in self._pairs if m.grad is not None]
         gs = [m.grad for m in ms]
         if not ms:
