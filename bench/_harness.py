@@ -168,7 +168,7 @@ def make_params(
 # floor and timing
 
 
-_TRIAD: list[torch.Tensor] = []  # the triad's two arrays, made once per process (fresh memory faults)
+_TRIAD: list[torch.Tensor] = []  # the triad's two arrays, made once per process (no table times fresh pages)
 
 
 def _triad_ns(repeats: int, out: list[int], mib: int = FLOOR_MIB) -> int:

@@ -151,11 +151,15 @@ def _sum_all(x: torch.Tensor) -> torch.Tensor:
     return x.sum(1).sum() if x.dim() == 2 else x.sum()
 
 
+def _total(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The sum over the pieces of :func:`_row_split` of a per-piece sum."""
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
 def sum_sq(x: torch.Tensor) -> torch.Tensor:
     """``Σx²`` of a whole tensor (float32 for half precision), for compiled read-only passes: row sums of
     :data:`SUM_ROW` elements, then their sum, plus the tail (a two-level sum, also more accurate than one)."""
-    parts = [_sum_all(p * p) for p in _row_split(x)]
-    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    return _total([_sum_all(p * p) for p in _row_split(x)])
 
 
 def norm_sums(ws, gs):
@@ -174,8 +178,6 @@ def norm_check_sums(ts):
     out = []
     for t in ts:
         parts = _row_split(t)
-        sq = [_sum_all(p * p) for p in parts]
-        nan = [_sum_all(p * 0.0) for p in parts]
-        out.append(torch.stack(((sq[0] if len(sq) == 1 else sq[0] + sq[1]).double(),
-                                (nan[0] if len(nan) == 1 else nan[0] + nan[1]).double())))
+        out.append(torch.stack((_total([_sum_all(p * p) for p in parts]).double(),
+                                _total([_sum_all(p * 0.0) for p in parts]).double())))
     return torch.stack(out)

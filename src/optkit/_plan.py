@@ -13,6 +13,7 @@ instead of corrupting memory in a kernel.
 from __future__ import annotations
 
 import operator
+import os
 import sys
 import warnings
 from collections.abc import Mapping
@@ -54,8 +55,6 @@ def _strides(ts: list[Tensor], idx: list[int]) -> list[tuple[int, ...]]:
 def _outside_stacklevel() -> int:
     """The ``stacklevel`` for a ``warnings.warn`` in this function's caller that points the warning at the
     first frame outside optkit and torch (the user's ``step()`` or train-op call)."""
-    import os
-
     roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, mt) if m.__file__)
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(roots):

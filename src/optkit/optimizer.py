@@ -981,6 +981,10 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         gradient before clipping (used by wrappers such as LARC to fold a per-tensor factor into the blocked
         pass instead of a separate sweep)."""
         dev = self._state_device
+        # every group's numeric hyperparameters are numbers before anything is written (a None momentum in
+        # the second group raised from float() after the first was updated)
+        for gi, group in enumerate(self.param_groups):
+            check_group_types(group, f"{type(self).__name__}.step (param group {gi})")
         self._ensure_slots()
         if self._any_dtensor:  # tensor + sequence parallel: Partial gradients are reduced before anything
             mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])
@@ -1019,11 +1023,6 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                     zip(self.param_groups, gathered, flat_plans, mults)):
                 if fp is None and params:
                     pre_plans[i] = self._check_group_plan(group, idx, params, grads, sparse_handled, mult)
-
-        # every group's numeric hyperparameters are numbers before any group is written (a None momentum in
-        # the second group raised from float() after the first was updated)
-        for gi, group in enumerate(self.param_groups):
-            check_group_types(group, f"{type(self).__name__}.step (param group {gi})")
 
         inv = None
         if grad_scale is not None:

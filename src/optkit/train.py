@@ -735,8 +735,6 @@ class TrainOp:
         if self._mp is not None:
             self._mp.zero_grad()  # the half gradients and the pending fp32 sum
         self._clear_grads()
-        for i in self._half_idx:
-            self.params[i].grad = None
 
     def _apply_window(self, loss: Tensor, scale: Tensor) -> StepResult:
         if self._dtensor:  # Partial (tensor-parallel) gradients: reduced before any norm or update
@@ -842,8 +840,6 @@ class TrainOp:
             self._step.add_(applied.to(torch.int64))
             self._step_seen = self._step._version
         self._clear_grads()
-        for i in self._half_idx:
-            self.params[i].grad = None
         try:
             self._refresh_lr()  # lr(k) for the next update, k = applied updates so far
         except Exception as err:  # noqa: BLE001 - raised by the next update's call, before it changes anything
@@ -883,8 +879,8 @@ class TrainOp:
             self._params_key = key
             ordered = [p for g in groups for p in g["params"]]
             pos = {id(q): i for i, q in enumerate(self.masters)}
-            same = len(ordered) == len(self.masters) and {id(p) for p in ordered} == set(pos)
-            self._masters_are_params = same
+            self._masters_are_params = (len(ordered) == len(self.masters)
+                                        and {id(p) for p in ordered} == set(pos))
             self._group_params = ordered if self._masters_are_params else []
             self._group_idx = [pos[id(p)] for p in self._group_params]
 
@@ -952,6 +948,8 @@ class TrainOp:
         else:
             for q in self.masters:
                 q.grad = None
+        for i in self._half_idx:  # ("mixed": the half parameters' gradients were folded into the masters')
+            self.params[i].grad = None
 
     def _amax(self, qs: list[Tensor], inf_norms: Tensor, grad_scale: Tensor | None,
               factor: Tensor | None) -> tuple[Tensor, Tensor]:
