@@ -139,11 +139,36 @@ def test_resume_continues_bit_identically(tmp_path, capsys):
     assert_same_state(sa["train_op"], sb["train_op"])  # slots, EMA averages, masters, loss scale, step
     assert "average" in repr(sa["train_op"])  # the EMA is part of what was compared
 
-    # resuming a finished run (from its folder: the newest checkpoint) trains nothing and reports again
-    assert run("train", "--resume", full, *QUIET) == 0
+
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file below ``folder`` with its bytes and modification time (ns)."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resuming_a_finished_run_has_nothing_to_do(tmp_path, capsys):
+    """``--resume`` of a finished run (from its folder: the newest checkpoint is at the last step) trains
+    nothing, says so and writes nothing: metrics.json, report.png, TensorBoard events and checkpoints keep
+    their bytes and times, and a ``--run-dir`` given with it is not created. A longer ``--max-steps``
+    continues the run."""
+    out = tmp_path / "run"
+    assert run("train", "--max-steps", 4, "--checkpoint-every", 2, "--run-dir", out, "--no-progress") == 0
+    capsys.readouterr()
+    before = _files(out)
+    assert {"metrics.json", "report.png", "checkpoints/step_000004.pt"} <= set(before)
+    assert run("train", "--resume", out, "--no-progress") == 0
     text = capsys.readouterr().out
-    assert "at step 8" in text and "test accuracy:" in text
-    assert metrics(full)["train"] == a["train"]
+    assert text.startswith("optkit train: nothing to do: ") and text.count("\n") == 1, text
+    assert "step_000004.pt is at step 4, the last step of this run" in text and f"are in {out}" in text
+    assert _files(out) == before
+    elsewhere = tmp_path / "copy"
+    assert run("train", "--resume", out / "checkpoints" / "step_000004.pt", "--run-dir", elsewhere) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert not elsewhere.exists() and _files(out) == before
+    assert run("train", "--resume", out, "--max-steps", 5, *QUIET) == 0  # more steps: it trains on
+    assert "resuming from" in capsys.readouterr().out
+    assert metrics(out)["final"]["steps"] == 5
 
 
 def test_resume_keeps_the_runs_config_and_applies_flags(tmp_path):
@@ -534,7 +559,8 @@ def test_recipe_is_written_out_into_the_config():
 
     cfg, errors = components.canonical(config.TrainConfig(recipe=" MLPerf-LARS", batch_size=720, epochs=6))
     assert errors == [] and cfg.recipe == "mlperf-lars" and cfg.optimizer == "LARS"
-    assert cfg.optimizer_params == {"momentum": 0.9, "weight_decay": 1e-4, "eeta": 0.001, "epsilon": 0.0}
+    # epsilon: the effective 1e-7 of mlcommons' TF2 reference
+    assert cfg.optimizer_params == {"momentum": 0.9, "weight_decay": 1e-4, "eeta": 0.001, "epsilon": 1e-7}
     per_epoch = math.ceil(train_size(0.2) / 720)
     total = 6 * per_epoch
     assert components.planned_steps(cfg)[1] == total

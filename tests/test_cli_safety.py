@@ -109,6 +109,27 @@ def test_truncated_file(trained, capsys):
     one_line_error(capsys, f"--resume: cannot read {ckpt}", "truncated")
 
 
+@pytest.mark.parametrize("content", ["print-config", "# my run\nepochs = 2\n", ""])
+def test_a_toml_or_other_file_given_to_resume(tmp_path, capsys, content):
+    """A configuration file given to ``--resume`` (meant for ``--config``), or any other file that is not a
+    torch checkpoint, is one line naming ``--resume``, what it takes and where a TOML goes (it leaked the
+    unpickler's "list index out of range" or claimed the file asked to build code)."""
+    if content == "print-config":
+        assert run("train", "--print-config") == 0
+        content = capsys.readouterr().out
+    toml = tmp_path / "my_run.toml"
+    toml.write_text(content)
+    assert run("train", "--resume", toml, "--run-dir", tmp_path / "new", *QUIET) == 2
+    line = one_line_error(
+        capsys,
+        f"--resume: {toml} is not a checkpoint: --resume takes a run folder made by optkit train or one of "
+        "its checkpoint files",
+        "a TOML configuration goes to --config",
+    )
+    assert "list index" not in line and "plain-data" not in line
+    assert toml.read_text() == content and not (tmp_path / "new").exists()
+
+
 def _rewrite(ckpt: Path, change) -> None:
     data = torch.load(ckpt, weights_only=True)
     change(data)

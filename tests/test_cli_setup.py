@@ -8,9 +8,12 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -35,31 +38,69 @@ def run(*argv: object) -> int:
 # Makefile
 
 
-def _dry_run(folder: Path, target: str) -> str:
-    out = subprocess.run(
-        ["make", "-n", target], cwd=folder, capture_output=True, text=True, timeout=60, check=True
-    )
-    return out.stdout
+_LOGGER = """#!/bin/sh
+echo "$(basename "$0") $*" >> "$(dirname "$0")/../../calls.log"
+"""
+
+
+def _fake_checkout(folder: Path) -> Path:
+    """The Makefile and pyproject.toml in ``folder`` with a ``.venv`` whose pip, python, optkit and ruff only
+    log their calls (to ``calls.log``): the targets run for real, installing nothing."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, folder / name)
+    bin_dir = folder / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for tool in ("pip", "python", "optkit", "ruff"):
+        (bin_dir / tool).write_text(_LOGGER)
+        (bin_dir / tool).chmod(0o755)
+    return folder / "calls.log"
+
+
+def _make(folder: Path, log: Path, target: str) -> list[str]:
+    """Run ``make target`` in ``folder``; the logged calls it made."""
+    log.write_text("")
+    subprocess.run(["make", "-s", target], cwd=folder, capture_output=True, text=True, timeout=60, check=True)
+    return log.read_text().splitlines()
+
+
+def _installs(calls: list[str]) -> list[str]:
+    return [c for c in calls if c.startswith("pip ")]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_installs_once_per_change_of_pyproject(tmp_path):
-    for name in ("Makefile", "pyproject.toml"):
-        shutil.copy(ROOT / name, tmp_path / name)
-    (tmp_path / ".venv" / "bin").mkdir(parents=True)
-    (tmp_path / ".venv" / "bin" / "python").write_text("")  # an existing virtual environment
-    assert "pip install" in _dry_run(tmp_path, "test")  # never installed: install
+    """``make demo`` installs optkit with the cli extra only (not the test extra's lightning, transformers and
+    accelerate); ``make test`` installs everything; each install runs once per change of pyproject.toml or the
+    Makefile (its stamp), in either order of the targets, and later calls go straight to the work."""
+    log = _fake_checkout(tmp_path)
+    then = time.time() - 10_000  # the inputs' time: older than any stamp make writes now
+    for name in ("pyproject.toml", "Makefile"):
+        os.utime(tmp_path / name, (then, then))
+
+    demo = _make(tmp_path, log, "demo")
+    assert any('-e .[cli]' in c for c in _installs(demo)), demo
+    assert not any("test" in c or "dev" in c or "timm" in c for c in _installs(demo)), demo
+    assert demo[-1] == "optkit train"
+    assert _make(tmp_path, log, "demo") == ["optkit train"]  # installed: straight to the work, also offline
+
+    test = _make(tmp_path, log, "test")  # after the demo's install: the rest is installed
+    assert any('-e .[dev,cli,test]' in c for c in _installs(test)), test
+    assert any("--no-deps timm" in c for c in _installs(test)), test
+    assert test[-1] == "python -m pytest -n 2 tests"
+    for target in ("test", "demo", "lint", "docs"):  # the full install also serves the demo
+        assert not _installs(_make(tmp_path, log, target)), target
+
     stamp = tmp_path / ".venv" / ".installed"
-    stamp.write_text("")
-    now = 2_000_000_000
-    os.utime(tmp_path / "pyproject.toml", (now - 100, now - 100))
-    os.utime(tmp_path / "Makefile", (now - 100, now - 100))
-    os.utime(stamp, (now, now))
-    for target in ("test", "demo", "lint"):
-        plan = _dry_run(tmp_path, target)
-        assert "pip" not in plan and "venv" not in plan.split(), (target, plan)  # offline-safe
-    os.utime(tmp_path / "pyproject.toml", (now + 100, now + 100))
-    assert "pip install" in _dry_run(tmp_path, "demo")  # pyproject.toml changed: install again
+    os.utime(stamp, (then + 100, then + 100))
+    os.utime(tmp_path / ".venv" / ".installed-demo", (then + 100, then + 100))
+    os.utime(tmp_path / "pyproject.toml", (then + 200, then + 200))  # pyproject.toml changed: install again
+    assert any('-e .[cli]' in c for c in _installs(_make(tmp_path, log, "demo")))
+    assert any('-e .[dev,cli,test]' in c for c in _installs(_make(tmp_path, log, "test")))
+    assert not _installs(_make(tmp_path, log, "demo"))
+    (tmp_path / ".venv" / ".installed-demo").unlink()  # a fresh clone, make test first: demo ready too
+    stamp.unlink()
+    _make(tmp_path, log, "test")
+    assert not _installs(_make(tmp_path, log, "demo"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -134,7 +175,7 @@ def test_lr_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (
         "optkit lr-plot: error: optkit lr-plot needs matplotlib, which is not installed: "
-        'pip install "optkit[cli]" (or pip install matplotlib)'
+        'pip install -e ".[cli]" in the optkit checkout (or pip install matplotlib)'
     )
     assert not out.exists()
 
@@ -155,7 +196,8 @@ def test_train_without_an_optional_package(tmp_path, monkeypatch, capsys, module
     assert run("train", "--max-steps", 2, "--run-dir", out, *flags) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
-    assert f'optkit train needs {package}, which is not installed: pip install "optkit[cli]"' in err
+    assert f'optkit train needs {package}, which is not installed: pip install -e ".[cli]" in the optkit ' \
+        f"checkout (or pip install {package})" in err
     assert not out.exists()
 
 
@@ -173,7 +215,8 @@ def test_a_missing_module_found_late_is_still_named(monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "_cmd_train", late)
     assert run("train") == 2
-    assert 'needs tensorboard, which is not installed: pip install "optkit[cli]"' in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 'needs tensorboard, which is not installed: pip install -e ".[cli]" in the optkit checkout' in err
 
     def bug(_args):
         raise ModuleNotFoundError("No module named 'optkit.nothing'", name="optkit.nothing")
@@ -191,10 +234,47 @@ def test_py_typed_and_licence_ship():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert (SRC / "py.typed").is_file()
     assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["optkit"]
-    assert meta["project"]["license"] == {"text": "Apache-2.0"}
+    assert meta["project"]["license"] == "Apache-2.0"  # an SPDX expression (the table form is deprecated)
+    assert meta["project"]["license-files"] == ["LICENSE"]
     licence = (ROOT / "LICENSE").read_text()
     assert "Apache License" in licence and "Version 2.0, January 2004" in licence
     assert "END OF TERMS AND CONDITIONS" in licence
+
+
+_NOT_COPIED = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
+    ".ruff_cache",
+)
+
+
+def test_sdist_ships_the_test_suite_and_what_it_reads(tmp_path):
+    """The sdist (built from a copy of the checkout with setuptools' own backend, as ``python -m build
+    --sdist`` does) ships the whole test suite with every helper module it imports, the files tests read
+    (README.md, Makefile, docs/api.md, tools/gen_api.py), the README's images, ``py.typed`` and the licence
+    as an SPDX expression; no bytecode."""
+    pytest.importorskip("setuptools", minversion="77")  # the SPDX license string (PEP 639)
+    tree = tmp_path / "checkout"
+    shutil.copytree(ROOT, tree, ignore=_NOT_COPIED)
+    code = "import sys, setuptools.build_meta as b; print(b.build_sdist(sys.argv[1]))"
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=tree, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with tarfile.open(tmp_path / "dist" / res.stdout.split()[-1]) as tar:
+        members = [m for m in tar.getmembers() if m.isfile()]
+        top = members[0].name.split("/")[0]
+        shipped = {m.name.split("/", 1)[1] for m in members}
+        pkg_info = tar.extractfile(f"{top}/PKG-INFO").read().decode()
+    suite = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("*.py")
+             if "__pycache__" not in p.parts}
+    assert {"tests/conftest.py", "tests/contract_table.py", "tests/reference_rules.py"} <= suite
+    read = {"README.md", "Makefile", "pyproject.toml", "LICENSE", "docs/api.md", "tools/gen_api.py",
+            "src/optkit/py.typed"}
+    images = set(re.findall(r"!\[[^\]]*\]\((?!https?:)([^)\s]+)\)", (ROOT / "README.md").read_text("utf-8")))
+    assert images, "README.md shows no image?"
+    missing = sorted((suite | read | images) - shipped)
+    assert not missing, f"the sdist lacks {missing}: MANIFEST.in"
+    assert not [name for name in shipped if name.endswith((".pyc", ".pyo"))]
+    assert "License-Expression: Apache-2.0" in pkg_info and "License-File: LICENSE" in pkg_info
 
 
 def test_api_reference_lists_every_public_name():

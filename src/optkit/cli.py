@@ -170,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a run from its newest checkpoint (a run folder) or from a checkpoint file, in the run "
         "folder that holds it (or in a new folder given with --run-dir); the run's own configuration is "
         "used, flags given here override it except those that would make it another run (--optimizer, "
-        "--dtype, ...). Checkpoints are read with torch.load(weights_only=True): see README, 'Checkpoints "
-        "and safety'",
+        "--dtype, ...). Checkpoints are read with torch.load(weights_only=True): see docs/cli.md, "
+        "'Checkpoints and safety'",
     )
     train.add_argument(
         "--print-config", action="store_true", help="print the effective configuration as TOML and exit"
@@ -310,6 +310,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(to_toml(cfg))
         return 0
+    if resume is not None:
+        from optkit.demo.parallel import env_world
+        from optkit.demo.resume import nothing_to_do
+
+        done = nothing_to_do(resume, cfg)
+        if done is not None:  # a finished run: its files stay as they are
+            try:
+                main_process = env_world()[0] == 0
+            except ValueError as err:
+                raise ConfigError(f"torchrun environment: {err}") from None
+            if main_process:
+                print(f"optkit train: {done}")
+            return 0
     from optkit.demo.training import run_training
 
     run_training(cfg, resume=resume)

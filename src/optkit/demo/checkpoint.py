@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .config import ConfigError
-from .files import atomic_write
+from .files import atomic_write, os_reason
 from .report import EVAL_KEYS, TRAIN_KEYS
 from .run_folder import (
     CHECKPOINTS,
@@ -121,7 +121,27 @@ def _refusal(p: Path, err: BaseException) -> ConfigError:
     return ConfigError(f"--resume: cannot read {p} (truncated, or not a torch checkpoint): {first}")
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format (a zip archive) since torch 1.6
+_PICKLE_MAGIC = b"\x80"  # torch.save(_use_new_zipfile_serialization=False): a pickle of protocol 2 or later
+
+
+def _check_kind(p: Path) -> None:
+    """Refuse a file that is no torch checkpoint at all (a TOML configuration, a text file) by its first
+    bytes, before ``torch.load`` reads it and fails with an unpickler's internal error."""
+    try:
+        with p.open("rb") as fh:
+            head = fh.read(len(_ZIP_MAGIC))
+    except OSError as err:
+        raise ConfigError(f"--resume: cannot read {p}: {os_reason(err)}") from None
+    if not (head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGIC)):
+        raise ConfigError(
+            f"--resume: {p} is not a checkpoint: --resume takes a run folder made by optkit train or one of "
+            "its checkpoint files (<run>/checkpoints/step_NNNNNN.pt); a TOML configuration goes to --config"
+        )
+
+
 def _read(p: Path) -> Any:
+    _check_kind(p)
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any failure to read a foreign file is the file's problem

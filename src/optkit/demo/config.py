@@ -89,9 +89,10 @@ class TrainConfig:
         None,
         "a documented training recipe from optkit.recipes, which sets --optimizer, --optimizer-param, "
         "--lr-policy and --lr-policy-param (the other options apply as given). mlperf-lars: the MLPerf "
-        "ResNet-50 LARS recipe (LARS in its TF 1.15 form, eeta 0.001, momentum 0.9, weight decay 1e-4, no "
-        "trust ratio and no decay on biases and normalisation parameters, poly-2 decay to 1e-4 after 5 "
-        "warm-up epochs, base learning rate 10 below a batch of 16k); 'none' for no recipe",
+        "ResNet-50 LARS recipe (LARS in its TF 1.15 form, eeta 0.001, epsilon 1e-7 as in mlcommons' TF2 "
+        "reference, momentum 0.9, weight decay 1e-4, no trust ratio and no decay on biases and normalisation "
+        "parameters, poly-2 decay to 1e-4 after 5 warm-up epochs, base learning rate 10 below a batch of "
+        "16k); 'none' for no recipe",
         "optimize_loss",
         choices=("mlperf-lars",),
         metavar="NAME|none",

@@ -15,7 +15,9 @@ from .config import ConfigError
 
 __all__ = ["CLI_EXTRA", "PACKAGES", "MissingExtra", "missing", "require", "extra_for"]
 
-CLI_EXTRA = 'pip install "optkit[cli]"'
+CLI_EXTRA = 'pip install -e ".[cli]" in the optkit checkout'
+"""How to install the ``cli`` extra: optkit is installed from its source checkout (it is on no package
+index), so the command runs there, from the repository root."""
 PACKAGES = {
     "numpy": "numpy",
     "sklearn": "scikit-learn",

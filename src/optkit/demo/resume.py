@@ -41,6 +41,7 @@ __all__ = [
     "saved_config",
     "check_continuation",
     "check_progress",
+    "nothing_to_do",
     "output_dir",
     "check_state_fits",
 ]
@@ -113,8 +114,8 @@ def check_continuation(ckpt: Checkpoint, cfg: TrainConfig) -> None:
 
 def check_progress(ckpt: Checkpoint, cfg: TrainConfig) -> None:
     """Refuse a checkpoint taken after the last step of the run ``cfg`` plans (``--max-steps``/``--epochs``
-    shorter than what was trained): the run would end before it starts. At the last step exactly, the run
-    trains nothing and reports again."""
+    shorter than what was trained): the run would end before it starts. At the last step exactly there is
+    nothing to train (:func:`nothing_to_do`)."""
     from .components import planned_steps
 
     total = planned_steps(cfg)[0]
@@ -123,6 +124,23 @@ def check_progress(ckpt: Checkpoint, cfg: TrainConfig) -> None:
             f"--max-steps/--epochs: {ckpt.path} is at step {ckpt.step}, past the end of this run ({total} "
             f"steps); give --max-steps {ckpt.step} or more to continue it"
         )
+
+
+def nothing_to_do(ckpt: Checkpoint, cfg: TrainConfig) -> str | None:
+    """The message for a continuation of ``ckpt`` that has nothing to train: the checkpoint is at the last
+    step of the run ``cfg`` plans (a finished run, resumed without a longer ``--max-steps``/``--epochs``).
+    Such a continuation writes nothing: the run folder keeps its ``metrics.json``, ``report.png`` and
+    checkpoints, and no ``--run-dir`` is created. ``None`` when there are steps to train."""
+    from .components import planned_steps
+
+    total = planned_steps(cfg)[0]
+    if ckpt.step < total:
+        return None
+    where = "" if ckpt.run_dir is None else f"; its results are in {ckpt.run_dir}"
+    return (
+        f"nothing to do: {ckpt.path} is at step {ckpt.step}, the last step of this run{where} (nothing "
+        f"written; give --max-steps above {total} to train further)"
+    )
 
 
 def output_dir(ckpt: Checkpoint, cfg: TrainConfig) -> tuple[Path, bool]:
