@@ -222,11 +222,11 @@ ROWS: list[Row] = [
         "keras_sgd", {"momentum": 0.9}, {"clipnorm": 0.7}),
     Row("SGD-clipvalue", lambda ps, lr: optkit.SGD(_plain(ps), learning_rate=lr, clipvalue=0.3),
         "keras_sgd", {}, {"clipvalue": 0.3}),
-    Row("Momentum", lambda ps, lr: optkit.Momentum(_plain(ps), lr, 0.9), "momentum", {"momentum": 0.9},
-        sparse="rows", sparse_rule="momentum",
+    Row("Momentum", lambda ps, lr: optkit.Momentum(_plain(ps), lr, momentum=0.9), "momentum",
+        {"momentum": 0.9}, sparse="rows", sparse_rule="momentum",
         torch_twin=lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, foreach=False)),
     Row("Momentum-nesterov-wd", lambda ps, lr: _excluding_bias(optkit.Momentum(
-        _named(ps), lr, 0.9, use_nesterov=True, weight_decay=0.05)),
+        _named(ps), lr, momentum=0.9, nesterov=True, weight_decay=0.05)),
         "momentum", {"momentum": 0.9, "use_nesterov": True, "weight_decay": 0.05},
         per_tensor=_no_decay_bias, sparse=ValueError, uses_names=True),
     Row("Adam", lambda ps, lr: optkit.Adam(_plain(ps), lr), "adam",
@@ -239,7 +239,7 @@ ROWS: list[Row] = [
     Row("Adam-group-amsgrad", lambda ps, lr: optkit.Adam(_bias_apart(ps, {"amsgrad": False}), lr,
                                                          amsgrad=True),
         "adam", {"amsgrad": True}, per_tensor=lambda names: [{"amsgrad": "bias" not in n} for n in names]),
-    Row("AdamW", lambda ps, lr: optkit.AdamW(_plain(ps), 0.1, lr), "adam",
+    Row("AdamW", lambda ps, lr: optkit.AdamW(_plain(ps), lr, weight_decay=0.1), "adam",
         {"weight_decay": 0.1, "_decoupled": True},
         torch_twin=lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, foreach=False)),
     Row("Adagrad", lambda ps, lr: optkit.Adagrad(_plain(ps), lr), "adagrad", sparse="rows",
@@ -312,7 +312,7 @@ ROWS: list[Row] = [
         sparse_hp={"momentum": 0.9}),
     Row("LossScale(Adam,fixed)", lambda ps, lr: optkit.LossScaleOptimizer(optkit.Adam(_plain(ps), lr), 64.0),
         "adam", feed_scale=64.0),
-    Row("LARC(Momentum)", lambda ps, lr: optkit.LARC(optkit.Momentum(_plain(ps), lr, 0.9), 0.02),
+    Row("LARC(Momentum)", lambda ps, lr: optkit.LARC(optkit.Momentum(_plain(ps), lr, momentum=0.9), 0.02),
         "momentum", {"momentum": 0.9}, grad_transform=larc_transform(0.02)),
     Row("LARC-scale(SGD)", lambda ps, lr: optkit.LARC(optkit.SGD(_plain(ps), learning_rate=lr), 0.02,
                                                       larc_mode="scale"),
@@ -331,7 +331,7 @@ ROWS: list[Row] = [
         "keras_sgd", {"momentum": 0.9, "nesterov": True}, feed_scale=128.0,
         grad_transform=larc_transform(0.02)),
     Row("MixedPrecision(Momentum)", lambda ps, lr: optkit.MixedPrecisionOptimizerWrapper(
-        optkit.Momentum(_plain(ps), lr, 0.9), loss_scale=None),
+        optkit.Momentum(_plain(ps), lr, momentum=0.9), loss_scale=None),
         "momentum", {"momentum": 0.9}, dtypes=(torch.float16, torch.bfloat16), half_masters=True),
     # ---- wrappers over torch.optim optimizers (the wrappers take any torch.optim.Optimizer)
     Row("LARC(torch.SGD)", lambda ps, lr: optkit.LARC(
@@ -353,6 +353,11 @@ ROWS: list[Row] = [
     Row("LossScale(LAMB,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
         optkit.LAMB(_plain(ps), lr, weight_decay=0.01), optkit.DynamicLossScale(256.0)),
         "lamb", {"weight_decay": 0.01}, feed_scale=256.0),
+    # a static loss scale of 3, no power of two: float64 gradients are unscaled by 1/3 in float64 (a float32
+    # 1/3 is 3e-8 off, far outside the float64 rows' 1e-12)
+    Row("LossScale(SGD,fixed 3)-fp64", lambda ps, lr: optkit.LossScaleOptimizer(
+        optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), 3.0),
+        "keras_sgd", {"momentum": 0.9}, feed_scale=3.0, dtypes=(torch.float64, torch.float32)),
 ]
 
 ROW_IDS = [r.id for r in ROWS]

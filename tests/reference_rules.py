@@ -145,11 +145,12 @@ def lamb(w, g, st, lr, t, hp):
     r = 1.0
     if not skipped and not hp.get("exclude_from_adaptation", False) and (wd != 0 or hp.get("always_adapt")):
         wn, un = _norm(w), _norm(u)
-        r = wn / un if (wn > 0 and un > 0) else 1.0
-        if hp.get("min_coeff") is not None:
-            r = max(r, hp["min_coeff"])
-        if hp.get("max_coeff") is not None:
-            r = min(r, hp["max_coeff"])
+        if wn > 0 and un > 0:  # DeepSpeed's clamp binds the quotient only: a zero norm's 1 stays 1
+            r = wn / un
+            if hp.get("min_coeff") is not None:
+                r = max(r, hp["min_coeff"])
+            if hp.get("max_coeff") is not None:
+                r = min(r, hp["max_coeff"])
         if hp.get("lambc"):
             r = min(r, 1.0)
     return w - lr * r * u

@@ -3,15 +3,18 @@ later update), checkpoints through ``torch.load(weights_only=True)`` (also insid
 dtypes and parameter layouts.
 
 References: the same configuration without the overflowing window (skips), the uninterrupted run (checkpoints,
-bit for bit), the same configuration on a float64 model (dtypes), the contiguous model (layouts).
+bit for bit), the same configuration on a float64 model (dtypes), the contiguous model (layouts); for the
+float64 rows a float64 NumPy transcription of the model, the window's token-weighted mean and the rule
+(1e-12).
 """
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -20,6 +23,7 @@ import contract_table
 import optkit
 from compiled_passes import run_uncompiled
 from host_reads import HostReads
+from reference_rules import Reference
 
 UPDATES = 4
 
@@ -40,6 +44,9 @@ class TrainRow:
     extra: dict = field(default_factory=dict)
     #: the loss returns (Σ loss, number of items), a varying count per micro-batch (token weighting)
     token_weighted: bool = False
+    #: with ``token_weighted``: the count of the window's m-th micro-batch (its first rows are the items),
+    #: instead of the rows whose target's first entry is positive
+    token_counts: tuple[int, ...] | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -76,12 +83,22 @@ ROWS = [
     TrainRow("SGD-jit-fp32-dynamic-clip-ema", "SGD",
              {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01, "use_ema": True, "jit_compile": True},
              loss_scaling="dynamic", clip_gradients=0.5),
+    # float64 with a gradient scale that is no power of two: a static loss scale of 3, a window of 3
+    # micro-batches with 1, 2 and 3 items and a binding clip, so the update divides by 3·6/coef (a float32
+    # 1/18 is 3e-8 off); checked against the float64 NumPy reference to 1e-12
+    TrainRow("SGD-fp64-static3-accumulate3-tokens-clip", "SGD", {"momentum": 0.9}, dtype=torch.float64,
+             loss_scaling=3.0, iter_size=3, token_weighted=True, token_counts=(1, 2, 3), clip_gradients=0.5),
 ]
 BY_ID = {r.id: r for r in ROWS}
 
 
 def model_dtype(row: TrainRow):
     return torch.float16 if row.dtype == "mixed" else row.dtype
+
+
+def train_dtype(row: TrainRow):
+    """``optimize_loss``'s ``dtype``: a float64 model trains in its own precision (``torch.float32``)."""
+    return torch.float32 if row.dtype == torch.float64 else row.dtype
 
 
 def make_model(dtype, layout="contiguous") -> nn.Module:
@@ -103,18 +120,26 @@ def batch(k: int, dtype, poison: bool = False):
 
 
 def build(row: TrainRow, model: nn.Module, op_dtype=None):
-    def loss(x, y):
-        if row.token_weighted:  # the rows whose target's first entry is positive count (1-7 of 8 here)
-            keep = (y[:, 0] > 0).float()
-            return (((model(x).float() - y.float()) ** 2).sum(1) * keep).sum(), keep.sum()
-        return ((model(x).float() - y.float()) ** 2).mean()
+    acc = torch.float64 if row.dtype == torch.float64 else torch.float32  # the loss's precision
+    built: list = []
 
-    return optimize_loss(row, loss, model, op_dtype)
+    def loss(x, y):
+        if row.token_counts is not None:  # the first c rows are the items, c by position in the window
+            c = row.token_counts[built[0].micro_steps]
+            return ((model(x).to(acc) - y.to(acc)) ** 2).sum(1)[:c].sum(), c
+        if row.token_weighted:  # the rows whose target's first entry is positive count (1-7 of 8 here)
+            keep = (y[:, 0] > 0).to(acc)
+            return (((model(x).to(acc) - y.to(acc)) ** 2).sum(1) * keep).sum(), keep.sum()
+        return ((model(x).to(acc) - y.to(acc)) ** 2).mean()
+
+    built.append(optimize_loss(row, loss, model, op_dtype))
+    return built[0]
 
 
 def optimize_loss(row, loss, model, op_dtype=None):
     return optkit.optimize_loss(
-        loss, row.optimizer, dict(row.params), row.lr, dtype=row.dtype if op_dtype is None else op_dtype,
+        loss, row.optimizer, dict(row.params), row.lr,
+        dtype=train_dtype(row) if op_dtype is None else op_dtype,
         loss_scaling=row.loss_scaling, loss_scaling_params=row.loss_scaling_params,
         larc_params=row.larc_params, clip_gradients=row.clip_gradients, iter_size=row.iter_size, model=model,
         **row.extra)
@@ -148,6 +173,30 @@ def assert_close_models(a: nn.Module, b: nn.Module, dtype):
     tol = {torch.float32: 1e-6, torch.float64: 1e-12}.get(dtype, 4 * torch.finfo(dtype).eps)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p.detach().double(), q.detach().double(), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------------ scratch
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS])
+def test_update_may_use_the_gradients_as_scratch(row_id):
+    """``optimize_loss`` clears the gradients after every update, so it builds its optkit optimizer with
+    ``scratch_grads=True`` (the step may use ``.grad`` as scratch: LARS, LAMB and Nesterov SGD skip their
+    in-cache copies; torch optimizers are left as they are). ``scratch_grads=False`` in ``optimizer_params``
+    is honoured, and the weights are those of the scratch run (the opt-in changes where the math runs, not
+    the math)."""
+    row = BY_ID[row_id]
+    model = make_model(model_dtype(row))
+    op = build(row, model)
+    inner = op.base_optimizer
+    assert not isinstance(inner, optkit.Optimizer) or inner.scratch_grads
+    run(row, op, model, UPDATES)
+    kept = replace(row, params={**row.params, "scratch_grads": False})
+    model2 = make_model(model_dtype(row))
+    op2 = build(kept, model2)
+    assert not getattr(op2.base_optimizer, "scratch_grads", False)
+    run(kept, op2, model2, UPDATES)
+    assert_close_models(model2, model, model_dtype(row))
 
 
 # ------------------------------------------------------------------------------------------------ skips
@@ -224,6 +273,44 @@ def test_dtype_against_float64_model(row_id):
     tol = {torch.float32: 2e-5}.get(dt, 20 * torch.finfo(dt).eps)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().double(), q.detach(), rtol=tol, atol=tol)
+
+
+def _mlp_grads(ws: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """∂/∂(W1, b1, W2, b2) of Σ_i ‖W2·tanh(W1·x_i + b1) + b2 − y_i‖² (:func:`make_model`'s network), by hand
+    in float64."""
+    w1, b1, w2, b2 = ws
+    h = np.tanh(x @ w1.T + b1)
+    d = 2.0 * (h @ w2.T + b2 - y)
+    dh = (d @ w2) * (1.0 - h * h)
+    return [dh.T @ x, dh.sum(0), d.T @ h, d.sum(0)]
+
+
+@pytest.mark.parametrize("row_id", [r.id for r in ROWS if r.dtype == torch.float64])
+def test_float64_row_matches_numpy_reference(row_id):
+    """A float64 model under a gradient scale that is no power of two (static loss scale, accumulation
+    window, token counts, clip) matches the float64 NumPy reference to 1e-12: the update is
+    ``rule(clip(Σ_m ∇loss_sum_m / Σ_m c_m))``, whatever the scale the gradients carried."""
+    row = BY_ID[row_id]
+    model = make_model(torch.float64)
+    op = build(row, model)
+    ref = Reference("keras_sgd", [p.detach().numpy().copy() for p in model.parameters()],
+                    {"momentum": row.params.get("momentum", 0.0)}, {"lr": row.lr})
+    for u in range(UPDATES):
+        total, items = [np.zeros_like(w) for w in ref.ws], 0
+        for m in range(row.iter_size):
+            x, y = batch(10 * u + m, torch.float64)
+            op(x, y)
+            c = row.token_counts[m]
+            total = [t + g for t, g in zip(total, _mlp_grads(ref.ws, x.numpy()[:c], y.numpy()[:c]))]
+            items += c
+        grads = [t / items for t in total]
+        if row.clip_gradients is not None:
+            n = np.sqrt(sum(np.sum(g * g) for g in grads))
+            grads = [g * row.clip_gradients / max(n, row.clip_gradients) for g in grads]
+        ref.step(grads)
+    assert int(op.global_step) == UPDATES
+    for p, w in zip(model.parameters(), ref.ws):
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("row_id", [r.id for r in ROWS])

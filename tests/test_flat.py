@@ -100,7 +100,7 @@ def test_steps_match_torch_and_zero_grad_keeps_the_views():
     model = _model()
     twin, ref_opt = _twin(model)
     flat = optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt = optkit.Momentum(model.parameters(), LR, momentum=MU)
     for k in range(3):
         opt.zero_grad()
         assert flat.views_intact()
@@ -166,7 +166,7 @@ def test_replaced_gradients_fall_back_per_tensor_and_views_come_back():
     model = _model()
     twin, ref_opt = _twin(model)
     flat = optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt = optkit.Momentum(model.parameters(), LR, momentum=MU)
     gbuf = next(iter(flat.grads.values()))
     k = 0
     for how in ("flat", "model.zero_grad", "one replaced", "restored"):
@@ -201,7 +201,7 @@ def test_replaced_parameter_storage_is_followed():
     model = _model()
     twin, ref_opt = _twin(model)
     optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt = optkit.Momentum(model.parameters(), LR, momentum=MU)
     opt.zero_grad()
     _loss(model, 0).backward()
     opt.step()
@@ -223,7 +223,7 @@ def test_a_gradient_moved_out_of_the_flat_gradient_is_followed(how):
     model = _model()
     twin, ref_opt = _twin(model)
     optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt = optkit.Momentum(model.parameters(), LR, momentum=MU)
     for k in range(4):
         opt.zero_grad()
         _loss(model, k).backward()
@@ -249,7 +249,7 @@ def test_a_tensor_restrided_in_place_is_followed(how):
     model = _model()
     twin, ref_opt = _twin(model)
     optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt = optkit.Momentum(model.parameters(), LR, momentum=MU)
     for k in range(4):
         for m, o in ((model, opt), (twin, ref_opt)):
             w = m[4].weight  # 5 x 5
@@ -427,7 +427,7 @@ def test_loss_scale_optimizer_hands_what_it_read_to_the_step(hook):
     model = _model()
     twin, ref_opt = _twin(model)
     flat = optkit.flat_parameters(model)
-    inner = optkit.Momentum(model.parameters(), LR, MU)
+    inner = optkit.Momentum(model.parameters(), LR, momentum=MU)
     middle = optkit.VariableClippingOptimizer(inner, {}, max_norm=1.0)  # clips nothing
     steps = []
     if hook:  # from the second step on (the first builds the plan over the views)
@@ -464,7 +464,7 @@ def test_a_hand_over_is_removed_when_the_step_raises():
 
     model = _model()
     optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt = optkit.Momentum(model.parameters(), LR, momentum=MU)
     _loss(model, 0).backward()
     opt.step()
     seen = {}
@@ -482,7 +482,7 @@ def test_a_probe_check_does_not_outlive_its_step():
     model = _model()
     twin, ref_opt = _twin(model)
     optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt = optkit.Momentum(model.parameters(), LR, momentum=MU)
     group = opt.param_groups[0]
     for k in range(3):
         opt.zero_grad()
@@ -508,7 +508,7 @@ def test_gradients_come_back_to_their_views_after_model_zero_grad(clear):
     model = _model()
     twin, ref_opt = _twin(model)
     flat = optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt = optkit.Momentum(model.parameters(), LR, momentum=MU)
     model.zero_grad()
     for k in range(4):
         if k:
@@ -527,7 +527,7 @@ def test_zero_grad_does_not_point_a_parameter_back_into_a_buffer_it_left():
     view."""
     model = _model()
     optkit.flat_parameters(model)
-    opt = optkit.Momentum(model.parameters(), LR, MU)
+    opt = optkit.Momentum(model.parameters(), LR, momentum=MU)
     model[5].weight.data = model[5].weight.data.clone()
     model.zero_grad()
     _loss(model, 0).backward()
@@ -575,7 +575,7 @@ def _sparse_loss(m: nn.Module, k: int) -> torch.Tensor:
 _SPARSE_RULES = {
     "Ftrl(l1)": lambda ps: optkit.Ftrl(ps, 0.05, l1_regularization_strength=0.01),
     "Adagrad": lambda ps: optkit.Adagrad(ps, 0.05),
-    "Momentum": lambda ps: optkit.Momentum(ps, 0.05, 0.9),
+    "Momentum": lambda ps: optkit.Momentum(ps, 0.05, momentum=0.9),
     "RMSProp": lambda ps: optkit.RMSProp(ps, 0.05, momentum=0.5),
     "LARS": lambda ps: optkit.LARS(ps, 0.05),
 }
@@ -645,8 +645,8 @@ def test_param_groups_of_a_module_keep_its_sparse_embeddings_out():
     groups = optkit.param_groups(model, [("head", {"lr_scale": 2.0})])
     flat = optkit.flat_parameters(groups)
     assert {id(p) for p in flat.separate} == {id(model.emb.weight), id(model.bag.weight)}
-    opt = optkit.Momentum(groups, 0.05, 0.9)
-    ref = optkit.Momentum(optkit.param_groups(twin, [("head", {"lr_scale": 2.0})]), 0.05, 0.9)
+    opt = optkit.Momentum(groups, 0.05, momentum=0.9)
+    ref = optkit.Momentum(optkit.param_groups(twin, [("head", {"lr_scale": 2.0})]), 0.05, momentum=0.9)
     for k in range(3):
         for m, o in ((model, opt), (twin, ref)):
             o.zero_grad()
@@ -725,7 +725,7 @@ _JIT_RULES = {
     # nothing per tensor: the compiled chain over the whole flat buffer
     "SGD-nesterov-wd-ema": (lambda ps: optkit.SGD(ps, 0.05, momentum=0.9, nesterov=True, weight_decay=0.01,
                                                   use_ema=True, ema_momentum=0.5, jit_compile=True), "whole"),
-    "AdamW": (lambda ps: optkit.AdamW(ps, 0.01, learning_rate=0.01, jit_compile=True), "whole"),
+    "AdamW": (lambda ps: optkit.AdamW(ps, 0.01, weight_decay=0.01, jit_compile=True), "whole"),
     "Adagrad": (lambda ps: optkit.Adagrad(ps, 0.05, jit_compile=True), "whole"),
     "RMSProp": (lambda ps: optkit.RMSProp(ps, 0.05, momentum=0.5, jit_compile=True), "whole"),
     "Ftrl": (lambda ps: optkit.Ftrl(ps, 0.05, l1_regularization_strength=0.01, jit_compile=True), "whole"),
@@ -845,3 +845,69 @@ def test_optimize_loss_under_jit_compile_reads_each_gradient_once_for_norm_and_c
         torch.testing.assert_close(torch.stack(other[1]), torch.stack(runs[0][1]), rtol=1e-12, atol=0,
                                    equal_nan=True)
         assert float(other[2]) == float(runs[0][2])
+
+
+def test_a_freed_buffers_address_does_not_make_a_later_parameter_flat(monkeypatch):
+    """A flat buffer is freed, and a later plain parameter's storage has its address and byte size (forced
+    here: the buffer is laid over memory the test owns, as an allocator may hand a freed block back). That
+    parameter is not flat: ``zero_grad()`` sets its ``.grad`` to None and a step in which it has no gradient
+    leaves it and its moments alone, as ``torch.optim.Adam`` (coupled decay) does on a copy; a registry of
+    addresses took it for a flat one (a zero gradient kept, the moments decayed and the decay moved it)."""
+    import gc
+
+    n, f64 = 1000, torch.float64
+    gen = torch.Generator().manual_seed(11)
+    values = torch.randn(n, generator=gen, dtype=f64)
+    grads = [torch.randn(n, generator=gen, dtype=f64) for _ in range(3)]
+    memory = bytearray(n * 8)
+    empty = torch.empty
+
+    def empty_over_memory(*size, **kw):  # the flat parameter buffer lies in `memory`
+        if size == (n,) and kw.get("dtype") is f64:
+            return torch.frombuffer(memory, dtype=f64)
+        return empty(*size, **kw)
+
+    w = nn.Parameter(torch.randn(n, generator=gen, dtype=f64))
+    monkeypatch.setattr(torch, "empty", empty_over_memory)
+    made = optkit.flat_parameters([w])
+    monkeypatch.setattr(torch, "empty", empty)
+    storage = w.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    assert flat_buffer_of(w) is not None and ptr == torch.frombuffer(memory, dtype=f64).data_ptr()
+    del storage, made, w  # the flat buffer's storage is freed
+    gc.collect()
+    q = nn.Parameter(torch.frombuffer(memory, dtype=f64).copy_(values))  # a new storage, same address, size
+    assert (q.untyped_storage().data_ptr(), q.untyped_storage().nbytes()) == (ptr, nbytes)
+    assert flat_buffer_of(q) is None
+    ref = nn.Parameter(values.clone())
+    opt = optkit.Adam([q], learning_rate=0.1, weight_decay=0.01)
+    ref_opt = torch.optim.Adam([ref], lr=0.1, weight_decay=0.01, foreach=False)
+    for k in range(3):  # step 1: no gradient at all
+        for o, p in ((opt, q), (ref_opt, ref)):
+            o.zero_grad()
+            assert p.grad is None
+            if k != 1:
+                p.grad = grads[k].clone()
+            o.step()
+        torch.testing.assert_close(q.detach(), ref.detach(), rtol=1e-12, atol=1e-14, msg=f"step {k}")
+        for slot in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[q][slot], ref_opt.state[ref][slot], rtol=1e-12, atol=1e-14)
+
+
+def test_the_registry_forgets_freed_buffers():
+    """Entries of freed flat buffers go at the next ``flat_parameters`` call; live ones stay."""
+    import gc
+
+    from optkit import flat as flat_mod
+
+    a = nn.Parameter(torch.randn(7))
+    flat_mod.flat_parameters([a])
+    key = a.untyped_storage()._cdata
+    assert key in flat_mod._REGISTRY and flat_buffer_of(a) is not None
+    del a
+    gc.collect()
+    b = nn.Parameter(torch.randn(9))
+    flat_mod.flat_parameters([b])
+    assert all(not ref.expired() for ref in flat_mod._REGISTRY.values())
+    assert flat_buffer_of(b) is not None
+    assert key not in flat_mod._REGISTRY or key == b.untyped_storage()._cdata  # (b's may take its place)

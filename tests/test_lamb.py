@@ -179,7 +179,9 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(case, jit, monkeypat
         for t in ts:
             t.grad = torch.zeros_like(t)
         optkit.flat_parameters(ts)
-        opt = optkit.LAMB(list(zip(names, ts)), 0.05, block_numel=block_numel, **kw)
+        # (the eager row pass keeps u in the gradient rows: a step that may use the gradients as scratch,
+        # as the train op's; with the caller's gradients LAMB takes the per-tensor chunks over the buffer)
+        opt = optkit.LAMB(list(zip(names, ts)), 0.05, block_numel=block_numel, scratch_grads=not jit, **kw)
         for i, gs in enumerate(grads):
             for t, g in zip(ts, gs):
                 t.grad.copy_(torch.tensor(g))
@@ -266,6 +268,46 @@ def test_zero_norms_give_ratio_one():
     for g, r in zip(got, ref):
         assert np.all(np.isfinite(g))
         np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("layout,coeff", [("tensors", "min"), ("tensors", "max"), ("flat", "min"),
+                                          ("flat", "max"), ("jit", "min")])
+def test_zero_norm_ratio_one_is_not_clamped(layout, coeff):
+    """DeepSpeed's fused LAMB kernel clamps ``‖w‖/‖u‖`` into ``[min_coeff, max_coeff]`` only when both norms
+    are positive: the ratio 1 of a zero weight (``l0``, zero at the first step) stays 1 with
+    ``min_coeff > 1`` and with ``max_coeff < 1``, and a zero update (``l2``: zero gradients, excluded from
+    decay) stays finite. Eager per-tensor pass, flat buffers (row runs) and ``jit_compile``, against the
+    float64 reference."""
+    shapes = [(6,), (2, 3), (6,), (3, 2), (6,)] if layout == "flat" else [(3, 2), (5, 4), (4,), (3, 2, 2)]
+    names = [f"l{i}.weight" for i in range(len(shapes))]
+    names[2] = "l2.still"
+    ws, grads = _problem(17, shapes=shapes, steps=3, w_scale=2.0)
+    ws[0] = np.zeros(shapes[0])
+    for gs in grads:
+        gs[2] = np.zeros(shapes[2])
+    kw = dict(weight_decay=0.01, always_adapt=True)
+    kw.update(min_coeff=2.0) if coeff == "min" else kw.update(max_coeff=0.5)
+    ref = _ref_run(ws, grads, 0.05, kw, per_tensor=[{"_decayed": n != "l2.still"} for n in names])
+    ts = [torch.tensor(w, dtype=F64, requires_grad=True) for w in ws]
+    for t in ts:
+        t.grad = torch.zeros_like(t)
+    if layout == "flat":
+        optkit.flat_parameters(ts)
+    # (the row runs keep u in the gradient rows: a step that may use the gradients as scratch, the train op's)
+    opt = optkit.LAMB(list(zip(names, ts)), 0.05, jit_compile=layout == "jit", scratch_grads=layout == "flat",
+                      **kw)
+    opt.exclude_from_weight_decay(var_names=["still"])
+    for gs in grads:
+        for t, g in zip(ts, gs):
+            t.grad.copy_(torch.tensor(g))
+        opt.step()
+    if layout == "flat":
+        assert list(opt._plans.values())[0].flat_active and list(opt._plans.values())[0].flat.rows_pay
+    if layout == "jit":
+        assert opt._compile_state == "ok"
+    tol = 1e-10 if layout == "jit" else 1e-12
+    for t, r in zip(ts, ref):
+        np.testing.assert_allclose(t.detach().numpy(), r, rtol=tol, atol=tol)
 
 
 def test_global_grad_norm_clip_is_nvlamb_prenormalisation():
@@ -523,7 +565,9 @@ def test_jit_compile_failure_in_either_pass_falls_back_to_the_eager_result(broke
             for t in ts:
                 t.grad = torch.zeros_like(t)
             optkit.flat_parameters(ts)
-        opt = optkit.LossScaleOptimizer(optkit.LAMB(ts, 0.05, weight_decay=0.01, jit_compile=jit),
+        # (eager row runs over flat buffers keep u in the gradient rows: scratch_grads, as the train op)
+        opt = optkit.LossScaleOptimizer(optkit.LAMB(ts, 0.05, weight_decay=0.01, jit_compile=jit,
+                                                    scratch_grads=layout == "flat"),
                                         optkit.DynamicLossScale(8.0))
         for k, gs in enumerate(grads):
             for t, g in zip(ts, gs):
@@ -630,3 +674,45 @@ def test_registry_and_config_round_trip():
                       max_coeff=3.0, min_coeff=0.1, exclude_1d=True, bias_correction=False)
     cfg = opt.get_config()
     assert optkit.LAMB.from_config(cfg, [torch.zeros(3, requires_grad=True)]).get_config() == cfg
+
+
+# ------------------------------------------------------------------------------------------------ .grad
+
+
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.float16])
+@pytest.mark.parametrize("block_numel", [1 << 20, 24])
+def test_step_leaves_grad_and_matches_the_reference(dtype, block_numel, copy, monkeypatch):
+    """``step()`` leaves every ``.grad`` bitwise as it was, as ``torch.optim`` does (on the CPU LAMB used to
+    leave the direction ``u`` there), or ``g/S`` under a loss scale ``S`` (``grad_scale``), also with a
+    binding NVLAMB clip (``global_grad_norm_clip``: the clip factor never reaches ``.grad``). The update is
+    the float64 reference's, and the one of ``scratch_grads=True`` (pass 1 writes ``u`` into the gradients):
+    the applied direction is the one whose norm set the trust ratio: the eager passes run on a copy of the
+    gradients (``copy``), or, as inside ``torch.compile``, pass 2 forms it again with the same kernel from
+    in-cache copies of the gradients."""
+    monkeypatch.setattr(optkit.LAMB, "_shadow_grads", copy)
+    ws, grads = _problem(12, shapes=((5, 4), (4,), (3, 2, 2), (7,), (2, 3), (6,)), w_scale=2.0)
+    kw = {"weight_decay": 0.01, "global_grad_norm_clip": 2.0}
+    ref = _ref_run(ws, grads, 0.05, {"weight_decay": 0.01}, base={"global_clipnorm": 2.0})
+    tol = {F64: 1e-11, torch.float32: 2e-5, torch.float16: 4e-3}[dtype]
+    for scale in (None, 64.0):
+        runs = []
+        for scratch in (False, True):
+            ts = [torch.tensor(w, dtype=dtype, requires_grad=True) for w in ws]
+            opt = optkit.LAMB(ts, 0.05, block_numel=block_numel, scratch_grads=scratch, **kw)
+            for gs in grads:
+                for t, g in zip(ts, gs):
+                    t.grad = torch.tensor(g if scale is None else np.asarray(g) * scale, dtype=dtype)
+                before = [t.grad.clone() for t in ts]
+                if scale is not None:
+                    opt.grad_scale = torch.tensor(scale)
+                opt.step()
+                opt.__dict__.pop("grad_scale", None)
+                if not scratch:
+                    want = before if scale is None else [(b.double() / scale).to(dtype) for b in before]
+                    assert all(torch.equal(t.grad, b) for t, b in zip(ts, want))
+            runs.append(ts)
+            for t, r in zip(ts, ref):
+                np.testing.assert_allclose(t.detach().double().numpy(), r, rtol=tol, atol=tol)
+        for a, b in zip(*runs):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=tol, atol=tol)

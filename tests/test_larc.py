@@ -30,13 +30,30 @@ def np_ratio(w, g, lr, eta, mode, min_update=1e-7, eps=1e-7):
     return max(eta * wn / (gn + eps), min_update)
 
 
+def _seen(opt) -> dict:
+    """The gradients the inner torch optimizer steps on, recorded by its step pre-hook: LARC hands it the
+    ratio-scaled gradients in copies and leaves the caller's ``.grad`` as it was (torch.optim's contract)."""
+    seen = {}
+
+    def hook(o, args, kwargs):
+        for group in o.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    seen[p] = p.grad.detach().clone()
+
+    opt.optimizer.register_step_pre_hook(hook)
+    return seen
+
+
 def _scaled_grad(v, g, eta, mode, lr=0.1, dtype=torch.float32):
-    """g' as left in p.grad by LARC over a plain torch SGD (gradients are scaled in place)."""
+    """g' as LARC hands it to a plain torch SGD (the caller's p.grad is left as it was)."""
     p = _w(v, dtype)
     opt = LARC(torch.optim.SGD([p], lr=lr), eta, mode)
+    seen = _seen(opt)
     p.grad = torch.tensor(g, dtype=dtype)
     opt.step()
-    return p.grad.numpy()
+    assert torch.equal(p.grad, torch.tensor(g, dtype=dtype))
+    return seen[p].numpy()
 
 
 @pytest.mark.parametrize("eta,mode,v,g,expect", [
@@ -56,16 +73,17 @@ def test_zero_grad_scale_mode_ratio_1e5():
     """g = 0: scale mode gives r = η‖v‖/ε = 1e5 (no NaN); a gradient of 1e-9 shows it: r·g = 1e-4-ish."""
     p = _w([3.0, 4.0], torch.float64)
     opt = LARC(torch.optim.SGD([p], lr=0.1), 0.002, "scale")
+    seen = _seen(opt)
     p.grad = torch.zeros(2, dtype=torch.float64)
     opt.step()
-    assert torch.equal(p.grad, torch.zeros(2, dtype=torch.float64)) and torch.equal(p.detach(), torch.tensor(
+    assert torch.equal(seen[p], torch.zeros(2, dtype=torch.float64)) and torch.equal(p.detach(), torch.tensor(
         [3.0, 4.0], dtype=torch.float64))
     g = np.array([0.0, 1e-9])
     p.grad = torch.tensor(g)
     opt.step()
     r = np_ratio(np.array([3.0, 4.0]), g, 0.1, 0.002, "scale")
     assert r == pytest.approx(0.01 / (1e-9 + 1e-7))
-    np.testing.assert_allclose(p.grad.numpy(), r * g, rtol=1e-12)
+    np.testing.assert_allclose(seen[p].numpy(), r * g, rtol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["clip", "scale"])
@@ -107,9 +125,10 @@ def test_uses_current_lr_tensor_and_schedule():
     p = _w([3.0, 4.0])
     inner = torch.optim.SGD([p], lr=torch.tensor(0.1))
     opt = LARC(inner, 0.002)
+    seen = _seen(opt)
     p.grad = torch.tensor([0.3, 0.4])
     opt.step()
-    np.testing.assert_allclose(p.grad.numpy(), [0.06, 0.08], rtol=1e-5)
+    np.testing.assert_allclose(seen[p].numpy(), [0.06, 0.08], rtol=1e-5)
     # optkit schedule: the ratio uses schedule(iterations) of the step being taken
     q = _w([3.0, 4.0], torch.float64)
     sched_inner = SGD([q], lambda step: 0.1 if int(step) == 0 else 0.05)
@@ -197,12 +216,13 @@ def test_wd_in_denominator_matches_timm_formula(rng):
 def test_sparse_gradient_densified_duplicates_summed():
     p = _w([[3.0, 4.0], [1.0, 1.0]])
     opt = LARC(torch.optim.SGD([p], lr=0.1), 0.002, "scale")
+    seen = _seen(opt)
     p.grad = torch.sparse_coo_tensor(torch.tensor([[0, 0]]), torch.tensor([[0.15, 0.2], [0.15, 0.2]]), (2, 2),
                                      check_invariants=True)
     opt.step()
     w = np.array([[3.0, 4.0], [1.0, 1.0]])
     g = np.array([[0.3, 0.4], [0.0, 0.0]])
-    np.testing.assert_allclose(p.grad.numpy(), np_ratio(w, g, 0.1, 0.002, "scale") * g, rtol=1e-6)
+    np.testing.assert_allclose(seen[p].numpy(), np_ratio(w, g, 0.1, 0.002, "scale") * g, rtol=1e-6)
 
 
 def test_strict_parameter_checks_leave_optimizer_untouched():
@@ -265,10 +285,11 @@ def test_add_param_group_rescans_exclusions():
     a, b = _w([[3.0, 4.0]]), _w([1.0, 1.0])
     opt = LARC(torch.optim.SGD([a], lr=0.1), 0.002, exclude=lambda n, p: p.ndim == 1)
     opt.add_param_group({"params": [b]})
+    seen = _seen(opt)
     a.grad, b.grad = torch.tensor([[0.3, 0.4]]), torch.tensor([0.5, 0.5])
     opt.step()
-    assert torch.equal(b.grad, torch.tensor([0.5, 0.5]))
-    np.testing.assert_allclose(a.grad.numpy(), [[0.06, 0.08]], rtol=1e-5)
+    assert torch.equal(seen[b], torch.tensor([0.5, 0.5]))
+    np.testing.assert_allclose(seen[a].numpy(), [[0.06, 0.08]], rtol=1e-5)
 
 
 
@@ -354,10 +375,11 @@ def test_unpickling_a_position_keyed_larc_keeps_its_exclusions():
     state["_scanned"], state["_excluded"] = {(0, 0), (0, 1)}, {(0, 1)}
     old = LARC.__new__(LARC)
     old.__setstate__(state)
+    seen = _seen(old)
     a.grad, b.grad = torch.tensor([[0.3, 0.4]]), torch.tensor([0.5, 0.5])
     old.step()
-    assert torch.equal(b.grad, torch.tensor([0.5, 0.5]))
-    np.testing.assert_allclose(a.grad.numpy(), [[0.06, 0.08]], rtol=1e-5)
+    assert torch.equal(seen[b], torch.tensor([0.5, 0.5]))
+    np.testing.assert_allclose(seen[a].numpy(), [[0.06, 0.08]], rtol=1e-5)
 
 
 def _ref_larc_keras_sgd(ws, grads, lrs, group_of, eta, mode, keep, wd=None, momentum=0.9, eps=1e-7):
@@ -409,7 +431,10 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(rng, case):
         named = list(zip(names, ts))
         groups = ([{"params": named[:5], "lr": lrs[0]}, {"params": named[5:], "lr": lrs[1]}]
                   if case == "two-groups" else named)
-        opt = LARC(SGD(groups, 0.1, momentum=0.9, block_numel=block_numel), eta, mode,
+        # (wd_in_denominator writes g + wd·v into the flat gradient only when the step may use the gradients
+        # as scratch, as the train op lets it; otherwise into per-tensor copies: no row runs at block 16)
+        scratch = wd is not None and block_numel != 16
+        opt = LARC(SGD(groups, 0.1, momentum=0.9, block_numel=block_numel, scratch_grads=scratch), eta, mode,
                    exclude=(lambda n, p: p.ndim <= 1) if case == "exclude" else None, wd_in_denominator=wd)
         flat_steps = []
         original = opt._flat_step
@@ -424,7 +449,7 @@ def test_flat_buffers_take_row_runs_and_match_the_reference(rng, case):
             opt.grad_scale = torch.tensor(8.0)
             opt.step()
             del opt.grad_scale
-        assert len(flat_steps) == (0 if block_numel == 8 else 4), block_numel
+        assert len(flat_steps) == (0 if block_numel == 8 or (wd and not scratch) else 4), block_numel
         for t, r in zip(ts, ref):
             np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-9, atol=1e-12)
         kept = [t for t, k in zip(ts, keep) if k]

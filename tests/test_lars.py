@@ -132,6 +132,30 @@ def test_spec_l8_sparse_plain_momentum_base_lr(variant, nesterov):
     close(opt.get_slot(w, "momentum")[1:], [[0.0, 0.0], [0.0, 0.0]])
 
 
+def test_sparse_momentum_zero_keeps_tf_slot_as_the_dense_rule():
+    """LARS keeps TF's ``ApplyMomentum`` slot at ``momentum=0`` (``a ← 0·a + g``) on both paths, unlike
+    ``Momentum`` (torch's rule): with every row touched the TF 1.14 slot of sparse gradients equals the dense
+    one when the momentum is raised from 0 to 0.9, and both match the float64 reference ``a ← m·a + g``."""
+    rng = np.random.default_rng(8)
+    w0 = rng.standard_normal((4, 2))
+    grads = [rng.standard_normal((4, 2)) for _ in range(3)]
+    slots = []
+    for sparse in (True, False):
+        w = torch.tensor(w0, requires_grad=True)
+        opt = LARS([w], 0.1, momentum=0.0, weight_decay=0.1, eeta=0.1, variant="tf1.14")
+        for g, mu in zip(grads, (0.0, 0.0, 0.9)):
+            opt.param_groups[0]["momentum"] = mu
+            g = torch.tensor(g)
+            w.grad = g.to_sparse(1) if sparse else g  # (row slices, as nn.Embedding)
+            opt.step()
+        slots.append(opt.get_slot(w, "momentum"))
+    a = np.zeros_like(w0)
+    for g, mu in zip(grads, (0.0, 0.0, 0.9)):
+        a = mu * a + g
+    for s in slots:
+        np.testing.assert_allclose(s.numpy(), a, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "case,grad,step1,step2",
     [
@@ -380,7 +404,7 @@ def test_config_keeps_options():
             "eeta",
             "epsilon",
             "skip_list",
-            "use_nesterov",
+            "nesterov",
             "variant",
             "exclude_1d",
         )
@@ -390,7 +414,7 @@ def test_config_keeps_options():
         "eeta": 0.01,
         "epsilon": 1e-6,
         "skip_list": ["bn"],
-        "use_nesterov": True,
+        "nesterov": True,  # the canonical name (TF1's use_nesterov= is accepted for it)
         "variant": "tf1.14",
         "exclude_1d": True,
     }
@@ -523,7 +547,9 @@ def test_jit_compile_update_step_and_many_flat_runs_take_the_eager_paths(monkeyp
     monkeypatch.setattr(Optimizer, "_run_compiled_rows",
                         lambda self, *a, **kw: (compiled_rows.append(1), original(self, *a, **kw))[1])
     for build in (lambda ps, jit: LARS(ps, 0.5, eeta=0.01, jit_compile=jit),
-                  lambda ps, jit: optkit.LAMB(ps, 0.05, weight_decay=0.01, jit_compile=jit)):
+                  # (LAMB's eager row runs keep u in the gradient rows: scratch_grads, as the train op)
+                  lambda ps, jit: optkit.LAMB(ps, 0.05, weight_decay=0.01, jit_compile=jit,
+                                              scratch_grads=True)):
         runs = []
         for jit in (False, True):
             torch.manual_seed(3)
@@ -540,3 +566,40 @@ def test_jit_compile_update_step_and_many_flat_runs_take_the_eager_paths(monkeyp
         for a, b in zip(*runs):
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
     assert not compiled_rows
+
+
+# ------------------------------------------------------------------------------------------------ .grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("variant,nesterov", [("tf1.15", False), ("tf1.15", True), ("tf1.14", True)])
+def test_step_leaves_grad_and_matches_the_scratch_mode(variant, nesterov, dtype):
+    """``step()`` leaves every ``.grad`` bitwise as it was, as ``torch.optim`` does (LARS used to leave
+    ``s·k·g + s·wd·w`` there), or ``g/S`` under a loss scale ``S`` (``grad_scale``); the update is bit for bit
+    the one of ``scratch_grads=True``, where the rule runs in the gradients themselves: the default mode runs
+    it on in-cache copies of the gradient chunks. Blocks of a few large tensors (``s·k`` in the kernel) and
+    of many small ones, tensors cut across blocks, with and without a loss scale."""
+    rng = np.random.default_rng(4)
+    shapes = [(40, 30), (30,), (7, 5), (5,), (300,)]
+    names = [f"l{i}.weight" if len(s) > 1 else f"l{i}.bias" for i, s in enumerate(shapes)]
+    ws = [torch.tensor(rng.standard_normal(s) * 0.5, dtype=dtype) for s in shapes]
+    gs = [[torch.tensor(rng.standard_normal(s), dtype=dtype) for s in shapes] for _ in range(3)]
+    for scale in (None, 256.0):
+        out = []
+        for scratch in (False, True):
+            ps = [w.clone().requires_grad_() for w in ws]
+            opt = LARS(list(zip(names, ps)), 0.1, eeta=0.01, weight_decay=1e-3, use_nesterov=nesterov,
+                       variant=variant, skip_list=["l1."], block_numel=500, scratch_grads=scratch)
+            for step in gs:
+                for p, g in zip(ps, step):
+                    p.grad = g.clone() if scale is None else (g.double() * scale).to(dtype)
+                before = [p.grad.clone() for p in ps]
+                if scale is not None:
+                    opt.grad_scale = torch.tensor(scale)
+                opt.step()
+                opt.__dict__.pop("grad_scale", None)
+                if not scratch:
+                    want = before if scale is None else [(b.double() / scale).to(dtype) for b in before]
+                    assert all(torch.equal(p.grad, b) for p, b in zip(ps, want))
+            out.append(ps)
+        assert all(torch.equal(a, b) for a, b in zip(*out))

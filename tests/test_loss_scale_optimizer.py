@@ -448,3 +448,82 @@ def test_a_refused_inner_step_leaves_the_gradients_scaled_for_a_retry(scale):
         scaler.step(inner2)
     scaler.step(inner2)
     torch.testing.assert_close(w.detach(), w2.detach(), rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("how", ["step", "closure-constant", "closure-none", "closure-unconnected"])
+@pytest.mark.parametrize("inner", ["optkit", "torch"])
+@pytest.mark.parametrize("wrapper", ["LossScaleOptimizer", "MixedPrecisionOptimizerWrapper"])
+def test_a_step_without_any_gradient_is_a_no_op(rng, wrapper, inner, how):
+    """torch's contract: a step where no parameter has a gradient changes nothing and returns the closure's
+    loss (the closure's loss may not require grad: a frozen phase, an evaluation closure, a loss that does not
+    reach the parameters). Both loss-scale wrappers, over optkit's Adam and ``torch.optim.Adam``: the
+    parameters, fp32 masters, inner state, ``iterations`` and the whole scaler state (its good-step count
+    too: with ``increment_period=2`` a counted no-op would double the scale) stay bit for bit, and
+    ``step_applied`` is False; ``torch.optim.Adam`` driven by the same closure is the reference. An unscaled
+    backward inside the closure still raises (the guard for gradients that would be divided)."""
+    from optkit import Adam, MixedPrecisionOptimizerWrapper
+
+    dtype = torch.float32 if wrapper == "LossScaleOptimizer" else torch.float16
+    w0 = rng.normal(size=(4, 3))
+    c = torch.tensor(rng.uniform(0.5, 2.0, size=(4, 3)), dtype=torch.float32)
+    w = torch.tensor(w0, dtype=dtype, requires_grad=True)
+    ref_w = torch.tensor(w0, dtype=torch.float32, requires_grad=True)
+    build = (lambda ps: Adam(ps, learning_rate=0.1)) if inner == "optkit" else (
+        lambda ps: torch.optim.Adam(ps, lr=0.1))
+    make = LossScaleOptimizer if wrapper == "LossScaleOptimizer" else MixedPrecisionOptimizerWrapper
+    opt = make(build([w]), DynamicLossScale(64.0, increment_period=2))
+    ref = torch.optim.Adam([ref_w], lr=0.1)
+    opt.scale_loss((c * w.float()).sum()).backward()  # one real step first: state and a good-step count
+    opt.step()
+    (c * ref_w).sum().backward()
+    ref.step()
+    x = torch.tensor(rng.normal(size=3), dtype=torch.float32, requires_grad=True)
+    value = torch.tensor(1.5)
+
+    def closure_for(model_opt):
+        def closure():
+            model_opt.zero_grad()
+            if how == "closure-constant":
+                return value
+            if how == "closure-unconnected":  # requires grad, reaches no parameter
+                return (x ** 2).sum()
+            return None
+        return closure
+
+    def frozen(o, ps):
+        return [t.detach().clone() for t in ps] + [v.detach().clone() for st in o.state.values()
+                                                   for v in st.values() if isinstance(v, torch.Tensor)]
+
+    opt.zero_grad()
+    ref.zero_grad()
+    masters = list(getattr(opt, "master_params", []))
+    before, ref_before = frozen(opt, [w] + masters), frozen(ref, [ref_w])
+    scaler_before = opt.loss_scaler.state_dict()
+    its = int(opt.iterations) if inner == "optkit" else None
+    for _ in range(2):
+        if how == "step":
+            got, expected = opt.step(), ref.step()
+        else:
+            got, expected = opt.step(closure_for(opt)), ref.step(closure_for(ref))
+        if isinstance(expected, torch.Tensor):
+            assert torch.equal(got.detach(), expected.detach())
+        else:
+            assert got is expected is None
+        assert not bool(opt.step_applied)
+        for a, b in zip(frozen(ref, [ref_w]), ref_before):
+            assert torch.equal(a, b)
+        after = frozen(opt, [w] + masters)
+        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+        for k, v in opt.loss_scaler.state_dict().items():
+            assert k == "config" or torch.equal(v, scaler_before[k]), k
+        if its is not None:
+            assert int(opt.iterations) == its
+
+    def unscaled_backward():
+        opt.zero_grad()
+        (c * w.float()).sum().backward()
+        return None
+
+    with pytest.raises(RuntimeError, match="back-propagated by itself, unscaled"):
+        opt.step(unscaled_backward)
+    assert all(torch.equal(a, b) for a, b in zip(frozen(opt, [w] + masters), before))

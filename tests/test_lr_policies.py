@@ -344,6 +344,10 @@ def test_against_numpy_reference(name):
                 torch.tensor(step, dtype=torch.float64 if isinstance(step, float) else torch.int64), **kw
             )
             assert close(float(got_t), float(w), RTOL32, atol=1e-30), (kw, step, float(got_t), w)
+            # a float64 step (a float64 parameter group's) gives the float64 value, not rounded to float32
+            got_64 = fn(torch.tensor(float(step), dtype=torch.float64), **kw)
+            assert got_64.dtype == torch.float64
+            assert close(float(got_64), float(w), 1e-12, atol=1e-300), (kw, step, float(got_64), w)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -359,10 +363,13 @@ def test_int_float_tensor_steps_agree(name):
         a, b = fn(step, **kw), fn(float(step), **kw)
         assert a == b and type(a) is float and type(b) is float
         assert fn(np.int64(step), **kw) == a
-        for dtype in (torch.int32, torch.int64, torch.float32, torch.float64):
+        for dtype in (torch.int32, torch.int64, torch.float32):
             t = fn(torch.tensor(step, dtype=dtype), **kw)
             assert t.dtype == torch.float32 and t.shape == ()
             assert close(float(t), a, RTOL32, atol=1e-30)
+        t = fn(torch.tensor(step, dtype=torch.float64), **kw)  # float64 in, float64 out, unrounded
+        assert t.dtype == torch.float64 and t.shape == ()
+        assert close(float(t), a, 1e-14, atol=1e-300)
 
 
 def test_tensor_step_keeps_no_graph_and_does_not_touch_input():

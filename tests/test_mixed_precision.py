@@ -580,3 +580,92 @@ def test_a_refused_inner_step_keeps_the_window_for_a_retry(inner):
 
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+def _ftrl_float64(w, gs, lr, n0, l1, l2):
+    """FTRL-proximal in float64 NumPy (McMahan et al. 2013, Algorithm 1; TF's ``ApplyFtrlV2`` with
+    ``learning_rate_power = -0.5``), from ``n = n0``, ``z = 0``."""
+    n, z = np.full_like(w, n0), np.zeros_like(w)
+    for g in gs:
+        n_new = n + g * g
+        z = z + g - (np.sqrt(n_new) - np.sqrt(n)) / lr * w
+        w = np.where(np.abs(z) > l1, (np.sign(z) * l1 - z) / (np.sqrt(n_new) / lr + 2 * l2), 0.0)
+        n = n_new
+    return w
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", ["Adagrad", "Ftrl"])
+def test_accumulators_built_on_half_parameters_start_in_fp32_under_the_wrapper(rng, name, dtype):
+    """An optimizer built on the half parameters and then wrapped starts its accumulators (Adagrad's and
+    Ftrl's ``initial_accumulator_value`` 0.1) on the fp32 masters in fp32, as construction on fp32
+    parameters would: the masters equal, bit for bit, the same optimizer on fp32 copies fed the same
+    gradients (``test_ftrl_masters_follow_a_float64_reference``: float64 NumPy). Before, the fill was
+    fp16(0.1) = 0.0999755859375 (bf16: 0.10009765625) cast up, 5e-5 relative off for Ftrl. State written
+    before the wrapping (a step, a loaded state dict) is not rebuilt, only cast."""
+    from optkit import Adagrad, Ftrl
+
+    make = {"Adagrad": lambda ps: Adagrad(ps, learning_rate=0.1),
+            "Ftrl": lambda ps: Ftrl(ps, learning_rate=0.1, l1_regularization_strength=0.01,
+                                    l2_regularization_strength=0.02)}[name]
+    slot = {"Adagrad": "sum", "Ftrl": "accum"}[name]
+    ps = _half_params(rng, dtype)
+    refs = [p.detach().float().clone().requires_grad_() for p in ps]
+    opt = MP(make(ps))
+    ref = make(refs)
+    fill = float(ref.state[refs[0]][slot].flatten()[0])
+    assert fill == np.float32(0.1)
+    assert all(torch.equal(opt.state[m][slot], ref.state[r][slot]) for m, r in zip(opt.master_params, refs))
+    gs = [[rng.normal(size=p.shape) for p in ps] for _ in range(3)]
+    for step in gs:
+        for p, r, g in zip(ps, refs, step):
+            p.grad = torch.tensor(g, dtype=torch.float32).to(dtype)
+            r.grad = p.grad.float()
+        opt.step()
+        ref.step()
+    for m, r in zip(opt.master_params, refs):
+        assert torch.equal(m, r.detach())
+        assert torch.equal(opt.state[m][slot], ref.state[r][slot])
+
+    # state an earlier step wrote is kept: wrapping a stepped optimizer casts it (no refill)
+    ps2 = _half_params(rng, dtype)
+    inner = make(ps2)
+    for p in ps2:
+        p.grad = torch.tensor(rng.normal(size=p.shape), dtype=torch.float32).to(dtype)
+    inner.step()
+    stepped = inner.state[ps2[0]][slot].float()
+    wrapped = MP(inner)
+    assert torch.equal(wrapped.state[wrapped.master_params[0]][slot], stepped)
+    # a loaded state (at iteration 0, written by hand to other values) is kept as well
+    ps3 = _half_params(rng, dtype)
+    src = make([p.detach().clone() for p in ps3])
+    sd = src.state_dict()
+    for entry in sd["state"].values():
+        entry[slot] = torch.full_like(entry[slot], 0.375)
+    inner = make(ps3)
+    inner.load_state_dict(sd)
+    wrapped = MP(inner)
+    assert all(bool((wrapped.state[m][slot] == 0.375).all()) for m in wrapped.master_params)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_ftrl_masters_follow_a_float64_reference(rng, dtype):
+    """Ftrl built on half parameters and wrapped: the masters follow FTRL-proximal in float64 NumPy (from the
+    half weights, fed the half gradients) to float32 rounding over 3 steps; the half-rounded start of the
+    accumulator (5e-5 relative) is gone."""
+    from optkit import Ftrl
+
+    lr, l1, l2 = 0.1, 0.01, 0.02
+    ps = _half_params(rng, dtype)
+    w64 = [p.detach().double().numpy() for p in ps]
+    opt = MP(Ftrl(ps, learning_rate=lr, l1_regularization_strength=l1, l2_regularization_strength=l2))
+    gs = []
+    for _ in range(3):
+        step = [torch.tensor(rng.normal(size=p.shape), dtype=torch.float32).to(dtype) for p in ps]
+        gs.append([g.double().numpy() for g in step])
+        for p, g in zip(ps, step):
+            p.grad = g
+        opt.step()
+    for j, m in enumerate(opt.master_params):
+        expected = _ftrl_float64(w64[j], [step[j] for step in gs], lr, 0.1, l1, l2)
+        np.testing.assert_allclose(m.detach().double().numpy(), expected, rtol=2e-6, atol=1e-7)

@@ -119,6 +119,11 @@ def test_num_layers_regexes_and_frozen():
     (dict(num_layers=3), ValueError, "num_layers"),
     (dict(weight_decay=-0.1), ValueError, "weight_decay"),
     (dict(no_decay_1d=1), TypeError, "no_decay_1d"),
+    (dict(layer_decay=0.5, final_norm="block"), ValueError, "final_norm"),
+    (dict(layer_decay=0.5, final_norm=None), TypeError, "final_norm"),
+    (dict(layer_decay=0.5, final_norm="last_block", final_norm_regex=3), TypeError, "final_norm_regex"),
+    (dict(layer_decay=0.5, final_norm="last_block", final_norm_regex="("), ValueError, "invalid regex"),
+    (dict(final_norm="last_block"), ValueError, "final_norm"),
 ])
 def test_bad_input_raises_naming_it(kwargs, err, match):
     with pytest.raises(err, match=match):
@@ -142,6 +147,87 @@ def test_electra_and_beit_embedding_names_are_layer_zero():
                  "mask_token"):
         assert by[name]["lr_scale"] == pytest.approx(0.8**3)
     assert by["classifier.weight"]["lr_scale"] == 1.0
+
+
+class TimmViTNames(nn.Module):
+    """The parameter names of timm's ``VisionTransformer`` (``reg_tokens=2``, ``norm_pre`` and a ``fc_norm``
+    beside ``norm`` to cover every name its ``group_matcher`` sorts), ``depth`` blocks, seeded values."""
+
+    def __init__(self, depth: int = 3, d: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+
+        def p(*shape):
+            return nn.Parameter(torch.randn(*shape, generator=g, dtype=F64))
+
+        self.cls_token, self.reg_token, self.pos_embed = p(1, 1, d), p(1, 2, d), p(1, 5, d)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Module()
+        self.patch_embed.proj.weight, self.patch_embed.proj.bias = p(d, 3, 2, 2), p(d)
+        self.norm_pre = nn.Module()
+        self.norm_pre.weight = p(d)
+        self.blocks = nn.ModuleList()
+        for _ in range(depth):
+            blk = nn.Module()
+            blk.norm1 = nn.Module()
+            blk.norm1.weight = p(d)
+            blk.attn = nn.Module()
+            blk.attn.qkv = nn.Module()
+            blk.attn.qkv.weight = p(3 * d, d)
+            self.blocks.append(blk)
+        self.norm = nn.Module()
+        self.norm.weight, self.norm.bias = p(d), p(d)
+        self.fc_norm = nn.Module()
+        self.fc_norm.weight = p(d)
+        self.head = nn.Module()
+        self.head.weight, self.head.bias = p(5, d), p(5)
+
+
+@pytest.mark.parametrize("final_norm", ["head", "last_block"])
+def test_timm_vit_names_layer_ids_match_timm(final_norm):
+    """timm's ViT: ``cls_token``, ``reg_token``, ``pos_embed``, ``patch_embed`` and ``norm_pre`` are its
+    stem (layer 0), block ``i`` is layer ``i + 1``, and ``fc_norm`` / ``head`` are unmatched (the head,
+    ``layer_max``); its final ``norm`` joins the last block's group (``group_matcher``: ``(r'^norm',
+    (99999,))``), which ``final_norm="last_block"`` reproduces; the default gives it the head's scale (BEiT's
+    and MAE's layer decay: every other name is the head). Checked against the scales
+    ``d ** (layer_max − layer_id)`` written out below from timm's formula, and against timm's own
+    ``param_groups_layer_decay`` over its ``VisionTransformer.group_matcher()`` when timm is installed."""
+    from timm_optim import load_timm_vit_layer_decay
+
+    d, depth = 0.75, 3
+    model = TimmViTNames(depth)
+    groups = optkit.param_groups(model, layer_decay=d, final_norm=final_norm)
+    scale = {n: g["lr_scale"] for g in groups for n, _ in g["params"]}
+    L = depth + 1  # timm's layer_max: stem 0, blocks 1..depth, the unmatched head depth + 1
+    stem = ["cls_token", "reg_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias",
+            "norm_pre.weight"]
+    expected = {n: d**L for n in stem}
+    for i in range(depth):
+        expected.update({f"blocks.{i}.norm1.weight": d ** (L - i - 1), f"blocks.{i}.attn.qkv.weight":
+                         d ** (L - i - 1)})
+    norm_scale = d ** (L - depth) if final_norm == "last_block" else 1.0  # timm: the last block's layer
+    expected.update({"norm.weight": norm_scale, "norm.bias": norm_scale, "fc_norm.weight": 1.0,
+                     "head.weight": 1.0, "head.bias": 1.0})
+    assert scale.keys() == expected.keys()
+    for n, v in expected.items():
+        assert scale[n] == pytest.approx(v, rel=1e-15), n
+    timm = load_timm_vit_layer_decay()
+    if timm is None:
+        return
+    timm_groups, matcher = timm
+    model.group_matcher = lambda coarse=False: matcher
+    by_id = {id(p): g["lr_scale"] for g in timm_groups(model, layer_decay=d) for p in g["params"]}
+    for n, p in model.named_parameters():
+        if final_norm == "head" and n.startswith("norm."):
+            assert by_id[id(p)] == pytest.approx(d), n  # timm's form, the difference the option covers
+            continue
+        assert scale[n] == pytest.approx(by_id[id(p)], rel=1e-15), n
+
+
+def test_create_optimizer_passes_final_norm():
+    opt = optkit.create_optimizer(TimmViTNames(2), "SGD", lr=0.1, layer_decay=0.5, final_norm="last_block")
+    names = {n: g["lr_scale"] for g in opt.param_groups for n in g["param_names"]}
+    assert names["norm.weight"] == 0.5 and names["head.weight"] == 1.0 and names["reg_token"] == 0.5**3
 
 
 def test_unmatched_rule_warns_and_describe_prints_a_table():
@@ -355,3 +441,19 @@ def test_optimize_loss_accepts_rules_and_layer_decay():
 def test_a_model_that_is_not_a_module_or_named_pairs_is_named(bad):
     with pytest.raises(TypeError, match="`model`"):
         optkit.create_optimizer(bad, "SGD", lr=0.1)
+
+
+def test_unnamed_parameters_are_refused_in_one_short_line():
+    """``create_optimizer(model.parameters())`` names the entry by its type and shape (it printed the whole
+    tensor) and says what to pass instead; other entries are named by their types."""
+    model = torch.nn.Linear(300, 200)
+    with pytest.raises(TypeError) as err:
+        optkit.create_optimizer(model.parameters(), "SGD", lr=0.1)
+    text = str(err.value)
+    assert text == ("`model` must be an nn.Module or an iterable of (name, tensor) pairs, got an entry "
+                    "Parameter of shape (200, 300); pass the module itself or model.named_parameters() "
+                    "(rules match names, which model.parameters() does not give)")
+    with pytest.raises(TypeError, match=r"got an entry \('w', int\)$"):
+        optkit.create_optimizer([("w", 3)], "SGD", lr=0.1)
+    with pytest.raises(TypeError, match=r"got an entry \(int, Tensor of shape \(2,\)\)$"):
+        optkit.create_optimizer([(1, torch.zeros(2))], "SGD", lr=0.1)

@@ -105,8 +105,9 @@ def test_adam_and_adamw_equal_torch_with_tf_argument_names():
     ref, _ = run(torch.optim.AdamW, ws, grads_seq, lr=0.01, weight_decay=0.1)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
-    with pytest.raises(TypeError):
-        AdamW([torch.zeros(2, requires_grad=True)], learning_rate=0.1)  # weight_decay is required (TF)
+    # weight_decay defaults to torch.optim.AdamW's (TF required it; docs/compatibility.md)
+    w = torch.zeros(2, requires_grad=True)
+    assert AdamW([w], 0.1).defaults["weight_decay"] == torch.optim.AdamW([w], 0.1).defaults["weight_decay"]
 
 
 def test_adam_differs_from_tf_only_by_epsilon_placement():
@@ -182,3 +183,117 @@ def test_rmsprop_skip_and_validation():
 def test_tf_class_validation_names_argument(cls, kw, bad, exc):
     with pytest.raises(exc, match=next(iter(bad))):
         cls([torch.zeros(2, requires_grad=True)], **{"learning_rate": 0.1, **kw, **bad})
+
+
+def _embedding_grads(rng, rows, dim, ids, steps):
+    """Per step the ids looked up (every row once plus repeats, or ``ids``) and the loss weights ``c``
+    (``loss = Σ emb(ids)·c``), with the dense gradient they give (repeated rows summed)."""
+    out = []
+    for _ in range(steps):
+        look = rng.permutation(np.concatenate([np.arange(rows), rng.integers(0, rows, 3)])) if ids is None \
+            else np.asarray(ids)
+        c = rng.standard_normal((len(look), dim))
+        g = np.zeros((rows, dim))
+        np.add.at(g, look, c)
+        out.append((look, c, g))
+    return out
+
+
+def _embedding_step(emb, look, c):
+    (emb(torch.tensor(look)) * torch.tensor(c)).sum().backward()
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_zero_then_raised_is_one_rule_on_dense_and_sparse_gradients(nesterov):
+    """``Momentum(momentum=0)`` keeps torch's rule on both paths (``w ← w − lr·g``, the accumulator left as it
+    is): with the momentum raised to 0.9 after two steps, an ``nn.Embedding(sparse=True)`` whose every row is
+    touched ends where the same embedding with dense gradients does, and both match the float64 reference
+    and ``torch.optim.SGD`` with the same momentum change."""
+    rows, dim, lr = 6, 3, 0.1
+    rng = np.random.default_rng(29)
+    w0 = rng.standard_normal((rows, dim))
+    steps = _embedding_grads(rng, rows, dim, None, 4)
+    mus = [0.0, 0.0, 0.9, 0.9]
+    out = {}
+    for kind in ("sparse", "dense", "torch"):
+        emb = torch.nn.Embedding(rows, dim, sparse=kind == "sparse", dtype=torch.float64)
+        with torch.no_grad():
+            emb.weight.copy_(torch.tensor(w0))
+        if kind == "torch":
+            opt = torch.optim.SGD(emb.parameters(), lr=lr, momentum=0.9, nesterov=nesterov)
+        else:
+            opt = Momentum(emb.parameters(), lr, momentum=0.0, nesterov=nesterov)
+        for (look, c, _), mu in zip(steps, mus):
+            opt.param_groups[0]["momentum"] = mu
+            opt.zero_grad()
+            _embedding_step(emb, look, c)
+            assert emb.weight.grad.is_sparse == (kind == "sparse")
+            opt.step()
+        out[kind] = (emb.weight.detach().numpy(), None if kind == "torch" else opt.get_slot(emb.weight,
+                                                                                            "momentum_buffer"))
+    w, a = w0.copy(), np.zeros_like(w0)
+    for (_, _, g), mu in zip(steps, mus):
+        if mu:
+            a = mu * a + g
+            w = w - lr * (g + mu * a if nesterov else a)
+        else:  # torch's SGD(momentum=0): no buffer (optkit's stays as it was: zero)
+            w = w - lr * g
+    for kind in ("sparse", "dense", "torch"):
+        np.testing.assert_allclose(out[kind][0], w, rtol=1e-12, atol=1e-12, err_msg=kind)
+    for kind in ("sparse", "dense"):
+        np.testing.assert_allclose(out[kind][1].numpy(), a, rtol=1e-12, atol=1e-12, err_msg=kind)
+
+
+@pytest.mark.parametrize("centered,momentum", [(False, 0.0), (True, 0.5)])
+def test_rmsprop_decoupled_weight_decay_applies_to_sparse_touched_rows(centered, momentum):
+    """The base's decoupled ``weight_decay`` (``w ← w − lr·wd·w``, then the TF rule) is applied to the
+    touched rows of sparse gradients (it was silently dropped): untouched rows keep weights and slots, an
+    embedding excluded by :meth:`exclude_from_weight_decay` is not decayed, and with every row touched the
+    sparse path equals the dense one; all against the float64 reference."""
+    rows, dim, lr, wd, rho, eps = 7, 3, 0.05, 0.2, 0.9, 1e-10
+    rng = np.random.default_rng(10)
+    w0 = [rng.standard_normal((rows, dim)), rng.standard_normal((rows, dim))]
+    some = _embedding_grads(rng, rows, dim, [1, 4, 4, 6], 3)  # rows 0, 2, 3, 5 never touched
+    every = _embedding_grads(rng, rows, dim, None, 3)
+    for steps in (some, every):
+        results = {}
+        for kind in ("sparse", "dense"):
+            embs = [torch.nn.Embedding(rows, dim, sparse=kind == "sparse", dtype=torch.float64)
+                    for _ in range(2)]
+            for e, w in zip(embs, w0):
+                with torch.no_grad():
+                    e.weight.copy_(torch.tensor(w))
+            opt = RMSProp([("emb.weight", embs[0].weight), ("kept.weight", embs[1].weight)], lr, decay=rho,
+                          momentum=momentum, epsilon=eps, centered=centered, weight_decay=wd)
+            opt.exclude_from_weight_decay(var_names=["kept"])
+            for look, c, _ in steps:
+                opt.zero_grad()
+                for e in embs:
+                    _embedding_step(e, look, c)
+                opt.step()
+            results[kind] = [e.weight.detach().numpy() for e in embs]
+        touched = sorted(set(np.concatenate([s[0] for s in steps]).tolist()))
+        refs = []
+        for w, decayed in zip(w0, (True, False)):
+            w = w.copy()
+            ms, mom, mg = np.ones_like(w), np.zeros_like(w), np.zeros_like(w)
+            for _, _, g in steps:
+                r = touched
+                if decayed:
+                    w[r] = w[r] - w[r] * wd * lr
+                ms[r] = ms[r] + (g[r] * g[r] - ms[r]) * (1 - rho)
+                denom = ms[r] + eps
+                if centered:
+                    mg[r] = mg[r] + (g[r] - mg[r]) * (1 - rho)
+                    denom = denom - mg[r] * mg[r]
+                mom[r] = momentum * mom[r] + lr * g[r] / np.sqrt(denom)
+                w[r] = w[r] - mom[r]
+            refs.append(w)
+        for got, ref in zip(results["sparse"], refs):
+            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+        if steps is every:
+            for got, ref in zip(results["dense"], refs):
+                np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+        else:
+            untouched = [i for i in range(rows) if i not in touched]
+            assert np.array_equal(results["sparse"][0][untouched], w0[0][untouched])

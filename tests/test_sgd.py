@@ -7,6 +7,7 @@ Spec: ``shared/spec/tf_keras.md`` §4.1 (pipeline: clip → decoupled decay → 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import shutil
@@ -495,3 +496,51 @@ def test_one_cycle_lr_turns_momentum_on():
         sched.step()
     assert "momentum" in opt.state[w]
     np.testing.assert_allclose(w.detach().numpy(), ref_w, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ .grad
+
+
+@pytest.mark.parametrize("lr", [0.1, "tensor", "schedule"])
+def test_nesterov_step_leaves_grad_as_torch_sgd_does(lr):
+    """``torch.optim.SGD(nesterov=True)`` leaves ``.grad`` as it was after ``step()``; so does ``optkit.SGD``
+    (it wrote ``−lr·g`` there), for a number, a tensor and a schedule learning rate. A second backward
+    without ``zero_grad`` then accumulates onto the true gradient in both, and the runs agree (with a
+    constant learning rate the Keras velocity form is torch's momentum)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 5)
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    model = copy.deepcopy(ref)
+    rate = {0.1: 0.1, "tensor": torch.tensor(0.1, dtype=torch.float64), "schedule": lambda step: 0.1}[lr]
+    t_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, nesterov=True, foreach=False)
+    o_opt = SGD(model.parameters(), rate, momentum=0.9, nesterov=True)
+    for m, opt in ((ref, t_opt), (model, o_opt)):
+        for _ in range(3):  # no zero_grad: each backward accumulates into .grad
+            m(x.double()).square().sum().backward()
+            before = [p.grad.clone() for p in m.parameters()]
+            opt.step()
+            assert all(torch.equal(p.grad, b) for p, b in zip(m.parameters(), before))
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-13)
+
+
+def test_scratch_grads_steps_the_same_and_may_write_the_gradients():
+    """``scratch_grads=True`` (the train op's mode) gives the same update bit for bit and may leave anything
+    in ``.grad`` (Nesterov SGD leaves ``−lr·g`` there); a non-bool is refused naming the argument."""
+    torch.manual_seed(1)
+    ws = [torch.randn(40, 30), torch.randn(30)]
+    gs = [[torch.randn_like(w) for w in ws] for _ in range(3)]
+    out = []
+    for scratch in (False, True):
+        ps = [w.clone().requires_grad_() for w in ws]
+        opt = SGD(ps, 0.05, momentum=0.9, nesterov=True, weight_decay=0.01, scratch_grads=scratch)
+        for step in gs:
+            for p, g in zip(ps, step):
+                p.grad = g.clone()
+            opt.step()
+        out.append(ps)
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+    assert not torch.equal(out[1][0].grad, gs[-1][0])  # (scratch: the gradient was written)
+    with pytest.raises(TypeError, match="scratch_grads"):
+        SGD([ws[0].clone().requires_grad_()], 0.1, scratch_grads=1)

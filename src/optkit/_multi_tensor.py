@@ -39,6 +39,7 @@ __all__ = [
     "global_norm",
     "max_abs",
     "scale_",
+    "inverse_scale",
     "clamp_",
     "lerp_",
     "non_finite_check_and_unscale_",
@@ -952,9 +953,11 @@ def sum_of_squares_raw(ts: Sequence[Tensor]) -> Tensor:
 # in-place kernels
 
 
-def scale_(tensors: Sequence[Tensor | None], scale: float | Tensor | Sequence[Tensor]) -> None:
+def scale_(tensors: Sequence[Tensor | None], scale: float | Tensor | Sequence[Tensor],
+           scale64: Tensor | None = None) -> None:
     """t ← t·s for every non-``None`` tensor (sparse: values scaled). ``scale`` is a number, a 0-d tensor
-    shared by all, or one 0-d tensor per tensor."""
+    shared by all, or one 0-d tensor per tensor; ``scale64`` (a 0-d float64 tensor, with a tensor ``scale``)
+    is the factor float64 tensors take instead (``scale`` rounded to float32 would round their product)."""
     ts = present(tensors)
     if not ts:
         return
@@ -969,11 +972,27 @@ def scale_(tensors: Sequence[Tensor | None], scale: float | Tensor | Sequence[Te
         elif isinstance(scale, Tensor):
             # Keep the factor in fp32 for half groups: the product is then rounded once (exact-product
             # rounding); casting the factor to fp16/bf16 first adds a second, larger rounding error.
-            torch._foreach_mul_(group, scale.to(device=device, dtype=acc_dtype(dtype)))
+            s = scale64 if scale64 is not None and dtype == torch.float64 else scale
+            torch._foreach_mul_(group, s.to(device=device, dtype=acc_dtype(dtype)))
         elif acc_dtype(dtype) != dtype:  # a Python scalar would be rounded to fp16/bf16 first
             torch._foreach_mul_(group, scalar(scale, torch.float32, device))
         else:
             torch._foreach_mul_(group, float(scale))
+
+
+def inverse_scale(
+    scale: Tensor, tensors: Iterable[Tensor | None] = (), device: torch.device | str | None = None
+) -> Tensor:
+    """``1/scale`` as a 0-d tensor on ``device`` (default: the scale's) for unscaling ``tensors``: float64
+    when one of them is float64, so that they are unscaled in their own precision, else float32 (the dtype
+    of the AMP and fused kernels' factor). For a float32 ``scale`` the float64 reciprocal rounded to float32
+    is the float32 reciprocal (a quotient rounded to 53 and then to 24 bits is rounded correctly: Figueroa,
+    "When is double rounding innocuous?", SIGNUM 1995), so float32 tensors beside float64 ones get the
+    factor they would get alone."""
+    s = scale.detach().reshape(())
+    wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
+    return torch.reciprocal(s.to(device=s.device if device is None else device,
+                                 dtype=torch.float64 if wide else torch.float32))
 
 
 def clamp_(tensors: Sequence[Tensor | None], min_value: float, max_value: float) -> None:
@@ -1061,8 +1080,10 @@ def non_finite_check_and_unscale_(
     """g ← g·inv_scale in place and found_inf ← 1 if any element is NaN/±inf (one fused pass per group).
 
     Uses ``torch._amp_foreach_non_finite_check_and_unscale_``, falling back to a norm-based check for dtypes
-    the fused kernel does not take. ``found_inf`` is a 0-d fp32 tensor that is OR-ed into, so a caller can
-    accumulate over several calls. DTensor shards: the flag is made to agree across their meshes (and the
+    the fused kernel does not take. The kernel takes a float32 factor; a float64 ``inv_scale``
+    (:func:`inverse_scale` for float64 gradients) unscales the float64 gradients in float64 instead (a
+    max-norm check, then the multiply). ``found_inf`` is a 0-d fp32 tensor that is OR-ed into, so a caller
+    can accumulate over several calls. DTensor shards: the flag is made to agree across their meshes (and the
     pipeline stages, when a pipeline group is set).
     """
     ts = present(grads)
@@ -1072,13 +1093,18 @@ def non_finite_check_and_unscale_(
     for (device, dtype), (_, (group,)) in group_by_device_dtype(vals).items():
         fi = found_inf if found_inf.device == device else torch.zeros((), device=device)
         inv = inv_scale.to(device=device, dtype=torch.float32)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, fi, inv)
-        except RuntimeError:  # pragma: no cover - dtype not supported by the fused kernel
+        fused = not (dtype == torch.float64 and inv_scale.dtype == torch.float64)  # (its factor is float32)
+        if fused:
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, fi, inv)
+            except RuntimeError:  # pragma: no cover - dtype not supported by the fused kernel
+                fused = False
+        if not fused:
             worst = _stack(_foreach_norm(group, math.inf, acc_dtype(dtype)), torch.float64).amax()
             flag = (~torch.isfinite(worst)).to(torch.float32)
             fi.copy_(torch.maximum(fi, flag))
-            torch._foreach_mul_(group, inv.to(dtype))
+            factor = inv_scale if dtype == torch.float64 else inv
+            torch._foreach_mul_(group, factor.to(device=device, dtype=dtype))
         if fi is not found_inf:
             found_inf.copy_(torch.maximum(found_inf, fi.to(found_inf.device)))
     return reduce_flag_(found_inf, ts, pipeline_group=pipeline_group)

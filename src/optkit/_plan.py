@@ -29,7 +29,8 @@ from .flat import _VIEWS_RESTORED, flat_buffer_of
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import Optimizer
 
-__all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "RowMultipliers", "check_slot_fits"]
+__all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "RowMultipliers", "check_slot_fits",
+           "scratch_view"]
 
 
 def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
@@ -101,6 +102,15 @@ def check_slot_fits(name: str, slot: str, p: Tensor, t: object) -> None:
         )
     if lt.is_sparse or lt.layout != torch.strided:
         raise ValueError(f"optimizer state of parameter {name!r}: slot {slot!r} must be a dense tensor")
+
+
+def scratch_view(pool: Tensor, offset: int, like: Tensor) -> Tensor:
+    """A view of the 1-D ``pool`` from ``offset`` with ``like``'s shape and, when ``like`` is dense, its
+    strides (so that the fused kernels see matching layouts)."""
+    n = like.numel()
+    if not like.is_contiguous() and _fused.is_dense(like):
+        return pool.as_strided(like.shape, like.stride(), offset)
+    return pool[offset:offset + n].view(like.shape)
 
 
 class PlanView:

@@ -6,7 +6,9 @@ elements as the parameter has, whatever the slot holds: a truncated or foreign s
 every part is checked first, and the error names the parameter and the slot:
 
 * structure: ``{"state": dict, "param_groups": list}``, as many groups and parameters per group as the
-  optimizer has, parameter ids (positions, or names from ``torch.distributed.checkpoint``) each once;
+  optimizer has, parameter ids (positions, or names from ``torch.distributed.checkpoint``) each once; a
+  state key of another kind is not a parameter's (torch's contract lets hooks store anything there) and is
+  loaded as it is;
 * hyperparameters: a saved value has the type of the live one (no string learning rate, no list momentum);
 * slots: only the ones the optimizer keeps (``"average"`` only with EMA on), each a dense real floating tensor
   of the parameter's global shape, a DTensor exactly when the parameter is one;
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._arguments import GROUP_ALIASES
 from ._validation import check_count, is_number
 
 __all__ = ["TORCH_PARAM_SHAPED", "adopt_torch_groups", "check_group_hyperparameters", "check_loaded_slot",
@@ -40,6 +43,8 @@ def validate_state_dict(opt: Any, sd: dict) -> int:
     allowed = set(opt.slot_names) | {"step"} | ({"average"} if opt.use_ema else set())
     steps = set()
     for key, entry in sd["state"].items():
+        if key not in id_to_param:  # not a parameter's state (torch's contract): loaded as it is
+            continue
         p, name = id_to_param[key]
         extra = sorted(str(k) for k in entry if k not in allowed)
         if extra:
@@ -83,9 +88,15 @@ def _check_structure(where: str, opt: Any, sd: Any) -> dict[Any, tuple[Tensor, s
             if i in id_to_param:
                 raise ValueError(f"{where}: parameter id {i} appears twice in 'param_groups'")
             id_to_param[i] = (p, n)
+    id_kinds = {type(i) for i in id_to_param}
     for key, entry in sd["state"].items():
         if key not in id_to_param:
-            raise ValueError(f"{where}: state for unknown parameter id {key!r}")
+            # torch's contract: state under a key that is not a parameter (a hook's ``state["note"] = 1``) is
+            # loaded as it is; a key of the kind the parameter ids are (a position, or a name under
+            # torch.distributed.checkpoint) must be one of them
+            if type(key) in id_kinds:
+                raise ValueError(f"{where}: state for unknown parameter id {key!r}")
+            continue
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: state of parameter {id_to_param[key][1]!r} must be a dict")
     return id_to_param
@@ -107,8 +118,9 @@ def adopt_torch_groups(opt: Any, sd: Any) -> Any:
     returned as they are; anything malformed is left for :func:`validate_state_dict` to refuse).
 
     For each saved group of an optimizer with torch's rule (``opt._loads_torch_checkpoints``): torch's name
-    of a hyperparameter (``opt._torch_group_keys``: ``betas`` → ``beta1``, ``beta2``; ``eps`` → ``epsilon``;
-    ``nesterov`` → ``use_nesterov``) gives the optkit key when that is missing. A torch switch that changes
+    of a hyperparameter (``opt._torch_group_keys``: ``betas`` → ``beta1``, ``beta2``; ``eps`` → ``epsilon``)
+    gives the optkit key when that is missing. For every optimizer, a key optkit spelled otherwise before
+    (``GROUP_ALIASES``: ``use_nesterov`` → ``nesterov``) is renamed likewise. A torch switch that changes
     the math must hold the value optkit computes with (``opt._torch_required``: ``maximize`` False, SGD's
     ``dampening`` 0, Adam's ``decoupled_weight_decay``), else ``ValueError`` naming it; torch's
     implementation switches (``foreach``, ``fused``, ...) are dropped. A key of ``opt``'s groups the file
@@ -129,6 +141,10 @@ def adopt_torch_groups(opt: Any, sd: Any) -> Any:
         if not isinstance(saved, dict):
             return sd
         g = dict(saved)
+        for old, key in GROUP_ALIASES.items():  # optkit's earlier spelling (files of optkit <= 0.3)
+            if old in g and key in live and old not in live:
+                value = g.pop(old)
+                g.setdefault(key, value)
         for tk, keys in aliases.items():
             if tk not in g or tk in live or all(k in g for k in keys):
                 continue
@@ -175,6 +191,8 @@ def validate_torch_state_dict(opt: torch.optim.Optimizer, sd: Any) -> None:
     where = f"{type(opt).__name__}.load_state_dict"
     id_to_param = _check_structure(where, opt, sd)
     for key, entry in sd["state"].items():
+        if key not in id_to_param:  # not a parameter's state: torch loads it as it is
+            continue
         p, name = id_to_param[key]
         for slot, value in entry.items():
             if slot == "step":

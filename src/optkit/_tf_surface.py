@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import Self
 
 from . import _multi_tensor as mt
 
@@ -233,7 +234,7 @@ class TFSurface:
         return cfg
 
     @classmethod
-    def from_config(cls, config: dict, params: Any, custom_objects: dict[str, Any] | None = None) -> Any:
+    def from_config(cls, config: dict, params: Any, custom_objects: dict[str, Any] | None = None) -> Self:
         """Rebuild an optimizer over ``params`` from :meth:`get_config` output. A schedule learning rate is
         rebuilt as the class its ``class_name`` names: ``custom_objects[class_name]`` (as in Keras), else the
         one :class:`~optkit.LearningRateSchedule` subclass of that name, else by its config's tag."""

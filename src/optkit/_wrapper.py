@@ -39,9 +39,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import Self
 
 from . import _multi_tensor as mt
 from ._amp import AmpProtocol
+from ._arguments import accepted_keywords, check_call
 from ._gc import gc_paused
 from ._state_dict import validate_torch_state_dict
 from ._tf_surface import autograd_pairs as _autograd_pairs
@@ -196,6 +198,21 @@ class ScaledGradsFlag:
                         "yourself when you scaled the loss by the loss scale yourself).")
 
 
+@contextlib.contextmanager
+def grads_swapped(pairs: Sequence[tuple[Tensor, Tensor]]) -> Iterator[None]:
+    """Inside the block each parameter's ``.grad`` is the given tensor (a wrapper's transformed copy of it,
+    for an inner step); on exit, also after an exception, the caller's gradient objects are back, as they
+    were."""
+    saved = [(p, p.grad) for p, _ in pairs]
+    try:
+        for p, g in pairs:
+            p.grad = g
+        yield
+    finally:
+        for p, g in saved:
+            p.grad = g
+
+
 class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
     """Base of optkit wrappers: holds ``self.optimizer`` and proxies the ``torch.optim`` and TF surfaces.
 
@@ -205,6 +222,12 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
 
     #: a wrapper that must not be wrapped by another optkit wrapper (it changes which tensors hold gradients)
     _outermost_only = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # before Python binds the arguments: apex's LARC(opt, trust_coefficient=...) gets the hint to
+        # larc_eta (optkit._arguments.HINTS), not "missing required argument 'larc_eta'"
+        check_call(cls.__name__, len(args), kwargs, accepted_keywords(cls, OptimizerWrapper))
+        return super().__new__(cls)
 
     def __init__(self, opt: torch.optim.Optimizer) -> None:
         if not isinstance(opt, torch.optim.Optimizer):
@@ -414,16 +437,30 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         params, grads = self._params_with_grads()
         if level == "none" and grad_scale is not None:
             fi = torch.zeros((), dtype=torch.float32, device=dev)
-            inv = torch.reciprocal(grad_scale.detach().to(device=dev, dtype=torch.float32).reshape(()))
+            inv = mt.inverse_scale(grad_scale, grads, dev)  # (float64 for float64 gradients)
             mt.non_finite_check_and_unscale_(grads, fi, inv)
             found_inf = fi if found_inf is None else torch.maximum(fi, found_inf.to(dev, torch.float32))
             grad_scale = None
+        swapped: list[tuple[Tensor, Tensor]] = []  # (parameter, the copy its .grad is for the inner step)
         if multipliers:
             factors = [multipliers.get(id(p)) for p in params]
-            sel = [(g, f) for g, f in zip(grads, factors) if f is not None]
+            sel = [j for j, f in enumerate(factors) if f is not None]
             if sel:
-                mt.scale_([g for g, _ in sel], [f for _, f in sel])
+                # the multipliers (LARC's ratios) are this step's math, not the caller's gradients (which
+                # torch.optim leaves as they are, or unscaled): the inner optimizer steps on products in
+                # copies, put in place of .grad for its step only
+                if grad_scale is not None:  # ("amp": unscaled first, as GradScaler.unscale_ would)
+                    mt.scale_(grads, mt.inverse_scale(grad_scale, grads, dev))
+                    grad_scale = None
+                copies = mt.scaled_copies([grads[j] for j in sel], torch.ones((), device=dev))
+                mt.scale_(copies, [factors[j] for j in sel])
+                swapped = list(zip([params[j] for j in sel], copies))
+        with grads_swapped(swapped):
+            return self._step_level(inner, level, params, grad_scale, found_inf, dev)
 
+    def _step_level(self, inner: torch.optim.Optimizer, level: str, params: list[Tensor],
+                    grad_scale: Tensor | None, found_inf: Tensor | None, dev: torch.device) -> Tensor:
+        """The inner step of the ``"amp"`` and ``"none"`` levels (module doc); sets ``step_applied``."""
         if level == "amp" and found_inf is not None and self._missing_state(params):
             # torch would create uninitialised state on a skipped step (P13): decide on the host, once.
             if bool(found_inf.detach().reshape(()).cpu() != 0):

@@ -19,13 +19,12 @@ skipped step changes nothing. Implementation: torch's fused Adagrad kernel throu
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
 from ._fused import split_by_mask, unscale_arg
-from .optimizer import Optimizer, check_number
+from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["Adagrad"]
 
@@ -54,19 +53,22 @@ class Adagrad(Optimizer):
         lr_decay: torch's learning-rate decay (default 0).
         weight_decay: torch's coupled L2 (default 0), honouring :meth:`exclude_from_weight_decay`; not with
             sparse gradients (``ValueError``, as torch).
-        **kwargs: base options.
+        **kwargs: base options (``lr``, clipnorm, ..., name): :class:`~optkit.optimizer.OptimizerOptions`.
+
+    ``params`` and the learning rate are the only positional arguments.
     """
 
     slot_names = ("sum",)
+    _writes_grads = False  # (the gradients keep g, or get k·g from the kernel; staged copies written back)
     #: torch.optim.Adagrad's name for epsilon (its checkpoints load)
     _torch_group_keys = {"eps": ("epsilon",)}
     _loads_torch_checkpoints = True
     _decoupled_weight_decay = False
     _sparse_rule = True
 
-    def __init__(self, params: Any, learning_rate: Any = 0.001, initial_accumulator_value: float = 0.1, *,
-                 epsilon: float = 0.0, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 **kwargs: Any) -> None:
+    def __init__(self, params: ParamsT, learning_rate: LearningRate = 0.001, *,
+                 initial_accumulator_value: float = 0.1, epsilon: float = 0.0, lr_decay: float = 0.0,
+                 weight_decay: float = 0.0, **kwargs: Unpack[OptimizerOptions]) -> None:
         check_number("initial_accumulator_value", initial_accumulator_value, low=0.0, low_open=True)
         check_number("epsilon", epsilon, low=0.0)
         check_number("lr_decay", lr_decay, low=0.0)
@@ -101,7 +103,7 @@ class Adagrad(Optimizer):
         t = aux[0][0]
         mask = [d for _, d in aux] if wd and not all(d for _, d in aux) else None
         for device, dtype, mode, ix, part in self._kernel_parts("adagrad", (params, grads, slots["sum"]),
-                                                                 (0, 2)):
+                                                                 (0, 2) if k is None else (0, 1, 2)):
             fi = None if found_inf is None else found_inf.to(device)
             if mode == "fallback":
                 self._pointwise_fallback(group, part[0], part[1], part[2:], lr, k, fi, [aux[i] for i in ix])

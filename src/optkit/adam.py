@@ -28,10 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
 from ._fused import split_by_mask, unscale_arg
-from .optimizer import Optimizer, check_number
+from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["Adam", "AdamW"]
 
@@ -68,18 +69,22 @@ class Adam(Optimizer):
 
     Args:
         params: tensors, named parameters or param groups.
-        learning_rate, beta1, beta2, epsilon: as in TF (``0 <= beta < 1``, ``epsilon >= 0``).
+        learning_rate, beta1, beta2, epsilon: as in TF (``0 <= beta < 1``, ``epsilon >= 0``); torch's
+            ``betas=(b1, b2)`` is ``beta1=b1, beta2=b2`` and its ``eps`` is ``epsilon``.
         weight_decay: torch's coupled L2 (default 0), honouring :meth:`exclude_from_weight_decay`.
         amsgrad: keep the running maximum of ``v`` (torch's option).
-        **kwargs: base options (clipnorm, clipvalue, global_clipnorm, use_ema, ..., jit_compile, mesh, name).
+        **kwargs: base options (``lr``, clipnorm, clipvalue, global_clipnorm, use_ema, ..., jit_compile, mesh,
+            name): :class:`~optkit.optimizer.OptimizerOptions`.
+
+    ``params`` and the learning rate are the only positional arguments: ``Adam(params, 3e-4)``.
     """
 
     _decoupled_weight_decay = False
     _kernel_name = "adam"
 
-    def __init__(self, params: Any, learning_rate: Any = 0.001, beta1: float = 0.9, beta2: float = 0.999,
-                 epsilon: float = 1e-8, *, weight_decay: float = 0.0, amsgrad: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(self, params: ParamsT, learning_rate: LearningRate = 0.001, *, beta1: float = 0.9,
+                 beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.0,
+                 amsgrad: bool = False, **kwargs: Unpack[OptimizerOptions]) -> None:
         check_number("beta1", beta1, low=0.0, high=1.0)
         check_number("beta2", beta2, low=0.0, high=1.0)
         if beta1 >= 1.0 or beta2 >= 1.0:
@@ -95,6 +100,7 @@ class Adam(Optimizer):
 
     #: every slot an Adam group may keep; a group keeps ``max_exp_avg_sq`` when its ``amsgrad`` is on
     slot_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _writes_grads = False  # (the gradients keep g, or get k·g from the kernel; staged copies written back)
     #: torch.optim.Adam's group keys (its checkpoints load) and the setting optkit's rule computes with
     _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
     _loads_torch_checkpoints = True
@@ -149,7 +155,8 @@ class Adam(Optimizer):
         names = self._active_slots(group)
         lists = (params, grads) + tuple(slots[s] for s in names)
         kernel = torch._fused_adamw_ if self._kernel_name == "adamw" else torch._fused_adam_
-        for device, dtype, mode, ix, part in self._kernel_parts("adam", lists, (0, *range(2, len(lists)))):
+        written = (0, *range(2, len(lists))) if k is None else tuple(range(len(lists)))  # (k·g: see base)
+        for device, dtype, mode, ix, part in self._kernel_parts("adam", lists, written):
             fi = None if found_inf is None else found_inf.to(device)
             if mode == "fallback":
                 self._pointwise_fallback(group, part[0], part[1], part[2:], lr, k, fi, [aux[i] for i in ix])
@@ -165,16 +172,21 @@ class Adam(Optimizer):
 
 
 class AdamW(Adam):
-    """``tf.contrib.opt.AdamWOptimizer(weight_decay, learning_rate=0.001, beta1, beta2, epsilon)`` as used by
-    OpenSeq2Seq: decoupled decay ``w ← w − lr·weight_decay·w`` before the Adam step (``torch.optim.AdamW``).
-    ``weight_decay`` is required, as in TF; :meth:`exclude_from_weight_decay` takes parameters out of it."""
+    """``tf.contrib.opt.AdamWOptimizer`` as used by OpenSeq2Seq: decoupled decay
+    ``w ← w − lr·weight_decay·w`` before the Adam step (``torch.optim.AdamW``);
+    :meth:`exclude_from_weight_decay` takes parameters out of it.
+
+    Called as every optkit optimizer, ``params`` and then the learning rate (``AdamW(params, 3e-4)``), the
+    rest keyword-only; TF's ``AdamWOptimizer(weight_decay, learning_rate, ...)`` put the decay first.
+    ``weight_decay`` defaults to 0.01, ``torch.optim.AdamW``'s default (Keras 3 ``AdamW`` uses 0.004; TF
+    required it): a torch user's ``AdamW(params, lr)`` decays as in torch. Other arguments as :class:`Adam`.
+    """
 
     _kernel_name = "adamw"
     _torch_required = {"decoupled_weight_decay": True}
 
-    def __init__(self, params: Any, weight_decay: float, learning_rate: Any = 0.001, beta1: float = 0.9,
-                 beta2: float = 0.999, epsilon: float = 1e-8, *, amsgrad: bool = False,
-                 **kwargs: Any) -> None:
-        check_number("weight_decay", weight_decay, low=0.0)
-        super().__init__(params, learning_rate, beta1, beta2, epsilon, weight_decay=weight_decay,
-                         amsgrad=amsgrad, **kwargs)
+    def __init__(self, params: ParamsT, learning_rate: LearningRate = 0.001, *, beta1: float = 0.9,
+                 beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.01,
+                 amsgrad: bool = False, **kwargs: Unpack[OptimizerOptions]) -> None:
+        super().__init__(params, learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon,
+                         weight_decay=weight_decay, amsgrad=amsgrad, **kwargs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 _Grads = Tensor | Iterable[Tensor | None]
+#: an entry of ``clip_by_global_norm``'s list: its output has the input's entry type (tensors in, tensors out)
+_MaybeTensor = TypeVar("_MaybeTensor", bound=Tensor | None)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -154,10 +157,10 @@ def global_norm(tensors: Sequence[Tensor | None]) -> Tensor:
 
 
 def clip_by_global_norm(
-    t_list: Sequence[Tensor | None],
+    t_list: Sequence[_MaybeTensor],
     clip_norm: float | Tensor,
     use_norm: float | Tensor | None = None,
-) -> tuple[list[Tensor | None], Tensor]:
+) -> tuple[list[_MaybeTensor], Tensor]:
     """Scale every tensor by c / max(N, c): ``tf.clip_by_global_norm``, out of place.
 
     N = ``use_norm`` when given (taken on trust, e.g. a norm reduced across replicas), else

@@ -57,16 +57,21 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _multi_tensor as mt
 from ._fused import is_dense
 
 __all__ = ["flat_parameters", "FlatParameters", "flat_buffer_of"]
 
-#: (data pointer, byte size) of the storages flat_parameters made. The parameters' views keep a storage alive;
-#: the registry keeps no memory. A storage that later reuses the address and size is harmless: slots laid out
-#: in a buffer the size of a parameter's own storage are plain slots.
-_REGISTRY: set[tuple[int, int]] = set()
+#: the storages flat_parameters made, by object: the key is the storage's ``StorageImpl`` address
+#: (``_cdata``) and the value a weak reference to it. The parameters' views keep a storage alive; the weak
+#: reference keeps no memory (the data is freed with the last view) but keeps the ``StorageImpl`` object
+#: itself allocated (c10 ``weak_intrusive_ptr``), so no other storage can take its address while it is listed:
+#: a key found is that very storage. (An address and byte size would not do: a later parameter whose storage
+#: reuses a freed buffer's address and size would be taken for a flat one.) Expired entries are dropped at
+#: the next :func:`flat_parameters` call.
+_REGISTRY: dict[int, StorageWeakRef] = {}
 
 #: bumped whenever :meth:`FlatParameters.zero_grad` points a ``.grad`` back at its view: a cached optimizer
 #: plan made over separate gradients (no flat part) is made again after it
@@ -225,6 +230,7 @@ def flat_parameters(
         by_key.setdefault((p.device, p.dtype), []).append(p)
     if not by_key and not out.separate:
         raise ValueError("flat_parameters: no parameter that requires grad")
+    _forget_freed()
     for key, ps in by_key.items():
         device, dtype = key
         total = sum(p.numel() for p in ps)
@@ -243,17 +249,26 @@ def flat_parameters(
             segs.append(seg)
             offset += p.numel()
         out.buffers[key], out.grads[key], out._segments[key] = flat, gflat, segs
-        _REGISTRY.add((flat.untyped_storage().data_ptr(), flat.untyped_storage().nbytes()))
+        storage = flat.untyped_storage()
+        _REGISTRY[storage._cdata] = StorageWeakRef(storage)
     return out
+
+
+def _forget_freed() -> None:
+    """Drop the registry's entries whose storage was freed (their weak references release the
+    ``StorageImpl`` objects, whose addresses may then be reused)."""
+    for key in [k for k, ref in _REGISTRY.items() if ref.expired()]:
+        del _REGISTRY[key]
 
 
 def flat_buffer_of(p: Tensor) -> Tensor | None:
     """A 1-D view of the whole flat parameter buffer ``p`` lies in (made by :func:`flat_parameters`), else
-    None."""
+    None. The buffer is recognised by its storage object, not by address (a parameter whose storage reuses
+    a freed buffer's memory is not flat)."""
     if mt.is_dtensor(p) or p.layout != torch.strided or p.is_sparse:
         return None
     storage = p.untyped_storage()
-    if (storage.data_ptr(), storage.nbytes()) not in _REGISTRY:
+    if storage._cdata not in _REGISTRY:
         return None
     n = storage.nbytes() // p.element_size()
     return torch.empty(0, dtype=p.dtype, device=p.device).set_(storage, 0, (n,), (1,))

@@ -22,12 +22,11 @@ soft threshold is written ``−sign(z)·max(|z| − l1, 0) / quadratic``, which 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
-from .optimizer import Optimizer, check_number
+from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["Ftrl"]
 
@@ -65,24 +64,31 @@ class Ftrl(Optimizer):
         l2_shrinkage_regularization_strength: ``>= 0`` (default 0): an L2 term added to the gradient of the
             linear term only (magnitude penalty, not in the accumulator).
         beta: ``>= 0`` (default 0), adds ``beta/(2·lr)`` to the L2 strength (TF 2's argument).
-        **kwargs: base options (weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ...).
+        weight_decay: the base class's decoupled decay (default None).
+        **kwargs: base options (``lr``, clipnorm, clipvalue, global_clipnorm, use_ema, ...):
+            :class:`~optkit.optimizer.OptimizerOptions`.
+
+    ``params`` and the learning rate are the only positional arguments.
     """
 
     slot_names = ("accum", "linear")
     _always_block = True
+    _writes_grads = False  # (the gradients keep g, or get k·g; staged copies written back)
     _sparse_rule = True
 
     def __init__(
         self,
-        params: Any,
-        learning_rate: Any = 0.001,
+        params: ParamsT,
+        learning_rate: LearningRate = 0.001,
+        *,
         learning_rate_power: float = -0.5,
         initial_accumulator_value: float = 0.1,
         l1_regularization_strength: float = 0.0,
         l2_regularization_strength: float = 0.0,
         l2_shrinkage_regularization_strength: float = 0.0,
         beta: float = 0.0,
-        **kwargs: Any,
+        weight_decay: float | None = None,
+        **kwargs: Unpack[OptimizerOptions],
     ) -> None:
         check_number("learning_rate_power", learning_rate_power, high=0.0)
         check_number("initial_accumulator_value", initial_accumulator_value, low=0.0)
@@ -92,6 +98,7 @@ class Ftrl(Optimizer):
         check_number("beta", beta, low=0.0)
         super().__init__(
             params, learning_rate,
+            weight_decay=weight_decay,
             learning_rate_power=float(learning_rate_power),
             initial_accumulator_value=float(initial_accumulator_value),
             l1_regularization_strength=float(l1_regularization_strength),
@@ -120,7 +127,8 @@ class Ftrl(Optimizer):
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         lr_power, l1, l2, l2s, beta = self._pointwise_hyper(group)
         lists = (params, grads, slots["accum"], slots["linear"])
-        for device, dtype, _, _, (w, g, n, z) in self._kernel_parts("foreach", lists, (0, 2, 3)):
+        written = (0, 2, 3) if k is None else (0, 1, 2, 3)  # (k·g left in the gradients: see the base)
+        for device, dtype, _, _, (w, g, n, z) in self._kernel_parts("foreach", lists, written):
             lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
             if k is not None:
                 torch._foreach_mul_(g, k.to(device))

@@ -10,7 +10,8 @@ Learning: Training BERT in 76 minutes" (arXiv:1904.00962), Algorithm 2. With ``g
     m̂ = m / (1 − β1^t),  v̂ = v / (1 − β2^t)            (bias_correction=False: m̂ = m, v̂ = v)
     u = m̂ / (√v̂ + ε) + wd·w                             (decoupled weight decay inside the direction)
     r = ‖w‖ / ‖u‖   if ‖w‖ > 0 and ‖u‖ > 0, else 1       (per tensor: the layer-wise trust ratio)
-    r ← clamp(r, min_coeff, max_coeff)                   (DeepSpeed's clamp; None: no bound)
+    r ← clamp(r, min_coeff, max_coeff)   if ‖w‖ > 0 and ‖u‖ > 0   (DeepSpeed's clamp, None: no bound; as
+                                                          in its fused kernel the 1 of a zero norm stays 1)
     r ← min(r, 1)                                        (lambc=True: timm's LAMBC)
     w ← w − lr·r·u
 
@@ -49,9 +50,14 @@ needs the norm of ``u`` over the whole tensor before any weight changes, so a st
    Elsewhere the direction is rebuilt in cache from the new moments: ``d = c·m/(√v + e) + s·wd·w`` with
    ``c = s·√(1−β2^t)/(1−β1^t)``, ``e = ε·√(1−β2^t)``, and the fused SGD kernel applies ``w ← w − d``.
 
-After a step on the CPU, ``p.grad`` holds ``u`` (the direction including the decay term), not the gradient:
-clear it with ``zero_grad()`` before the next backward as usual (torch's fused optimizers also write into
-the gradients).
+That direct form writes ``u`` into the gradients. With ``scratch_grads=True`` (the train op) it runs in
+``p.grad``; by default, so that ``p.grad`` is left as ``torch.optim`` leaves it, in a copy of the gradients
+kept with the base's plan (one more copy pass, +8 B/param in fp32, and one gradient's memory; flat buffers
+then take the per-tensor chunks, not the row runs). Where that copy is not used (inside ``torch.compile``, or
+the step whose compilation failed) pass 1 leaves the caller's gradients alone by taking every chunk the way
+of the half-precision ones (below): ``u`` from copies of the moments, and pass 2 updates the moments with the
+same kernel on its in-cache copies of the gradients, so the applied direction is still the one whose norm
+set the trust ratio.
 
 Over flat buffers (:func:`optkit.flat_parameters`, float32/float64 on the CPU) both passes run on the
 buffer's row runs instead (consecutive parameters of one size are the rows of a ``(count, size)`` matrix,
@@ -88,11 +94,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from . import _fused
 from . import _multi_tensor as mt
 from ._plan import RunAux
-from .optimizer import COMPILE_WARN_TENSORS, Optimizer, check_number
+from .optimizer import COMPILE_WARN_TENSORS, LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["LAMB"]
 
@@ -205,7 +212,7 @@ class _BlockInfo:
     """Per block of a plan: the scratch chunks, and which chunks adapt (positions, their tensors' positions
     among the adapting tensors, the decayed ones and their weight decay as 0-d tensors)."""
 
-    __slots__ = ("scratch", "sel", "own", "dec", "wd_t", "halves", "dec_all")
+    __slots__ = ("scratch", "sel", "own", "dec", "wd_t", "halves", "dec_all", "moments")
 
 
 class LAMB(Optimizer):
@@ -222,16 +229,17 @@ class LAMB(Optimizer):
         bias_correction: divide the moments by ``1 − β^t`` (default True).
         always_adapt: apply the trust ratio also to tensors without weight decay (default False: timm's rule).
         max_coeff, min_coeff: clamp the trust ratio into ``[min_coeff, max_coeff]`` (DeepSpeed; None: no
-            bound).
+            bound); the ratio 1 that a zero ``‖w‖`` or ``‖u‖`` gives is not clamped (DeepSpeed's kernel).
         lambc: clip the trust ratio at 1 (timm ``trust_clip``, the LAMBC variant).
         exclude_1d: no adaptation and no weight decay for tensors with ``ndim <= 1`` (biases, norm scales).
         skip_list: strings; a tensor whose name contains one gets no adaptation and no weight decay.
         global_grad_norm_clip: NVLAMB's ``g ← g / max(1, ‖g‖_global / c)`` before the moments (apex
             ``max_grad_norm``); the base class's ``global_clipnorm`` under its LAMB name.
-        **kwargs: base options (clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, ...,
-            jit_compile, mesh, name).
+        **kwargs: base options (``lr``, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, ...,
+            jit_compile, mesh, name): :class:`~optkit.optimizer.OptimizerOptions`.
 
-    Raises ``ValueError``/``TypeError`` naming the argument (nothing is created).
+    ``params`` and the learning rate are the only positional arguments: ``LAMB(params, 1e-3,
+    weight_decay=0.01)``. Raises ``ValueError``/``TypeError`` naming the argument (nothing is created).
     """
 
     slot_names = ("exp_avg", "exp_avg_sq")
@@ -243,16 +251,18 @@ class LAMB(Optimizer):
     #: the direction kept in the gradient chunks on CPU (module doc); False runs the scratch-and-rebuild
     #: chain of other devices on the CPU too (for tests)
     _cpu_direct = True
+    #: pass 1 leaves u in the gradients for pass 2: with the caller's gradients the eager passes run on a copy
+    _shadow_grads = True
 
     def __init__(
         self,
-        params: Any,
-        learning_rate: Any = 0.001,
+        params: ParamsT,
+        learning_rate: LearningRate = 0.001,
+        *,
         beta1: float = 0.9,
         beta2: float = 0.999,
         epsilon: float = 1e-6,
         weight_decay: float = 0.0,
-        *,
         bias_correction: bool = True,
         always_adapt: bool = False,
         max_coeff: float | None = None,
@@ -261,7 +271,7 @@ class LAMB(Optimizer):
         exclude_1d: bool = False,
         skip_list: Sequence[str] | None = None,
         global_grad_norm_clip: float | None = None,
-        **kwargs: Any,
+        **kwargs: Unpack[OptimizerOptions],
     ) -> None:
         check_number("beta1", beta1, low=0.0, high=1.0)
         check_number("beta2", beta2, low=0.0, high=1.0)
@@ -293,6 +303,7 @@ class LAMB(Optimizer):
         self._block_cache: dict[int, tuple] = {}
         self._direct_cache: dict[int, tuple] = {}  # id(group) -> (plan, (flags, all)): see _direct_flags
         self._skip: Tensor | None = None
+        self._halves_unscaled = True  # whether pass 1 unscaled the half-precision gradients in place
         super().__init__(
             params, learning_rate, weight_decay=float(weight_decay), beta1=float(beta1), beta2=float(beta2),
             epsilon=float(epsilon), bias_correction=bias_correction, always_adapt=always_adapt,
@@ -399,14 +410,19 @@ class LAMB(Optimizer):
                 need = sum(c.numel() for c in blk.params if (c.device, c.dtype) == key)
                 sizes[key] = max(sizes.get(key, 0), need)
         pools = {key: torch.empty(n, dtype=key[1], device=key[0]) for key, n in sizes.items()}
+        # (copies of the moments for a pass 1 that leaves them to pass 2: see _pass1)
+        m_pools = {key: torch.empty(n, dtype=key[1], device=key[0]) for key, n in sizes.items()}
+        v_pools = {key: torch.empty(n, dtype=key[1], device=key[0]) for key, n in sizes.items()}
         infos: dict[int, _BlockInfo] = {}
         for blk in blocks:
             info = _BlockInfo()
             offsets = dict.fromkeys(pools, 0)
-            info.scratch = []
+            info.scratch, info.moments = [], ([], [])
             for c in blk.params:
                 key = (c.device, c.dtype)
                 info.scratch.append(_scratch_view(pools[key], offsets[key], c))
+                info.moments[0].append(_scratch_view(m_pools[key], offsets[key], c))
+                info.moments[1].append(_scratch_view(v_pools[key], offsets[key], c))
                 offsets[key] += c.numel()
             info.sel = [j for j, o in enumerate(blk.owners) if st.adapt_of[o] >= 0]
             info.own = [st.adapt_of[blk.owners[j]] for j in info.sel]
@@ -456,12 +472,19 @@ class LAMB(Optimizer):
             t = torch.full((), float("inf"), dtype=torch.float32, device=self._state_device)
         hyper = (beta1, beta2, eps, t, k, self._skip)
         jit = self.jit_compile and self._compile_state != "failed"
+        # the caller's gradients (Optimizer._guards; the eager passes run on the base's copy instead): pass 1
+        # leaves them as they are, every chunk taking the half-precision form (moments on copies, pass 2
+        # updates them with the same kernel on its in-cache copies of the gradients: the applied direction
+        # is bit for bit the one whose norm set the ratio)
+        protected = self._grads_protected
+        self._halves_unscaled = not protected
         if plan.flat_active and plan.flat.rows_pay and self._rows_ok(plan.flat):
             if jit and len(plan.flat.runs) <= COMPILE_WARN_TENSORS:  # (more runs: minutes of compiling)
                 aux = self._prepare_rows_compiled(group, plan.flat, st, hyper, lr, dev, dtype)
                 if aux is not None:
                     return aux
-            return self._prepare_rows(group, plan.flat, st, hyper, lr, dev, dtype)
+            if not protected:  # (the row runs keep u in the gradient rows; else the per-tensor chunks)
+                return self._prepare_rows(group, plan.flat, st, hyper, lr, dev, dtype)
         tracing = torch.compiler.is_compiling()
         if jit and not tracing:
             aux = self._prepare_compiled(group, params, grads, plan, st, hyper, lr, dev, dtype)
@@ -479,7 +502,9 @@ class LAMB(Optimizer):
         e = eps * bc2_sqrt
         # (a compiled pass 2 reads c and s·wd: the jit_compile rule, _lamb_pointwise)
         compiled = self.jit_compile and self._compile_state != "failed"
-        direct = self._direct_flags(group, plan, params) if self._cpu_direct and not tracing else None
+        direct = None
+        if self._cpu_direct and not tracing and not protected:
+            direct = self._direct_flags(group, plan, params)
         if self._skip is not None:  # s = 1 on a skipped step: pass 2 then leaves the gradient as it is
             s = torch.where(self._skip.to(dev) > 0, torch.ones_like(s), s)  # (exactly 1 where s is NaN too)
         if direct is not None and direct[1] and not compiled:  # pass 2 reads only s (no c, s·wd lists)
@@ -487,7 +512,7 @@ class LAMB(Optimizer):
         c = (s * (bc2_sqrt / bc1)).unbind()
         swd = (s * st.wd_vec).unbind()
         flags = direct[0] if direct is not None else [False] * n
-        return [(ci, wi, e, si, p.dtype in _HALF, d)
+        return [(ci, wi, e, si, protected or p.dtype in _HALF, d)
                 for ci, wi, si, p, d in zip(c, swd, s.unbind(), params, flags)]
 
     def _prepare_compiled(self, group, params, grads, plan, st, hyper, lr, dev, dtype) -> list | None:
@@ -572,8 +597,7 @@ class LAMB(Optimizer):
         lr = lr.to(device=dev, dtype=dtype)
         if st.n_adapt:
             w_n, u_n = torch.cat(w_parts), torch.cat(u_parts)
-            r = torch.where((w_n > 0) & (u_n > 0), w_n / u_n, torch.ones_like(w_n))
-            r = self._clamp_trust(group, r)
+            r = self._trust_ratio(group, w_n, u_n)
             if st.n_adapt != n:
                 r = torch.where(st.mask, r, torch.ones_like(r))
             s = lr * r
@@ -646,14 +670,19 @@ class LAMB(Optimizer):
             halves = [j for j, w in enumerate(ws) if w.dtype in _HALF]
             dec_all = [j for j, o in enumerate(own) if st.decayed[o]]
         k = hyper[4]
-        if k is not None and halves:  # unscaled in place once (fp32 product, rounded once)
+        protected = self._grads_protected
+        if k is not None and protected:  # unscaled copies (pass 2 unscales its copies of the gradients alike)
+            gs = mt.scaled_copies(gs, k)
+        elif k is not None and halves:  # unscaled in place once (fp32 product, rounded once)
             hg = [gs[j] for j in halves]
             for (device, _), (_, (grp,)) in mt.group_by_device_dtype(hg).items():
                 torch._foreach_mul_(grp, k.to(device=device, dtype=torch.float32))
         sel_of = dict(zip(sel, own_pos))
         wd_of = dict(zip(dec, wd_t))
         dec_set = set(dec_all)
-        if len(halves) == n or not halves:
+        if protected:  # the caller's gradients: every chunk as the half ones (module doc)
+            subsets = [(list(range(n)), True)]
+        elif len(halves) == n or not halves:
             subsets = [(list(range(n)), bool(halves))]
         else:
             hs = set(halves)
@@ -669,24 +698,25 @@ class LAMB(Optimizer):
                 self._pass1_math(*sub, range(len(pos)), st, hyper, fresh, p_sel, p_own, p_dec, acc)
                 continue
             d = scratch if whole else [scratch[j] for j in pos]
+            copies = info.moments if protected and info is not None else None  # (protected: pos is whole)
             self._block = blk  # the gate's per-block fast path (layouts and dtype known)
             try:
-                self._pass1_fused(d, *sub, st, hyper, fresh, p_sel, p_own, p_dec, acc, p_dec_all)
+                self._pass1_fused(d, *sub, st, hyper, fresh, p_sel, p_own, p_dec, acc, p_dec_all, copies)
             finally:
                 self._block = None
 
     def _pass1_fused(self, scratch, ws, gs, ms, vs, st, hyper, fresh, sel, own_pos, dec, acc,
-                     dec_all=()) -> None:
+                     dec_all=(), copies=None) -> None:
         """:meth:`_pass1` through the fused-kernel gate (``dec``: chunk position -> weight decay tensor of
         the adapting decayed chunks; ``dec_all``: the positions of every decayed chunk). float32/float64 on
         the CPU (``direct``): the direction ``u`` goes into the gradient chunk itself (module doc)."""
         beta1, beta2, eps, t, k, skip = hyper
         n = len(ws)
-        lists = (scratch, gs, ms, vs, ws)
+        lists = (scratch, gs, ms, vs, ws) + (() if copies is None else copies)  # (copies: for m and v)
         direct_ok = not fresh and self._cpu_direct
         written = (0,) if fresh else ((0, 1, 2, 3) if direct_ok else (0, 2, 3))
         sel_set = set(sel)
-        for device, dtype, mode, ix, (d, g, m, v, w) in self._kernel_parts("adam", lists, written):
+        for device, dtype, mode, ix, (d, g, m, v, w, *mv) in self._kernel_parts("adam", lists, written):
             if mode == "fallback":
                 self._pass1_math(w, g, m, v, ix, st, hyper, fresh, sel, own_pos, dec, acc)
                 continue
@@ -717,7 +747,12 @@ class LAMB(Optimizer):
                     own_of = dict(zip(sel, own_pos))
                     acc[2].extend(own_of[q if src is None else src[q]] for q in q_sel)
                 continue
-            if fresh and m[0].dtype in _HALF:  # native half lists are the moments themselves: use copies
+            if mv and mode == "native":  # the moments into the block's copies (kept for pass 2)
+                torch._foreach_copy_(mv[0], m)
+                torch._foreach_copy_(mv[1], v)
+                m, v = mv
+            elif fresh and (m[0].dtype in _HALF or self._grads_protected) and mode == "native":
+                # native lists are the moments themselves (kept for pass 2): use copies
                 m, v = [x.clone() for x in m], [x.clone() for x in v]
             torch._foreach_zero_(d)
             torch._fused_adam_(d, g, m, v, [], [t_] * len(d), lr=-1.0, beta1=beta1, beta2=beta2,
@@ -803,15 +838,18 @@ class LAMB(Optimizer):
                 both = torch.cat([w_sq, u_sq])
                 mt._reduce_vector_(both, plans + plans, dist.ReduceOp.SUM)
                 w_sq, u_sq = both[:m], both[m:]
-        w_n, u_n = w_sq.sqrt(), u_sq.sqrt()
-        r = torch.where((w_n > 0) & (u_n > 0), w_n / u_n, torch.ones_like(w_n))
-        return self._clamp_trust(group, r)
+        return self._trust_ratio(group, w_sq.sqrt(), u_sq.sqrt())
 
     @staticmethod
-    def _clamp_trust(group: dict, r: Tensor) -> Tensor:
-        """DeepSpeed's ``min_coeff``/``max_coeff`` clamp, then LAMBC's ``min(r, 1)``."""
+    def _trust_ratio(group: dict, w_n: Tensor, u_n: Tensor) -> Tensor:
+        """The trust ratio from the norms ``‖w‖``, ``‖u‖`` (every form of the rule computes it here):
+        ``clamp(‖w‖/‖u‖, min_coeff, max_coeff)`` where both norms are positive, else 1 unclamped (DeepSpeed's
+        fused LAMB kernel, ``csrc/lamb/fused_lamb_cuda_kernel.cu``, clamps only the quotient), then LAMBC's
+        ``min(r, 1)``."""
+        r = w_n / u_n
         if group["min_coeff"] is not None or group["max_coeff"] is not None:
             r = r.clamp(min=group["min_coeff"], max=group["max_coeff"])
+        r = torch.where((w_n > 0) & (u_n > 0), r, torch.ones_like(r))
         if group["lambc"]:
             r = r.clamp(max=1.0)
         return r
@@ -836,6 +874,8 @@ class LAMB(Optimizer):
             scratch = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
         fresh = [j for j, a in enumerate(aux) if a[4]]
         done: set[int] = set()
+        if fresh and k is not None and not getattr(self, "_halves_unscaled", True):
+            mt.scale_([grads[j] for j in fresh], k)  # (copies of the caller's: pass 1 left those scaled)
         if fresh:
             done = self._fresh_moments(group, fresh, params, grads, scratch, m_l, v_l, lr, found_inf, aux)
         any_wd = float(group["weight_decay"]) > 0.0
@@ -880,8 +920,9 @@ class LAMB(Optimizer):
                               maximize=False, is_first_step=False, grad_scale=None, found_inf=fi)
 
     def _fresh_moments(self, group, fresh, params, grads, scratch, m_l, v_l, lr, found_inf, aux) -> set[int]:
-        """Half-precision chunks of pass 2: the fused Adam kernel updates ``m, v`` (``found_inf`` skips it)
-        and writes ``m̂/(√v̂ + ε)`` into the scratch chunks. Returns the chunk positions that a device without
+        """Half-precision chunks of pass 2 (every chunk when pass 1 left the caller's gradients alone): the
+        fused Adam kernel updates ``m, v`` (``found_inf`` skips it) and writes ``m̂/(√v̂ + ε)`` into the scratch
+        chunks. Returns the chunk positions that a device without
         the kernel updated completely through the pointwise rule."""
         beta1, beta2, eps = float(group["beta1"]), float(group["beta2"]), float(group["epsilon"])
         if group["bias_correction"]:

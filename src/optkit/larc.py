@@ -49,7 +49,7 @@ from . import _multi_tensor as mt
 from ._compile import norm_sums
 from ._plan import FlatPart, RowMultipliers
 from ._validation import check_params, check_real
-from ._wrapper import OptimizerWrapper, protocol_level
+from ._wrapper import OptimizerWrapper, grads_swapped, protocol_level
 from .optimizer import Optimizer
 
 __all__ = ["LARC"]
@@ -229,24 +229,28 @@ class LARC(OptimizerWrapper):
         ids = {id(p) for p in params}
         rest = {i: m for i, m in (multipliers or {}).items() if i not in ids}  # excluded parameters
         outer = self._mult_vector(params, multipliers, dev)
+        swapped: list[tuple[Tensor, Tensor]] = []
         if self.wd_in_denominator is not None:
-            # apex/timm: the gradient becomes r·(g + wd·v); materialise g + wd·v in place
+            # apex/timm: the gradient becomes r·(g + wd·v); g + wd·v is materialised in copies that stand in
+            # for .grad during the inner step (the caller's gradients are left, unscaled: see the base's
+            # ``scratch_grads``)
             if grad_scale is not None:
                 _, all_grads = self._params_with_grads()
-                mt.scale_(all_grads, torch.reciprocal(grad_scale.detach().to(dev, torch.float32).reshape(())))
+                mt.scale_(all_grads, mt.inverse_scale(grad_scale, all_grads, dev))
                 grad_scale = None
+            copies = mt.scaled_copies(grads, torch.ones((), device=dev))
             if outer is not None:
-                mt.scale_(grads, list(outer.unbind()))
-            mt.add_scaled_(grads, params, self.wd_in_denominator)
+                mt.scale_(copies, list(outer.unbind()))
+            mt.add_scaled_(copies, params, self.wd_in_denominator)
+            swapped = list(zip(params, copies))
             factors = ratios
         else:
             factors = ratios if outer is None else ratios * outer
-        if protocol_level(self.optimizer) == "full":
-            mult = {**rest, **dict(zip((id(p) for p in params), factors.unbind()))}
-        else:
-            mt.scale_(grads, list(factors.unbind()))
-            mult = rest
-        self._delegate(grad_scale, found_inf, mult or None)
+        # the ratios reach the inner optimizer as multipliers (an optkit one folds them into its pass, any
+        # other steps on multiplied copies: _delegate), never the caller's gradients
+        mult = {**rest, **dict(zip((id(p) for p in params), factors.unbind()))}
+        with grads_swapped(swapped):
+            self._delegate(grad_scale, found_inf, mult or None)
 
     # -------------------------------------------------------------------------------------- flat buffers
 
@@ -258,6 +262,8 @@ class LARC(OptimizerWrapper):
         inner = self.optimizer
         if not isinstance(inner, Optimizer):
             return None
+        if self.wd_in_denominator is not None and not inner.scratch_grads:
+            return None  # (g + wd·v would go into the caller's flat gradient: the per-tensor path's copies)
         out, seen = [], {}
         for gi, group in enumerate(self.param_groups):
             if not group["params"]:
@@ -292,11 +298,11 @@ class LARC(OptimizerWrapper):
         before its update)."""
         wd = self.wd_in_denominator
         self._exclusions()  # (rescanned here when the groups changed: _flat_keep reads _scan)
-        k = self._outer_factors([], grad_scale, None, dev)
-        if wd is not None and grad_scale is not None:
-            inv = torch.reciprocal(grad_scale.detach().to(dev, torch.float32).reshape(()))
+        # 1/grad_scale (float64 when a flat gradient is float64)
+        k = None if grad_scale is None else mt.inverse_scale(grad_scale, [fp.grad for _, _, fp in parts], dev)
+        if wd is not None and k is not None:
             for _, _, fp in parts:
-                fp.grad.mul_(inv.to(fp.grad.dtype))
+                fp.grad.mul_(k.to(fp.grad.dtype))
             grad_scale = k = None
         vectors, kept, ratios, clips = [], [], [], []
         for gi, group, fp in parts:
@@ -348,7 +354,7 @@ class LARC(OptimizerWrapper):
         """Per-parameter factor between the raw gradients and the gradients this wrapper should see."""
         k = self._mult_vector(params, multipliers, dev)
         if grad_scale is not None:
-            inv = torch.reciprocal(grad_scale.detach().to(dev, torch.float32).reshape(()))
+            inv = mt.inverse_scale(grad_scale, params, dev)  # (float64 for float64 parameters)
             k = inv if k is None else k * inv
         return k
 

@@ -26,22 +26,32 @@ foreach kernels) and torch's fused SGD kernel with ``lr = 1`` (``a ← m·a + u;
 ``found_inf``, so a skipped step changes nothing. Blocks of at most four chunks (large tensors) write
 ``u = s·k·(g + (wd/k)·w)`` instead: one in-cache pass adds the decay, and the kernel takes ``s·k`` as
 ``grad_scale = 1/(s·k)`` (it divides the gradient first); float32 and narrower only, since the kernel's
-``grad_scale`` is float32. Main memory sees the two norm passes plus one update sweep.
+``grad_scale`` is float32. Main memory sees the two norm passes plus one update sweep. These kernels use the
+gradient chunks as scratch; unless ``scratch_grads=True`` (the train op) the base hands them in-cache copies
+of the chunks, so ``p.grad`` is left as ``torch.optim`` leaves it at no extra traffic.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
 from ._compile import norm_sums
 from ._plan import RunAux
 from .momentum import sparse_momentum_rows_
-from .optimizer import COMPILE_WARN_TENSORS, Optimizer, check_number
+from .optimizer import (
+    COMPILE_WARN_TENSORS,
+    LearningRate,
+    Optimizer,
+    OptimizerOptions,
+    ParamsT,
+    check_nesterov,
+    check_number,
+)
 
 __all__ = ["LARS"]
 
@@ -105,18 +115,21 @@ class LARS(Optimizer):
 
     Args:
         params: tensors, ``model.named_parameters()`` (needed for ``skip_list``) or param groups.
-        learning_rate: the base learning rate (number, schedule or callable; required).
+        learning_rate: the base learning rate (number, schedule or callable; required, or torch's ``lr=``).
         momentum: momentum ``m >= 0`` (default 0.9).
         weight_decay: LARS's own weight decay (``>= 0``, default 1e-4): in the trust-ratio denominator,
             and for TF 1.15 added to the gradient. It is not the base class's decoupled decay.
-        eeta: the LARS coefficient (default 0.001); ``eeta/weight_decay`` bounds the trust ratio.
+        eeta: the LARS coefficient (default 0.001); ``eeta/weight_decay`` bounds the trust ratio. TF's name,
+            kept: timm's ``trust_coeff`` and apex's ``trust_coefficient`` are refused with a hint to it.
         epsilon: added to the trust-ratio denominator (default 0.0).
         skip_list: strings; a parameter whose name contains one of them gets no trust scaling and no decay.
-        use_nesterov: Nesterov momentum.
+        nesterov: Nesterov momentum (torch's and Keras's name; TF1's ``use_nesterov`` is accepted for it).
         variant: ``"tf1.15"`` (classic momentum, decay on the gradient) or ``"tf1.14"`` (the earlier form).
         exclude_1d: also skip every parameter with ``ndim <= 1`` (biases and normalisation scales).
-        **kwargs: base options (clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, jit_compile, mesh, name).
+        **kwargs: base options (``lr``, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, jit_compile, mesh, name): :class:`~optkit.optimizer.OptimizerOptions`.
+
+    ``params`` and the learning rate are the only positional arguments: ``LARS(params, 0.1, momentum=0.9)``.
 
     Raises:
         ValueError: negative ``momentum`` or ``weight_decay``, or an unknown ``variant``.
@@ -127,25 +140,26 @@ class LARS(Optimizer):
 
     slot_names = ("momentum",)
     #: torch's name of this option: refused in a param group, which would ignore it
-    _torch_group_keys = {"nesterov": ("use_nesterov",), "eps": ("epsilon",)}
+    _torch_group_keys = {"eps": ("epsilon",)}
     _decoupled_weight_decay = False
     _always_block = True
     _sparse_rule = True
 
     def __init__(
         self,
-        params: Any,
-        learning_rate: Any,
+        params: ParamsT,
+        learning_rate: LearningRate | None = None,
+        *,
         momentum: float = 0.9,
         weight_decay: float = 0.0001,
         eeta: float = 0.001,
         epsilon: float = 0.0,
         skip_list: Sequence[str] | None = None,
-        use_nesterov: bool = False,
-        *,
+        nesterov: bool = False,
+        use_nesterov: bool | None = None,
         variant: str = "tf1.15",
         exclude_1d: bool = False,
-        **kwargs: Any,
+        **kwargs: Unpack[OptimizerOptions],
     ) -> None:
         check_number("momentum", momentum)
         if momentum < 0.0:
@@ -159,8 +173,7 @@ class LARS(Optimizer):
             if isinstance(skip_list, str) or not all(isinstance(x, str) for x in skip_list):
                 raise TypeError(f"`skip_list` must be a list of strings, got {skip_list!r}")
             skip_list = list(skip_list)
-        if not isinstance(use_nesterov, bool):
-            raise TypeError(f"`use_nesterov` must be a bool, got {use_nesterov!r}")
+        nesterov = check_nesterov(nesterov, use_nesterov)
         if variant not in _VARIANTS:
             raise ValueError(f"`variant` must be one of {_VARIANTS}, got {variant!r}")
         if not isinstance(exclude_1d, bool):
@@ -171,7 +184,7 @@ class LARS(Optimizer):
         self._inv_cache: dict = {}  # id(s·k) -> (s·k, 1/(s·k)) within one step (see _update)
         super().__init__(
             params, learning_rate, weight_decay=float(weight_decay), momentum=float(momentum),
-            eeta=float(eeta), epsilon=float(epsilon), skip_list=skip_list, use_nesterov=use_nesterov,
+            eeta=float(eeta), epsilon=float(epsilon), skip_list=skip_list, nesterov=nesterov,
             variant=variant, exclude_1d=exclude_1d, **kwargs,
         )
         if not self._named and any(g["skip_list"] for g in self.param_groups):
@@ -187,7 +200,7 @@ class LARS(Optimizer):
         return {
             "momentum": d["momentum"], "eeta": d["eeta"], "epsilon": d["epsilon"],
             "skip_list": None if d["skip_list"] is None else list(d["skip_list"]),
-            "use_nesterov": d["use_nesterov"], "variant": d["variant"], "exclude_1d": d["exclude_1d"],
+            "nesterov": d["nesterov"], "variant": d["variant"], "exclude_1d": d["exclude_1d"],
         }
 
     def __getstate__(self) -> dict:
@@ -197,7 +210,7 @@ class LARS(Optimizer):
         return state
 
     def _pointwise_hyper(self, group: dict) -> tuple:
-        return (float(group["momentum"]), bool(group["use_nesterov"]), group["variant"])
+        return (float(group["momentum"]), bool(group["nesterov"]), group["variant"])
 
     _pointwise = staticmethod(_lars_pointwise)
 
@@ -308,7 +321,7 @@ class LARS(Optimizer):
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         m = float(group["momentum"])
-        nesterov = bool(group["use_nesterov"])
+        nesterov = bool(group["nesterov"])
         b15 = group["variant"] == "tf1.15"
         lists = (params, grads, slots["momentum"])
         for device, dtype, mode, ix, (p, g, a) in self._kernel_parts("sgd", lists, (0, 2)):
@@ -359,7 +372,7 @@ class LARS(Optimizer):
         (``a[r] ← m·a[r] + g[r]``; ``w[r] ← w[r] − lr·a[r]``, Nesterov
         ``w[r] ← w[r] − lr·g[r] − lr·m·a[r]``)."""
         m = float(group["momentum"])
-        nesterov = bool(group["use_nesterov"])
+        nesterov = bool(group["nesterov"])
         skip = None if found_inf is None else found_inf > 0.5
         for p, g, a in zip(params, grads, slots["momentum"]):
             sparse_momentum_rows_(p, g, a, m, nesterov, lr, k, skip)

@@ -156,7 +156,7 @@ class LossScale(ABC):
         gl = _grad_list(grads)
         scale = self._state["scale"]
         found_inf = torch.zeros((), dtype=_F32, device=scale.device)
-        inv_scale = torch.reciprocal(scale)
+        inv_scale = mt.inverse_scale(scale, gl)  # (float64 for float64 gradients)
         mt.non_finite_check_and_unscale_(gl, found_inf, inv_scale)
         if self.needs_amax:
             self.last_amax = mt.max_abs(gl).to(scale.device, non_blocking=True)

@@ -67,7 +67,8 @@ def _times(a: Tensor | None, b: Tensor | None) -> Tensor | None:
         return b
     if b is None:
         return a
-    return a * b.to(a.device, torch.float32).reshape(())
+    # (an outer float64 scale, a float64 train op's window divisor, stays float64)
+    return a * b.to(a.device, torch.float64 if b.dtype == torch.float64 else torch.float32).reshape(())
 
 
 def loss_scaled_step(
@@ -109,7 +110,7 @@ def loss_scaled_step(
     else:
         found = torch.zeros((), dtype=torch.float32, device=dev)
         if total is not None:
-            inv = torch.reciprocal(total.to(device=dev, dtype=torch.float32))
+            inv = mt.inverse_scale(total, step_grads, dev)  # (float64 for float64 gradients)
             mt.non_finite_check_and_unscale_(step_grads, found, inv)
             unscaled = True
         elif check:
@@ -130,7 +131,7 @@ def loss_scaled_step(
     except BaseException:
         if unscaled:  # the gradients carry the scale again, so a retried step unscales them once, as
             # GradScaler's does (exact for the power-of-two scales of a dynamic scaler)
-            mt.scale_(list(step_grads), total.to(device=dev, dtype=torch.float32))
+            mt.scale_(list(step_grads), total.to(device=dev))
         raise
     if check:  # after the inner step: a step that raises (bad input) leaves the scale as it was
         if probe:
@@ -153,7 +154,10 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
     ``loss·S``. A closure's loss is back-propagated as ``loss·S``; without a closure, ``scale_loss`` must have
     been called since the last step (``grads_scaled``). Gradients from an unscaled backward, the pattern of
     training frameworks, would be divided by ``S`` and training would stall silently: ``RuntimeError``.
-    Which gradients count is the wrapper's ``_unscaled_grads_present()`` (the model's, not fp32 masters')."""
+    Which gradients count is the wrapper's ``_unscaled_grads_present()`` (the model's, not fp32 masters').
+    With no gradient at all there is nothing to divide: the step is a no-op as in ``torch.optim`` (the
+    wrapper's ``_wrapped_step`` leaves the parameters, the inner state, ``iterations`` and the scale alone
+    and sets ``step_applied`` to False)."""
     refuse_inside_ema_weights(wrapper)
     loss = None
     scaler = wrapper.loss_scaler
@@ -168,7 +172,7 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
                         f"{type(wrapper).__name__}.step(closure): gradients folded with accumulate_grads "
                         "before it did not come from scale_loss(loss) (loss·S); dividing them by the loss "
                         f"scale would stall training. {_UNSCALED_HELP}")
-            elif matters and not wrapper.grads_scaled:
+            elif matters and not wrapper.grads_scaled and wrapper._unscaled_grads_present():
                 raise RuntimeError(
                     f"{type(wrapper).__name__}.step(closure): the closure returned a loss that does not "
                     "require grad, so it back-propagated by itself, unscaled; dividing those gradients by "
@@ -232,14 +236,16 @@ class LossScaleOptimizer(ScaledGradsFlag, OptimizerWrapper):
 
     def get_unscaled_gradients(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
         """``g / S`` for every non-``None`` gradient (new tensors; tf.keras 2 name)."""
-        inv = torch.reciprocal(self.loss_scaler())
-        return mt.scaled_copies(list(grads), inv)
+        grads = list(grads)
+        return mt.scaled_copies(grads, mt.inverse_scale(self.loss_scaler(), grads))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One loss-scaled step. With a closure: the closure returns the unscaled loss and does not call
         ``backward``; the wrapper back-propagates ``loss·S``. Returns the closure's loss. Gradients that did
-        not come from ``loss·S`` raise ``RuntimeError`` (:func:`scaled_backward_step`)."""
+        not come from ``loss·S`` raise ``RuntimeError`` (:func:`scaled_backward_step`). When no parameter has
+        a gradient the step changes nothing (torch's contract): not the parameters, the inner optimizer
+        (which is not called) or the scale; ``step_applied`` is False."""
         return scaled_backward_step(self, closure)
 
     def _wrapped_step(self, grad_scale, found_inf, multipliers, *, scaled: bool = True) -> None:
@@ -248,6 +254,9 @@ class LossScaleOptimizer(ScaledGradsFlag, OptimizerWrapper):
         grads = whole(seen) if whole is not None else None  # flat buffers: one check over each flat gradient
         if grads is None:
             _, grads = self._params_with_grads()
+        if not grads:  # no parameter has a gradient: a no-op (torch.optim), the scale is not updated either
+            self.step_applied = torch.zeros((), dtype=torch.bool, device=self._device())
+            return
         scale = self.loss_scaler() if scaled else None
         loss_scaled_step(self, self.loss_scaler, grads, scale, grad_scale, found_inf, multipliers,
                          gathered=seen)
@@ -270,7 +279,8 @@ class LossScaleOptimizer(ScaledGradsFlag, OptimizerWrapper):
             pairs = self.optimizer.compute_gradients(scaled_loss, var_list)
         else:
             pairs = _autograd_pairs(scaled_loss, self._all_params() if var_list is None else list(var_list))
-        grads = mt.scaled_copies([g for g, _ in pairs], torch.reciprocal(scale))
+        raw = [g for g, _ in pairs]
+        grads = mt.scaled_copies(raw, mt.inverse_scale(scale, raw))
         return [(g, v) for g, (_, v) in zip(grads, pairs)]
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Tensor | None, Tensor]]) -> Any:

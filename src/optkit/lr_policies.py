@@ -7,9 +7,11 @@ Every policy takes ``global_step`` first, then its own arguments, with the seed 
 * a python ``int`` or ``float`` (or a NumPy scalar): the policy computes in float64 and returns a python
   ``float``;
 * a 0-d tensor of any real dtype: the policy runs torch ops only (``torch.where``/``clamp``/``minimum``, no
-  ``.item()`` and no python branch on the tensor) and returns a 0-d ``float32`` tensor on the step's device,
-  so it can run inside a compiled or captured training step without a host sync. The math runs in float64
-  (float32 on MPS, which has no float64) and is rounded once at the end.
+  ``.item()`` and no python branch on the tensor) and returns a 0-d tensor on the step's device, so it can
+  run inside a compiled or captured training step without a host sync: ``float32``, or ``float64`` for a
+  ``float64`` step (what an optkit optimizer passes for a group of float64 parameters). The math runs in
+  float64 (float32 on MPS, which has no float64) and is rounded once at the end (not at all for a float64
+  step).
 
 Hyperparameters are python numbers and are validated on every call (cheap: no tensor is read). A bad value
 raises ``ValueError`` (wrong value) or ``TypeError`` (wrong type) naming the argument. Python-number steps
@@ -25,7 +27,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -44,6 +46,8 @@ __all__ = [
 
 Step = int | float | Tensor
 LR = float | Tensor
+#: the type of a policy's value is its step's: a python number gives a float, a 0-d tensor a tensor
+StepT = TypeVar("StepT", float, Tensor)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -80,7 +84,7 @@ class _Scalar:
     def cos(x: Any) -> Any:
         return math.cos(x)
 
-    def out(self, x: Any, dtype: torch.dtype = torch.float32) -> float:
+    def out(self, x: Any, dtype: torch.dtype | None = None) -> float:
         return float(x)
 
 
@@ -89,6 +93,8 @@ class _Tensor:
 
     def __init__(self, step: Tensor) -> None:
         compute = torch.float32 if step.device.type == "mps" else torch.float64
+        #: the result's dtype: float64 for a float64 step, else float32
+        self.dtype = torch.float64 if step.dtype == torch.float64 else torch.float32
         self.step = step.detach().to(compute)
 
     def _t(self, x: Any) -> Tensor:
@@ -118,8 +124,8 @@ class _Tensor:
     def cos(self, x: Any) -> Tensor:
         return torch.cos(self._t(x))
 
-    def out(self, x: Any, dtype: torch.dtype = torch.float32) -> Tensor:
-        return self._t(x).to(dtype)
+    def out(self, x: Any, dtype: torch.dtype | None = None) -> Tensor:
+        return self._t(x).to(self.dtype if dtype is None else dtype)
 
 
 def _backend(global_step: Any, fn: str) -> _Scalar | _Tensor:
@@ -173,7 +179,7 @@ def _decay_common(fn: str, learning_rate: Any, decay_steps: Any, begin_decay_at:
 # policies
 
 
-def fixed_lr(global_step: Step, learning_rate: float) -> LR:
+def fixed_lr(global_step: StepT, learning_rate: float) -> StepT:
     """Fixed learning rate: ``lr(step) = learning_rate`` for every step."""
     b = _backend(global_step, "fixed_lr")
     lr = _real("fixed_lr", "learning_rate", learning_rate, low=0.0)
@@ -181,12 +187,12 @@ def fixed_lr(global_step: Step, learning_rate: float) -> LR:
 
 
 def piecewise_constant(
-    global_step: Step,
+    global_step: StepT,
     learning_rate: float,
     boundaries: Sequence[int],
     decay_rates: Sequence[float],
     steps_per_epoch: int | None = None,
-) -> LR:
+) -> StepT:
     """Piecewise-constant decay (TF ``piecewise_constant`` semantics, boundaries inclusive on the left piece).
 
     With ``b_j = boundaries[j]·steps_per_epoch`` (or ``boundaries[j]`` when ``steps_per_epoch`` is None) and
@@ -232,14 +238,14 @@ def piecewise_constant(
 
 
 def exp_decay(
-    global_step: Step,
+    global_step: StepT,
     learning_rate: float,
     decay_steps: float,
     decay_rate: float,
     use_staircase_decay: bool,
     begin_decay_at: float = 0,
     min_lr: float = 0.0,
-) -> LR:
+) -> StepT:
     """Exponential decay with a start step and a floor.
 
     ``p = (step − begin_decay_at)/decay_steps`` (floored when ``use_staircase_decay``);
@@ -260,14 +266,14 @@ def exp_decay(
 
 
 def poly_decay(
-    global_step: Step,
+    global_step: StepT,
     learning_rate: float,
     decay_steps: float,
     power: float = 1.0,
     begin_decay_at: float = 0,
     min_lr: float = 0.0,
     warmup_steps: float = 0,
-) -> LR:
+) -> StepT:
     """Polynomial decay after an optional linear warmup.
 
     Warmup: ``lr_w = lr₀·step/warmup_steps`` while ``step < warmup_steps`` (when > 0), else ``lr₀``.
@@ -286,14 +292,14 @@ def poly_decay(
 
 
 def cosine_decay(
-    global_step: Step,
+    global_step: StepT,
     learning_rate: float,
     decay_steps: float,
     power: float = 1.0,
     begin_decay_at: float = 0,
     min_lr: float = 0.0,
     warmup_steps: float = 0,
-) -> LR:
+) -> StepT:
     """Cosine decay after an optional linear warmup (TF ``cosine_decay`` with ``alpha = min_lr``).
 
     Warmup as in :func:`poly_decay`. ``lr_w`` if ``step < begin_decay_at``, else with
@@ -316,7 +322,7 @@ def cosine_decay(
 
 
 def inv_poly_decay(
-    global_step: Step,
+    global_step: StepT,
     learning_rate: float,
     decay_steps: float,
     min_lr: float,
@@ -324,7 +330,7 @@ def inv_poly_decay(
     begin_decay_at: float = 0,
     warmup_steps: float = 0,
     name: str = "learning_rate",
-) -> LR:
+) -> StepT:
     """Inverse-polynomial decay ``lr₀/(1 + a·t)^power`` that reaches ``min_lr`` after ``decay_steps``.
 
     ``m = min(max(min_lr, 1e-8), lr₀)`` and ``a = ((lr₀/m)^(1/power) − 1)/decay_steps``. Warmup as in
@@ -351,19 +357,20 @@ def inv_poly_decay(
 
 
 def transformer_policy(
-    global_step: Step,
+    global_step: StepT,
     learning_rate: float,
     d_model: float,
     warmup_steps: float,
     max_lr: float | None = None,
     coefficient: float = 1.0,
-    dtype: torch.dtype = torch.float32,
-) -> LR:
+    dtype: torch.dtype | None = None,
+) -> StepT:
     """The Transformer ("Noam") schedule of https://arxiv.org/abs/1706.03762 with an optional cap.
 
     With ``n = step + 1``: ``lr = learning_rate·coefficient·d_model^(−½)·min(n·warmup_steps^(−1.5), n^(−½))``,
     then ``min(max_lr, lr)`` when ``max_lr`` is given. The peak is at ``step = warmup_steps − 1``.
-    ``dtype`` is the dtype of the returned tensor on the tensor path.
+    ``dtype`` is the dtype of the returned tensor on the tensor path (None: float32, float64 for a float64
+    step).
     """
     fn = "transformer_policy"
     b = _backend(global_step, fn)
@@ -372,8 +379,8 @@ def transformer_policy(
     ws = _real(fn, "warmup_steps", warmup_steps, low=0.0, strict=True)
     coef = _real(fn, "coefficient", coefficient, low=0.0)
     cap = None if max_lr is None else _real(fn, "max_lr", max_lr, low=0.0, strict=True)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{fn}: dtype must be a floating torch.dtype, got {dtype!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"{fn}: dtype must be a floating torch.dtype or None, got {dtype!r}")
     n = b.step + 1.0
     out = lr * coef * dm**-0.5 * b.minimum(n * ws**-1.5, n**-0.5)
     if cap is not None:

@@ -16,7 +16,11 @@ step (overflow under a dynamic scale) changes no master, no state and no model p
 **How the inner optimizer gets the masters.** Build the inner optimizer (and any optkit wrappers such as
 ``LARC`` or ``VariableClippingOptimizer``) on the model's parameters and wrap it: the constructor replaces
 every half parameter in the param groups by its master, casts any existing per-parameter state of it to
-float32 and tells the wrappers inside about the swap. Or use :meth:`MixedPrecisionOptimizerWrapper.wrap`,
+float32 and tells the wrappers inside about the swap; an optkit optimizer's state that is still what its
+construction built (no update applied, every slot still its initial fill) is built again on the masters in
+float32, so that Adagrad's or Ftrl's ``initial_accumulator_value`` is not the half-rounded one (fp16(0.1) =
+0.0999755859375) and the masters follow the float32 run exactly; state written since (a step, a loaded
+checkpoint) is only cast. Or use :meth:`MixedPrecisionOptimizerWrapper.wrap`,
 which builds the inner optimizer on the masters directly. Afterwards ``param_groups`` and ``state`` refer to
 the masters; ``model_params``/``master_params`` give both sides. This wrapper must be the outermost optkit
 wrapper (gradient-processing wrappers inside it see the fp32 master gradients, as in OpenSeq2Seq where LARC
@@ -44,10 +48,10 @@ from torch import Tensor, nn
 
 from . import _multi_tensor as mt
 from ._validation import ParameterTypeError, check_real
-from ._wrapper import OptimizerWrapper, ScaledGradsFlag, _autograd_pairs, _check_pairs
+from ._wrapper import OptimizerWrapper, ScaledGradsFlag, _autograd_pairs, _check_pairs, _innermost
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
 from .loss_scale_optimizer import loss_scaled_step, scaled_backward_step
-from .optimizer import record_field
+from .optimizer import Optimizer, record_field
 
 __all__ = ["MixedPrecisionOptimizerWrapper", "convert_model_to_half"]
 
@@ -103,6 +107,7 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
 
     def _adopt_groups(self, groups: list[dict], given: dict[int, Tensor]) -> None:
         mapping: dict[int, Tensor] = {}
+        replaced = []
         for group in groups:
             ps = group["params"]
             for i, p in enumerate(ps):
@@ -114,8 +119,15 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
                     mapping[id(p)] = m
                     self._move_state(p, m)
                     self._add_pair(p, m)
+                    replaced.append((p, m, group))
                 else:
                     self._fp32_params.append(p)
+        inner = _innermost(self)
+        if replaced and isinstance(inner, Optimizer):
+            # state the optimizer built on the half parameters and nothing has written since (no step, no
+            # load) is built again on the masters, in fp32: the run then follows the one built on fp32
+            # parameters (as ``wrap`` builds it), not one that started from half-rounded fills
+            inner._refill_initial_slots(replaced)
         if mapping:
             self._remap_params(mapping)
 
@@ -276,7 +288,9 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step (module doc). A closure returns the unscaled loss and does not call ``backward``.
         Gradients that did not come from ``loss·S`` raise ``RuntimeError`` unless the scale is a fixed 1
-        (``loss_scale_optimizer.scaled_backward_step``)."""
+        (``loss_scale_optimizer.scaled_backward_step``). When no parameter has a gradient (and no
+        :meth:`accumulate_grads` sum is pending) the step changes nothing, as in ``torch.optim``: not the
+        masters, the model, the inner optimizer (not called) or the scale; ``step_applied`` is False."""
         return scaled_backward_step(self, closure)
 
     @torch.no_grad()
@@ -358,11 +372,14 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
                 src.append(mt.local(g))
                 dst.append(mt.local(buf))
                 half_grads.append(g)
+        fp32_grads = [p.grad for p in self._fp32_params if p.grad is not None]
+        if not half_grads and not fp32_grads:  # no gradient at all: a no-op (torch.optim), scale included
+            self.step_applied = torch.zeros((), dtype=torch.bool, device=self._device())
+            return
         for _, (_, (s, d)) in mt.group_by_device_dtype(src, dst).items():
             torch._foreach_copy_(d, s)
         scale = self.loss_scaler()
         self._add_regularization(scale)
-        fp32_grads = [p.grad for p in self._fp32_params if p.grad is not None]
         try:
             self._step_masters(half_grads + fp32_grads, scale, grad_scale, found_inf, multipliers)
         except BaseException:
@@ -408,7 +425,7 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
 
         pairs = _autograd_pairs(scaled, vs)
         masters = {id(p): m for p, m in self._pairs}
-        inv = torch.reciprocal(scale)
+        inv = mt.inverse_scale(scale, [g for g, _ in pairs])  # (float64 for float64 variables)
         out: list[tuple[Tensor | None, Tensor]] = []
         with torch.no_grad():
             for g, v in pairs:
@@ -421,7 +438,7 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
                     g32 = g.to(torch.float32)
                     if self.l2_regularization:
                         g32 = g32 + (scale * self.l2_regularization) * m
-                    out.append((g32 * inv, m))
+                    out.append((g32 * inv.to(torch.float32), m))
         return out
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Tensor | None, Tensor]]) -> Any:

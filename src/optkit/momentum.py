@@ -16,18 +16,23 @@ of
 torch's fused SGD kernel per (device, dtype) group, through the gate of :mod:`optkit._fused` (learning rate,
 unscale and global-clip factor and ``found_inf`` folded in). Sparse gradients take the TF rule on the
 de-duplicated touched rows only (``a[r] ← μ·a[r] + g[r]; w[r] ← w[r] − lr·a[r]``).
+
+With ``μ = 0`` both paths keep torch's rule: ``w ← w − lr·g`` and the accumulator is left as it is (torch's
+``SGD(momentum=0)`` keeps no buffer; TF's ``ApplyMomentum`` would store ``g`` in it). A momentum raised later
+(``param_groups[i]["momentum"]``, a cycling schedule) then starts from the accumulator as it was, zero on a
+fresh optimizer, exactly as torch's SGD starts a fresh buffer, on dense and sparse gradients alike (with every
+row touched, TF's sparse rule is the dense one).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
 from ._fused import split_by_mask, unscale_arg
-from .optimizer import Optimizer, check_number
+from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_nesterov, check_number
 
 __all__ = ["Momentum"]
 
@@ -49,40 +54,45 @@ class Momentum(Optimizer):
 
     Args:
         params: tensors, named parameters or param groups.
-        learning_rate: number, 0-d tensor, schedule or callable (required, as in TF).
-        momentum: ``μ >= 0`` (required, as in TF).
-        use_nesterov: Nesterov momentum.
+        learning_rate: number, 0-d tensor, schedule or callable (required, as in TF; or torch's ``lr=``).
+        momentum: ``μ >= 0`` (required, as in TF; keyword-only).
+        nesterov: Nesterov momentum (torch's and Keras's name; TF1's ``use_nesterov`` is accepted for it).
         weight_decay: torch's coupled L2 (``g ← g + weight_decay·w``, default 0), honouring
             :meth:`exclude_from_weight_decay`.
-        **kwargs: base options (clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, jit_compile, mesh, name).
+        **kwargs: base options (``lr``, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, jit_compile, mesh, name): :class:`~optkit.optimizer.OptimizerOptions`.
+
+    ``params`` and the learning rate are the only positional arguments:
+    ``Momentum(params, 0.1, momentum=0.9, nesterov=True)``.
 
     State per parameter: ``momentum_buffer`` (torch's name, so ``torch.optim.SGD`` checkpoints load).
     """
 
     slot_names = ("momentum_buffer",)
-    #: torch.optim.SGD's group keys (its checkpoints load) and the setting this rule computes with
-    _torch_group_keys = {"nesterov": ("use_nesterov",)}
+    #: torch.optim.SGD's checkpoints load (their group keys are this optimizer's) with the setting this rule
+    #: computes with
     _loads_torch_checkpoints = True
     _torch_required = {"dampening": 0.0}
     _decoupled_weight_decay = False
     _sparse_rule = True
+    #: the gradients keep ``g``, or get ``k·g`` (the kernel's grad_scale; staged copies written back)
+    _writes_grads = False
 
-    def __init__(self, params: Any, learning_rate: Any, momentum: float, use_nesterov: bool = False, *,
-                 weight_decay: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, params: ParamsT, learning_rate: LearningRate | None = None, *, momentum: float,
+                 nesterov: bool = False, use_nesterov: bool | None = None, weight_decay: float = 0.0,
+                 **kwargs: Unpack[OptimizerOptions]) -> None:
         check_number("momentum", momentum, low=0.0)
-        if not isinstance(use_nesterov, bool):
-            raise TypeError(f"`use_nesterov` must be a bool, got {use_nesterov!r}")
+        nesterov = check_nesterov(nesterov, use_nesterov)
         check_number("weight_decay", weight_decay, low=0.0)
         super().__init__(params, learning_rate, weight_decay=float(weight_decay), momentum=float(momentum),
-                         use_nesterov=use_nesterov, **kwargs)
+                         nesterov=nesterov, **kwargs)
 
     def _hyper_config(self) -> dict:
         d = self.defaults
-        return {"momentum": d["momentum"], "use_nesterov": d["use_nesterov"]}
+        return {"momentum": d["momentum"], "nesterov": d["nesterov"]}
 
     def _pointwise_hyper(self, group: dict) -> tuple:
-        return (float(group["momentum"]), bool(group["use_nesterov"]), float(group["weight_decay"]))
+        return (float(group["momentum"]), bool(group["nesterov"]), float(group["weight_decay"]))
 
     _pointwise = staticmethod(_momentum_pointwise)
 
@@ -95,7 +105,8 @@ class Momentum(Optimizer):
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         m, nesterov, wd = self._pointwise_hyper(group)
         lists = (params, grads, slots["momentum_buffer"])
-        for device, dtype, mode, ix, part in self._kernel_parts("sgd", lists, (0, 2)):
+        written = (0, 2) if k is None else (0, 1, 2)  # (k·g left in the gradients: see the base)
+        for device, dtype, mode, ix, part in self._kernel_parts("sgd", lists, written):
             fi = None if found_inf is None else found_inf.to(device)
             if mode == "fallback":
                 self._pointwise_fallback(group, *part[:2], [part[2]], lr, k, fi,
@@ -120,14 +131,17 @@ class Momentum(Optimizer):
         m, nesterov, _ = self._pointwise_hyper(group)
         skip = None if found_inf is None else found_inf > 0.5
         for p, g, a in zip(params, grads, slots["momentum_buffer"]):
-            sparse_momentum_rows_(p, g, a, m, nesterov, lr, k, skip)
+            # μ = 0: no buffer, as the dense path (torch's rule: the buffer is left as it is)
+            sparse_momentum_rows_(p, g, a if m else None, m, nesterov, lr, k, skip)
 
 
-def sparse_momentum_rows_(p: Tensor, g: Tensor, a: Tensor, m: float, nesterov: bool, lr: Tensor,
+def sparse_momentum_rows_(p: Tensor, g: Tensor, a: Tensor | None, m: float, nesterov: bool, lr: Tensor,
                           k: Tensor | None, skip: Tensor | None) -> None:
     """``a[r] ← m·a[r] + g[r]``; ``w[r] ← w[r] − lr·a[r]`` (Nesterov ``w[r] − lr·g[r] − lr·m·a[r]``) on the
-    rows of the coalesced sparse gradient ``g``; unchanged when ``skip`` is True. Shared with LARS."""
-    pl, al = mt.local(p), mt.local(a)
+    rows of the coalesced sparse gradient ``g``; unchanged when ``skip`` is True. ``a`` None: no buffer,
+    ``w[r] ← w[r] − lr·g[r]`` (``Momentum`` with ``μ = 0``, as torch's fused SGD kernel given no buffers;
+    LARS passes its slot, which TF's rule writes for every ``μ``). Shared with LARS."""
+    pl = mt.local(p)
     index = tuple(g._indices())
     vals = g._values()
     acc = mt.acc_dtype(vals.dtype)
@@ -135,13 +149,18 @@ def sparse_momentum_rows_(p: Tensor, g: Tensor, a: Tensor, m: float, nesterov: b
     vals = vals.to(acc)
     if k is not None:
         vals = vals * k.to(device=vals.device, dtype=acc)
-    a_rows = al[index].to(acc)
-    a_new = a_rows * m + vals
-    step = lr_ * vals + (lr_ * m) * a_new if nesterov else lr_ * a_new
+    if a is None:
+        step = lr_ * vals
+    else:
+        al = mt.local(a)
+        a_rows = al[index].to(acc)
+        a_new = a_rows * m + vals
+        step = lr_ * vals + (lr_ * m) * a_new if nesterov else lr_ * a_new
+        if skip is not None:
+            a_new = torch.where(skip, a_rows, a_new)
+        al.index_put_(index, a_new.to(al.dtype))
     w_rows = pl[index].to(acc)
     w_new = w_rows - step
     if skip is not None:
-        a_new = torch.where(skip, a_rows, a_new)
         w_new = torch.where(skip, w_rows, w_new)
-    al.index_put_(index, a_new.to(al.dtype))
     pl.index_put_(index, w_new.to(pl.dtype))

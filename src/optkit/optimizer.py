@@ -29,6 +29,11 @@ TF/Keras methods are the :class:`optkit._tf_surface.TFSurface` mixin.
 Performance: unscaling and global clipping fold into the optimizer's fused kernel as one scalar factor, so the
 only extra traffic is one read-only norm pass; weight decay, the update and the EMA run block by block over
 cache-sized chunks (``_multi_tensor.blocks``) so their chain costs about one sweep over memory.
+
+Gradients: ``step()`` leaves each ``.grad`` as ``torch.optim`` does (bitwise, or ``g/S`` under a loss scale).
+Update rules that use their gradients as scratch (LARS, LAMB, Nesterov SGD, the multipliers, a global clip
+factor folded into a kernel) get in-cache copies of the gradient chunks in the blocked pass (no extra sweep);
+``clipnorm``/``clipvalue`` transform whole copies. ``scratch_grads=True`` (the train op) skips the copies.
 """
 
 from __future__ import annotations
@@ -48,14 +53,25 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
+from typing_extensions import Self
 
 from . import _fused
 from . import _multi_tensor as mt
 from ._amp import AmpProtocol
+from ._arguments import GROUP_ALIASES, accepted_keywords, check_call, check_nesterov, unknown_arguments_error
 from ._compile import chain, compiled_chain, compiled_function, warn_compile_fallback
 from ._gc import gc_paused
 from ._params import normalize_param_groups
-from ._plan import FlatPart, Plan, PlanView, RowMultipliers, RunAux, check_slot_fits
+from ._plan import (
+    FlatPart,
+    Plan,
+    PlanView,
+    RowMultipliers,
+    RunAux,
+    _outside_stacklevel,
+    check_slot_fits,
+    scratch_view,
+)
 from ._state_dict import (
     adopt_torch_groups,
     check_group_types,
@@ -64,10 +80,12 @@ from ._state_dict import (
     validate_state_dict,
 )
 from ._tf_surface import TFSurface, autograd_pairs, is_schedule
+from ._typing import LearningRate, OptimizerOptions, ParamsT
 from ._validation import check_number, is_number
 from .flat import _VIEWS_RESTORED, flat_buffer_of
 
-__all__ = ["Optimizer", "check_number", "autograd_pairs"]
+__all__ = ["Optimizer", "check_number", "check_nesterov", "autograd_pairs", "ParamsT", "LearningRate",
+           "OptimizerOptions"]
 
 _GRAD = operator.attrgetter("grad")
 _PARAMS = operator.itemgetter("params")
@@ -96,8 +114,8 @@ def _callable_arity(fn: Callable) -> int:
 
 
 #: constructor arguments that are not optimizer-wide options (``name`` is also a common user label of a group)
-_GROUP_KEYS_ANYWHERE = frozenset({"self", "params", "learning_rate", "kwargs", "hyper", "name", "amsgrad",
-                                  "weight_decay"})
+_GROUP_KEYS_ANYWHERE = frozenset({"self", "params", "learning_rate", "lr", "kwargs", "hyper", "name",
+                                  "amsgrad", "weight_decay"})
 
 
 @functools.cache
@@ -192,21 +210,33 @@ class _NewSlots:
 
 class _TrackedState(_CountsChanges, collections.defaultdict):
     """``optimizer.state`` (parameter -> :class:`_Slots`) counting the changes of its entries and theirs;
-    copies (``copy()``, ``|``) are plain ``defaultdict(dict)`` of the same entries."""
+    copies (``copy()``, ``|``) are plain ``defaultdict(dict)`` of the same entries.
+
+    torch's optimizer contract lets a state-dict hook or the user keep anything under a key that is not a
+    parameter (``opt.state["note"] = 1``): such entries are stored as they are (not tracked: no step reads
+    them) and round-trip through ``state_dict()`` / ``load_state_dict()`` untouched, as in ``torch.optim``.
+    A parameter's entry must be a dict of slots (``TypeError`` otherwise, nothing changed)."""
 
     def __init__(self, version: _StateVersion, items: Any = ()) -> None:
         super().__init__(_NewSlots(version))
         self._version = version
         for key, value in dict(items).items():
-            dict.__setitem__(self, key, self._tracked(value))
+            dict.__setitem__(self, key, self._tracked(key, value))
 
-    def _tracked(self, value: Any) -> _Slots:
-        return value if isinstance(value, _Slots) and value._version is self._version else _Slots(
-            self._version, value)
+    def _tracked(self, key: Any, value: Any) -> Any:
+        if not isinstance(key, Tensor):  # not a parameter's state: kept as it is (torch's contract)
+            return value
+        if isinstance(value, _Slots) and value._version is self._version:
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"optimizer.state: the state of a parameter must be a dict (slot name -> "
+                            f"tensor), got {type(value).__name__}")
+        return _Slots(self._version, value)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        value = self._tracked(key, value)
         self._version.n += 1
-        super().__setitem__(key, self._tracked(value))
+        super().__setitem__(key, value)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
@@ -214,7 +244,7 @@ class _TrackedState(_CountsChanges, collections.defaultdict):
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
         if key not in self:
-            self[key] = {} if default is None else default
+            self[key] = {} if default is None and isinstance(key, Tensor) else default
         return self[key]
 
     def copy(self) -> collections.defaultdict:
@@ -278,6 +308,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         learning_rate: a number, a 0-d tensor (kept as the groups' ``lr``, as torch does), a
             :class:`~optkit.schedules.LearningRateSchedule` (called with ``iterations``, the count of applied
             updates) or a callable (zero arguments, or one: the step).
+        lr: torch's name of ``learning_rate``, accepted by every optkit optimizer (``TypeError`` when both
+            are given).
         weight_decay: decoupled decay, ``w ← w − w·weight_decay·lr`` before the update (Keras form).
         clipnorm / clipvalue / global_clipnorm: gradient clipping; at most one may be set.
         use_ema, ema_momentum, ema_overwrite_frequency: exponential moving average of the weights
@@ -294,6 +326,19 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         mesh: a ``DeviceMesh`` all DTensor parameters must live on (scalar state is kept on its device type).
         name: the optimizer's name (defaults to the class name).
         amsgrad: accepted and ignored, as in the seed (``Adam`` has its own).
+        scratch_grads: let ``step()`` use the gradients as scratch (default False). By default ``step()``
+            leaves every ``.grad`` as ``torch.optim`` does: bitwise as it was, or, when the step unscales a
+            loss scale ``S`` (``grad_scale``: a loss-scale wrapper, ``torch.amp.GradScaler``), holding the
+            unscaled ``g/S`` as ``GradScaler.unscale_`` leaves it (a skipped step may leave it scaled);
+            clipping, multipliers, decay and the update never reach it. With ``scratch_grads=True`` the
+            gradients hold unspecified values after ``step()`` (clear them before the next backward), which
+            spares the in-cache copies some update rules (LARS, LAMB, Nesterov SGD) otherwise work on; the
+            train op (:func:`optkit.optimize_loss`), which clears the gradients after each update, sets it.
+
+    Every optimizer takes ``params`` and then the learning rate positionally; everything else is keyword-only.
+    A keyword of torch.optim, timm, apex or Keras that optkit spells otherwise (``betas``, ``eps``,
+    ``maximize``, ``trust_coefficient``, ...) is refused before anything is built, with the optkit spelling
+    (``optkit._arguments.HINTS``); ``use_nesterov`` (TF1) is accepted for ``nesterov``.
 
     Subclasses set ``slot_names``, implement :meth:`_update` and ``_pointwise`` (and optionally
     :meth:`_prepare`, :meth:`_slot_fill`, :meth:`_sparse_update`).
@@ -315,21 +360,18 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     #: used for groups whose tensors are large on average (:data:`FOLD_MIN_NUMEL`, :meth:`_folds_mult`)
     _mult_in_kernel = False
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # before Python binds the arguments: Momentum(params, lr=0.1) must get the hint, not "missing
-        # required argument 'learning_rate'"
-        if "lr" in kwargs and "lr" not in inspect.signature(cls.__init__).parameters:
-            raise ValueError(
-                f"{cls.__name__}: got `lr`; optkit optimizers take the TF/Keras name `learning_rate` "
-                f"(write learning_rate={kwargs['lr']!r})"
-            )
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # before Python binds the arguments (optkit._arguments): Momentum(params, betas=...) gets its hint,
+        # not "missing required argument 'momentum'", and `lr` given with `learning_rate` is seen here
+        check_call(cls.__name__, len(args), kwargs, accepted_keywords(cls, Optimizer))
         return super().__new__(cls)
 
     def __init__(
         self,
-        params: Any,
-        learning_rate: float | Callable | Tensor = 0.01,
+        params: ParamsT,
+        learning_rate: LearningRate | None = 0.01,
         *,
+        lr: LearningRate | None = None,
         weight_decay: float | None = None,
         clipnorm: float | None = None,
         clipvalue: float | None = None,
@@ -344,9 +386,15 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         name: str | None = None,
         amsgrad: bool = False,
         block_numel: int = 1 << 20,
+        scratch_grads: bool = False,
         **hyper: Any,
     ) -> None:
-        # ---- validation first: nothing is created if an argument is bad (``lr=``: see __new__)
+        # ---- validation first: nothing is created if an argument is bad (aliases and hints: see __new__)
+        if lr is not None:  # torch's name (given with `learning_rate`: refused by __new__)
+            learning_rate = lr
+        if learning_rate is None:
+            raise TypeError(f"{type(self).__name__}: missing the learning rate: give `learning_rate` (or "
+                            "torch's `lr`)")
         lr_value = self._validate_learning_rate(learning_rate)
         check_number("weight_decay", weight_decay, low=0.0, allow_none=True)
         check_number("clipnorm", clipnorm, low=0.0, low_open=True, allow_none=True)
@@ -371,14 +419,16 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`name` must be a str, got {name!r}")
         check_number("block_numel", block_numel, low=1, integer=True)
-        declared = set(inspect.signature(type(self).__init__).parameters)
+        if not isinstance(scratch_grads, bool):
+            raise TypeError(f"`scratch_grads` must be a bool, got {scratch_grads!r}")
+        declared = accepted_keywords(type(self), Optimizer)
         unknown = sorted(k for k in hyper if k not in declared)
         if unknown:  # a typo such as LARS(eta=...) must not train silently with the default
-            raise ValueError(f"{type(self).__name__}: argument(s) not recognized: {unknown}")
+            raise unknown_arguments_error(type(self).__name__, unknown, declared)
         groups, named = normalize_param_groups(params)
         for g in groups:
+            self._group_key_aliases(g, hyper)
             self._check_group_keys(g, hyper)
-            self._group_lr_alias(g)
         if mesh is not None:
             self._check_mesh(mesh, groups)
 
@@ -397,6 +447,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self.mesh = mesh
         self.amsgrad = amsgrad
         self.block_numel = int(block_numel)
+        self.scratch_grads = scratch_grads
         self._learning_rate = learning_rate if lr_value is None else lr_value
         self._wd_exclude_ids: set[int] = set()
         self._wd_exclude_regex: re.Pattern | None = None
@@ -412,6 +463,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         #: optimize_loss takes and hands to _zero_grad to skip
         self._zero_grads_in_pass = False
         self._zeroed_groups: set[int] = set()
+        self._step_inv: Tensor | None = None  # 1/S for the caller's gradients of the group being stepped
+        self._grads_protected = False  # (_prepare: the gradients it gets are the caller's; see _guards)
         #: plans whose parameter storages a wrapper's probe (_flat_part) just checked, by group id: the step
         #: right after (which takes the probe's gathered lists) does not check them again
         self._fit_seen: dict[int, Plan] = {}
@@ -474,8 +527,14 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         return float(lr)
 
     @staticmethod
-    def _group_lr_alias(group: dict) -> None:
-        """A param group may say ``"learning_rate"`` (the TF/Keras name) instead of torch's ``"lr"``."""
+    def _group_key_aliases(group: dict, own: Any) -> None:
+        """A param group may say ``"learning_rate"`` (the TF/Keras name) instead of torch's ``"lr"``, and
+        ``"use_nesterov"`` (TF1's) for ``"nesterov"`` where the optimizer has it (``own``: its group keys)."""
+        for alias, key in GROUP_ALIASES.items():
+            if alias in group and key in own:
+                if key in group:
+                    raise ValueError(f"a param group sets both {key!r} and {alias!r}; keep one")
+                group[key] = group.pop(alias)
         if "learning_rate" in group:
             if "lr" in group:
                 raise ValueError("a param group sets both 'lr' and 'learning_rate'; keep one")
@@ -503,13 +562,13 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return
         start = sum(len(g["params"]) for g in self.param_groups)
         (group,), named = normalize_param_groups([param_group], start=start)
+        self._group_key_aliases(group, self.defaults)
         self._check_group_keys(group, self.defaults)
         if named != self._named:
             raise ValueError(
                 "all optimizer params should be with/without names: this optimizer's parameters are "
                 + ("named; pass (name, tensor) pairs" if self._named else "unnamed; pass plain tensors")
             )
-        self._group_lr_alias(group)
         if self.mesh is not None:
             self._check_mesh(self.mesh, [group])
         defaulted = "lr" not in group
@@ -656,6 +715,42 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         view = buf.as_strided(p.shape, p.stride(), p.storage_offset() - flat.storage_offset())
         return view.fill_(fill)
 
+    def _refill_initial_slots(self, replaced: Sequence[tuple[Tensor, Tensor, dict]]) -> bool:
+        """Each ``(old, new, group)``: ``new`` took ``old``'s place in ``group`` and holds its state, cast to
+        ``new``'s dtype (a mixed-precision wrapper's fp32 master of a half parameter). When that state is
+        still what construction built for ``old``, rebuild ``new``'s slots as construction builds them
+        (:meth:`_init_state`: ``_slot_fill`` in ``new``'s precision; a half fill such as fp16(0.1) =
+        0.0999755859375 cast up would make the run drift from the one built on ``new``). Returns whether it
+        did.
+
+        "Still what construction built" is decided from the values, for all of ``replaced`` at once (one host
+        read, at construction time): no update applied (``iterations`` is 0) and every slot of
+        ``_active_slots(group)`` equal, everywhere, to its fill rounded to ``old``'s dtype. State written by a
+        step, a loaded checkpoint or the user (unless it holds exactly those values) is kept as it is; the
+        EMA ``average`` (a copy of the weights) and any other entry are never rebuilt."""
+        if not replaced:
+            return False
+        dev = self._iterations.device
+        touched = [self._iterations.ne(0)]
+        for old, new, group in replaced:
+            st = self.state.get(new)
+            for slot in self._active_slots(group):
+                v = None if st is None else st.get(slot)
+                if v is None:  # (made at the first step, in new's precision)
+                    continue
+                if not isinstance(v, Tensor) or v.shape != new.shape:
+                    return False
+                fill = torch.tensor(self._slot_fill(slot, group), dtype=old.dtype).to(v.dtype)
+                touched.append(mt.local(v).ne(fill.to(mt.local(v).device)).any().to(dev))
+        if bool(torch.stack(touched).any()):
+            return False
+        for _, new, group in replaced:
+            st = self.state[new]
+            for slot in self._active_slots(group):
+                st.pop(slot, None)
+            self._init_state(new, group)
+        return True
+
     def build(self, var_list: Iterable[Tensor] | None = None) -> None:
         """Create missing optimizer state for ``var_list`` (default: every parameter). Idempotent.
 
@@ -729,22 +824,27 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def _current_lr(self, group: dict, commit: bool = False, found_inf: Tensor | None = None) -> Tensor:
         """The learning rate of this step as a 0-d fp32 tensor on the state device (fp64 when the group holds
         fp64 parameters): the group's ``lr`` (or the schedule's value) times the group's ``lr_scale`` when
-        it has one (layer-wise decay, :func:`optkit.param_groups`). ``commit`` (the step itself) writes a
+        it has one (layer-wise decay, :func:`optkit.param_groups`). A group holding fp64 parameters calls a
+        :class:`~optkit.schedules.LearningRateSchedule` with a float64 step tensor, so optkit's schedules
+        return their float64 value (an int64 step gives float32). ``commit`` (the step itself) writes a
         schedule's value to the group's ``lr``; a skipped step (``found_inf`` 1) keeps the old tensor (a
         device-side select, no host read; see :meth:`_commit_lr`)."""
         fn = self._learning_rate
+        dtype = torch.float64 if self._has_fp64(group) else torch.float32
         if isinstance(fn, (float, Tensor)):
             lr = group["lr"]
         else:
             before = group.get("lr")
             version = getattr(before, "_version", None)
-            lr = fn(self._iterations) if is_schedule(fn) or _callable_arity(fn) >= 1 else fn()
+            if is_schedule(fn):
+                lr = fn(self._iterations if dtype != torch.float64 else self._iterations.to(dtype))
+            else:
+                lr = fn(self._iterations) if _callable_arity(fn) >= 1 else fn()
             if commit:
                 self._check_lr_untouched(group, lr, before, version)
                 self._commit_lr(group, lr, found_inf)
                 written = group["lr"]
                 self._lr_written[id(group)] = (written, getattr(written, "_version", None))
-        dtype = torch.float64 if self._has_fp64(group) else torch.float32
         scale = group.get("lr_scale", 1.0)  # layer-wise decay (optkit.param_groups)
         if isinstance(lr, Tensor) or isinstance(scale, Tensor):
             if isinstance(lr, Tensor):
@@ -777,7 +877,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 "group's 'lr' from it every step; the 'lr' set from outside since the last step (a torch lr "
                 "scheduler? it has no effect and its get_last_lr() is not the rate used) is overwritten. "
                 "Give a number or a tensor as learning_rate to drive it with a scheduler.", UserWarning,
-                stacklevel=5)
+                stacklevel=_outside_stacklevel())  # the user's step() or train-op call, through any wrapper
 
     def _commit_lr(self, group: dict, lr: Any, found_inf: Tensor | None) -> None:
         """``group["lr"] = lr``; when ``found_inf`` is given and both values are tensors (a schedule's value
@@ -950,6 +1050,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
         ``grad_scale`` / ``found_inf`` attributes (set by a loss-scale wrapper or ``torch.amp.GradScaler``)
         are honoured: gradients are divided by ``grad_scale`` and the step is a no-op when ``found_inf`` is 1.
+        Afterwards each ``.grad`` is as it was, or ``g/grad_scale`` (see ``scratch_grads``).
         """
         self._refuse_inside_ema_weights()
         loss = None
@@ -1003,6 +1104,19 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         if not any(gs for _, _, gs in gathered):
             self.step_applied = torch.zeros((), dtype=torch.bool, device=dev)
             return
+        # the caller's gradients (see ``scratch_grads``): the pass runs on copies when clipnorm/clipvalue (the
+        # optimizer's math, Keras) transform them, and those the pass does not unscale in place itself (all
+        # of them then, else the sparse ones) are unscaled at the end under a loss scale
+        callers: list[Tensor] = []
+        own = self._clips_copy()
+        if own:
+            if grad_scale is not None:
+                callers = [g for _, _, gs in gathered for g in gs]
+            one = torch.ones((), dtype=torch.float32, device=dev)
+            gathered = [(idx, ps, mt.scaled_copies(gs, one)) for idx, ps, gs in gathered]
+        sparse_callers: list[Tensor] | None = None
+        if grad_scale is not None and not self.scratch_grads and not own:
+            callers = sparse_callers = []  # (the sparse ones: _handle_sparse collects them)
 
         # groups whose gradients are still the views of a flat buffer (optkit.flat_parameters): their cached
         # plan holds one flat gradient, so the reductions below read it once instead of tensor by tensor
@@ -1012,7 +1126,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                       for group, gath in zip(self.param_groups, gathered)]
         # dense fallback for sparse gradients (subclasses with a sparse rule handle them in _sparse_update)
         sparse_handled = self._handle_sparse(
-            [gath for gath, fp in zip(gathered, flat_plans) if fp is None], found_inf)
+            [gath for gath, fp in zip(gathered, flat_plans) if fp is None], found_inf, sparse_callers)
 
         mults = [self._group_mult(group, params, fp, multipliers)
                  for group, (_, params, _), fp in zip(self.param_groups, gathered, flat_plans)]
@@ -1024,17 +1138,23 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 if fp is None and params:
                     pre_plans[i] = self._check_group_plan(group, idx, params, grads, sparse_handled, mult)
 
-        inv = None
+        # 1/grad_scale in the groups' precision: float32 (what the fused kernels take), and float64 for the
+        # groups holding float64 parameters (a float32 1/3 would be off by 3e-8 relative in a float64 run)
+        inv = inv64 = None
         if grad_scale is not None:
-            inv = torch.reciprocal(grad_scale.detach().to(device=dev, dtype=torch.float32).reshape(()))
+            s = grad_scale.detach().reshape(())
+            inv = torch.reciprocal(s.to(device=dev, dtype=torch.float32))
+            if any(map(self._has_fp64, self.param_groups)):
+                inv64 = torch.reciprocal(s.to(device=dev, dtype=torch.float64))
         k = inv  # factor applied to raw gradients (unscale and global clip), folded into the kernels
+        k64 = inv64  # the same for float64 groups (None: k)
 
         whole_grads = [t for (_, _, gs), fp in zip(gathered, flat_plans)
                        for t in ([fp.flat.grad] if fp is not None else gs)]  # the same memory, fewer tensors
         if self.clipvalue is not None:
             if inv is not None:
-                mt.scale_(whole_grads, inv)
-                k = None
+                mt.scale_(whole_grads, inv, scale64=inv64)
+                k = k64 = None
             mt.clamp_(whole_grads, -self.clipvalue, self.clipvalue)
         elif self.clipnorm is not None:
             dense_grads = [g for (_, _, gs) in gathered for g in gs]
@@ -1050,15 +1170,23 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             coef = c / torch.clamp(n_true, min=c)  # g·c/max(‖g‖, c), per tensor
             if inv is not None:
                 coef = coef * inv
-            mt.scale_(dense_grads, list(coef.unbind()))
-            k = None
+            coefs = list(coef.unbind())
+            if inv64 is not None:  # float64 gradients: the factor with the float64 1/grad_scale
+                n64 = n_all.to(torch.float64) * inv64
+                c64 = (c / torch.clamp(n64, min=c) * inv64).unbind()
+                coefs = [b if x.dtype == torch.float64 else a for a, b, x in zip(coefs, c64, ns)]
+            mt.scale_(dense_grads, coefs)
+            k = k64 = None
         elif self.global_clipnorm is not None:
             n = mt.global_norm(whole_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
             if inv is not None and found_inf is not None:
                 found_inf = self._refuse_overflowed_norm(found_inf, n, inv)
+            c = self.global_clipnorm
+            if inv64 is not None:  # (n is float64: float64 gradients are among them)
+                n64 = n * inv64
+                k64 = (c / torch.clamp(n64, min=c) + (n64 - n64)) * inv64
             if inv is not None:
                 n = n * inv
-            c = self.global_clipnorm
             coef = c / torch.clamp(n, min=c) + (n - n)  # non-finite norm -> NaN everywhere (Keras)
             k = coef if k is None else k * coef
 
@@ -1070,8 +1198,15 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                     self._ema_group(group, list(range(len(group["params"]))), applied)
                 continue
             lr = self._current_lr(group, commit=True, found_inf=found_inf)
-            self._run_group(group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult,
+            fp64 = inv64 is not None and self._has_fp64(group)
+            kg = k64 if k64 is not None and fp64 else k
+            # 1/grad_scale for the caller's dense gradients of this group (the pass unscales them in place)
+            self._step_inv = None if own or self.scratch_grads else (inv64 if fp64 else inv)
+            self._run_group(group, idx, params, grads, lr, kg, found_inf, applied, sparse_handled, mult,
                             plan=fp, checked=pre)
+        self._step_inv = None
+        if callers:  # g/S, as GradScaler.unscale_ leaves them (float64 ones with the float64 1/S)
+            mt.scale_(callers, inv, scale64=inv64)
 
         self._after_update(found_inf, applied)
 
@@ -1112,7 +1247,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 check_slot_fits(names[idx[j]], s, params[j], self.state[params[j]].get(s))
         return sp
 
-    def _handle_sparse(self, gathered, found_inf) -> set[int]:
+    def _handle_sparse(self, gathered, found_inf, originals: list | None = None) -> set[int]:
         """Prepare sparse COO gradients before clipping.
 
         Default (the dense fallback): densify, which sums duplicate indices. Optimizers with a sparse rule
@@ -1128,8 +1263,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         for _, params, grads in gathered:
             for j, g in enumerate(grads):
                 if g.is_sparse:
+                    if originals is not None:  # (the caller's sparse gradients, unscaled after the step)
+                        originals.append(g)
                     if self._sparse_rule:
-                        grads[j] = g.coalesce()
+                        c = g.coalesce()  # (the caller's tensor itself when coalesced: a copy unless scratch)
+                        grads[j] = c if c is not g or self.scratch_grads else c.clone()
                         handled.add(id(params[j]))
                     else:
                         grads[j] = g.to_dense()
@@ -1146,7 +1284,39 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         """Whether the group's chain of kernels runs block by block over cache-sized chunks."""
         wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
         folds = mult is not None and not self._folds_mult(group)
-        return self._blockable and (self._always_block or bool(wd) or self.use_ema or folds)
+        return self._blockable and (self._always_block or bool(wd) or self.use_ema or folds
+                                    or self._guards(group, mult))
+
+    def _clips_copy(self) -> bool:
+        """Whether this step's pass runs on copies of the caller's gradients: ``clipnorm``/``clipvalue``
+        transform every gradient (the optimizer's math, not the caller's; see ``scratch_grads``)."""
+        return not self.scratch_grads and (self.clipvalue is not None or self.clipnorm is not None)
+
+    def _guards(self, group: dict, mult: Any) -> bool:
+        """Whether the group's blocked pass copies each gradient chunk into an in-cache scratch chunk and runs
+        the multipliers and the update there, leaving the caller's gradient as it was (``g/S`` under a loss
+        scale, written while the chunk is in cache): when the update may write its gradients otherwise
+        (:meth:`_update_writes_grads`), when multipliers (LARC) or a global clip factor would go into them,
+        unless the gradients are scratch (``scratch_grads``) or copies already (:meth:`_clips_copy`)."""
+        if self.scratch_grads or self._clips_copy():
+            return False
+        return mult is not None or self.global_clipnorm is not None or self._update_writes_grads(group)
+
+    def _update_writes_grads(self, group: dict) -> bool:
+        """Whether :meth:`_prepare` and :meth:`_update` may leave in the gradients they are given anything
+        but the gradient itself or ``k·g`` (the fused kernels' ``grad_scale`` write-back, which is the
+        unscaled gradient wherever the base passes the caller's gradients: ``k`` is then the loss scale's
+        1/S alone). True (the safe default) makes the base hand the update in-cache copies (:meth:`_guards`);
+        optimizers whose rule only reads the gradient, or writes ``k·g`` on every kernel path (staged copies
+        written back, the pointwise fallback), return False."""
+        return self._writes_grads
+
+    #: the default of :meth:`_update_writes_grads`
+    _writes_grads = True
+    #: whether the rule keeps values in its gradients from :meth:`_prepare` to :meth:`_update` (LAMB's
+    #: direction): with the caller's gradients (:meth:`_guards`) the eager pass then runs on a whole copy kept
+    #: with the plan instead of in-cache chunk copies
+    _shadow_grads = False
 
     def _folds_mult(self, group: dict) -> bool:
         """Whether this group's per-tensor multipliers go into the kernel (``_mult_in_kernel`` and tensors of
@@ -1253,30 +1423,60 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         whose gradients are this step's (``flat_ok``) and nothing per tensor differs (multipliers,
         per-tensor ``_prepare`` values, a mixed decay mask), else the per-tensor blocks."""
         wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
+        # the caller's gradients are copied chunk by chunk (in cache) for the update, and get 1/S there
+        guard = self._guards(group, mult)
+        inv = getattr(self, "_step_inv", None)
         row_mult = None  # per-parameter multipliers over the flat part's row runs (RowMultipliers)
         if isinstance(mult, Tensor):
             row_mult, mult = mult, None
             if self._prepare_reads_grads or (wd and plan.any_wd and plan.uniform_wd is None) or (
                     self.jit_compile and self._compile_state != "failed"):
-                plan.flat.scale_rows_(plan.flat.grad, row_mult)  # one pass; then the usual flat path
-                row_mult = None
+                if guard:  # (not into the caller's gradients: per tensor, below)
+                    mult, row_mult = list(row_mult.unbind()), None
+                else:
+                    plan.flat.scale_rows_(plan.flat.grad, row_mult)  # one pass; then the usual flat path
+                    row_mult = None
         if mult is not None and self._prepare_reads_grads:
             # _prepare reads whole-tensor quantities (norms): it must see the multiplied gradients
-            sel = [(g, m) for g, m in zip(grads, mult) if m is not None]
-            mt.scale_([g for g, _ in sel], [m for _, m in sel])
+            sel = [(j, m) for j, m in enumerate(mult) if m is not None]
+            if guard:  # the products go into copies, which the pass then owns; the caller's get 1/S now
+                callers, grads = grads, mt.scaled_copies(grads, torch.ones((), device=lr.device))
+                if inv is not None:
+                    mt.scale_(callers, inv)
+                guard, inv, flat_ok = False, None, False
+            mt.scale_([grads[j] for j, _ in sel], [m for _, m in sel])
             mult = None
+        if guard and self._shadow_grads and not tracing and not (
+                self.jit_compile and self._compile_state != "failed"):
+            # a rule that keeps values in its gradients from one pass to the next (LAMB's u) runs on a copy
+            # kept with the plan (one copy pass); the caller's get 1/S now
+            shadow = self._grad_shadow(plan, grads)
+            torch._foreach_copy_(shadow, [mt.local(g) for g in grads] if plan.any_dtensor else grads)
+            if inv is not None:
+                mt.scale_(grads, inv)
+            grads, guard, inv, flat_ok = shadow, False, None, False
         flat = getattr(plan, "flat", None) if flat_ok else None
         plan.flat_active = flat is not None and mult is None and not tracing
-        aux = self._prepare(group, plan, params, grads, lr, k)
+        self._grads_protected = guard  # (_prepare: the gradients are the caller's, leave them)
+        try:
+            aux = self._prepare(group, plan, params, grads, lr, k)
+        finally:
+            self._grads_protected = False
         if row_mult is not None and not (aux is None or isinstance(aux, RunAux)):
-            plan.flat.scale_rows_(plan.flat.grad, row_mult)
-            row_mult = None
+            if guard:  # per-tensor values and multipliers: the per-tensor blocks (in-cache copies)
+                mult, row_mult = list(row_mult.unbind()), None
+                plan.flat_active = False
+            else:
+                plan.flat.scale_rows_(plan.flat.grad, row_mult)
+                row_mult = None
 
         decay_mask = plan.use_wd if (wd and plan.any_wd) else None
 
         if tracing:  # the pointwise chain, which inductor fuses (torch's fused kernels have no fake impl)
             self._run_chain(chain, group, idx, params, grads, plan.slots, lr, k, wd, decay_mask, found_inf,
                             applied, mult, aux)
+            if inv is not None:  # (the chain only reads the gradients)
+                mt.scale_(grads, inv)
             return
         # every gradient is a view of the flat gradient, cleared after this step: the pass zeroes it (each
         # chunk in cache, or in the compiled loop that reads it)
@@ -1285,6 +1485,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             self._run_compiled_rows(group, idx, flat, lr, k, found_inf, applied, aux, zero=zero)
             if zero:
                 self._zeroed_groups.add(id(group))
+            if inv is not None:  # (the compiled rule only reads the gradients)
+                mt.scale_([flat.grad], inv)
             return
         if self.jit_compile and self._compile_state != "failed" and not isinstance(aux, RunAux):
             if self._flat_whole(plan, aux, decay_mask):
@@ -1301,6 +1503,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             if done:
                 if zero:
                     self._zeroed_groups.add(id(group))
+                if inv is not None:  # (the compiled chain only reads the gradients)
+                    mt.scale_([flat.grad] if flat is not None else grads, inv)
                 return
 
         # decoupled weight decay factor, 1 − lr·wd (1 on a skipped step)
@@ -1322,6 +1526,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             blocks = plan.blocks
             glocal = grads if not plan.any_dtensor else [mt.local(g) for g in grads]
         folds = mult is not None and self._folds_mult(group)
+        scratch = self._grad_scratch(plan, blocks) if guard else None
         for blk in blocks:
             owners, bp, bslots, bavg = blk.owners, blk.params, blk.slots, blk.averages
             if blk.split is None:
@@ -1329,6 +1534,14 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             else:
                 bg = [glocal[o] if rng is None else glocal[o].view(-1)[rng[0]:rng[1]]
                       for o, rng in zip(owners, blk.split)]
+            real = bg
+            if scratch is not None:  # the chunk's copy (in cache) takes the multipliers and the update
+                sc = scratch[id(blk)]
+                torch._foreach_copy_(sc, bg)
+                if inv is not None:  # the caller's chunk: g/S, written back while in cache
+                    mt.scale_local_(bg, inv, blk.key)
+                bg = sc
+            # (otherwise the update leaves g or k·g = g/S in them: see _update_writes_grads)
             if cols is not None:
                 bg[0].mul_(cols[owners[0]])  # the chunk's (rows, 1) column, in cache before the update
             if mult is not None:
@@ -1352,12 +1565,53 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             if ema_w is not None:
                 mt.lerp_local_(bavg, bp, ema_w, blk.key)
             if zero:
-                torch._foreach_zero_(bg)
+                torch._foreach_zero_(real)
         if zero:
             self._zeroed_groups.add(id(group))
 
         if self.use_ema:
             self._ema_rest(group, idx, applied)
+
+    @staticmethod
+    def _grad_shadow(plan: Plan, grads: list[Tensor]) -> list[Tensor]:
+        """A copy of the group's (local) gradients kept with the plan, for :attr:`_shadow_grads` rules."""
+        shadow = plan.__dict__.get("_grad_shadow")
+        if shadow is None or len(shadow) != len(grads):
+            shadow = [torch.empty_like(mt.local(g), memory_format=torch.preserve_format) for g in grads]
+            plan.__dict__["_grad_shadow"] = shadow
+        return shadow
+
+    @staticmethod
+    def _grad_scratch(plan: Plan, blocks: list) -> dict[int, list[Tensor]]:
+        """Scratch chunks for the gradient chunks of ``blocks`` (see :meth:`_guards`), by block id: views of
+        one pool per (device, dtype), as large as the largest block, each laid out like the block's parameter
+        chunk (so the fused-kernel gate finds matching layouts). Kept with the plan on the CPU, where blocks
+        are cache-sized; elsewhere a block is the whole group and its pool is made per step."""
+        cache = plan.__dict__.setdefault("_grad_scratch", {})
+        hit = cache.get(id(blocks))
+        if hit is not None and hit[0] is blocks:
+            return hit[1]
+        sizes: dict[tuple, int] = {}
+        for blk in blocks:
+            need: dict[tuple, int] = {}
+            for c in blk.params:
+                key = (c.device, c.dtype)
+                need[key] = need.get(key, 0) + c.numel()
+            for key, n in need.items():
+                sizes[key] = max(sizes.get(key, 0), n)
+        pools = {key: torch.empty(n, dtype=key[1], device=key[0]) for key, n in sizes.items()}
+        views: dict[int, list[Tensor]] = {}
+        for blk in blocks:
+            offsets = dict.fromkeys(pools, 0)
+            out = []
+            for c in blk.params:
+                key = (c.device, c.dtype)
+                out.append(scratch_view(pools[key], offsets[key], c))
+                offsets[key] += c.numel()
+            views[id(blk)] = out
+        if all(key[0].type == "cpu" for key in pools):
+            cache[id(blocks)] = (blocks, views)
+        return views
 
     def _plan_for(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor],
                   blocked: bool) -> Plan:
@@ -1421,6 +1675,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                             f"{mt.local(params[0]).device}")
         chain(rule, self._pointwise_hyper(group), params, grads, tuple(slot_lists), None, lr, k, None, None,
               None, found_inf, None, aux, upcast=True)
+        if k is not None:  # k·g left in the gradients, as the fused kernels' grad_scale leaves it
+            mt.scale_(grads, k)
 
     def _ema_rest(self, group: dict, idx: list[int], applied: Tensor | None) -> None:
         """EMA over the group's parameters that took no part in this step's dense pass (Keras averages every
@@ -1855,9 +2111,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                     self._check_group_keys(saved, live)
         step = validate_state_dict(self, sd)
         # own copies: torch would alias the given tensors (``Tensor.to`` returns the same tensor when nothing
-        # changes), so two optimizers loaded from one live state dict would update one buffer
+        # changes), so two optimizers loaded from one live state dict would update one buffer; an entry that
+        # is not a parameter's state is loaded as it is (torch's rule)
+        ids = {i for g in sd["param_groups"] for i in g["params"]}
         own = {key: {s: v.detach().clone() if isinstance(v, Tensor) else v for s, v in e.items()}
-               for key, e in sd["state"].items()}
+               if key in ids else e for key, e in sd["state"].items()}
         sd = {**sd, "state": own}
         names = [list(g["param_names"]) for g in self.param_groups]
         pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
@@ -1872,7 +2130,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._adopt_state()  # (torch's load put in a plain defaultdict)
         for g, ns in zip(self.param_groups, names):
             g["param_names"] = ns
-            self._group_lr_alias(g)
+            self._group_key_aliases(g, self.defaults)
             self._record_group(g)
         self._invalidate_plans()
         self._iterations = torch.as_tensor(step, dtype=torch.int64).to(self._state_device).clone()

@@ -9,9 +9,14 @@
 3. ``layer_decay=d`` (BEiT / ELECTRA layer-wise decay): ``lr_scale = d ** (num_layers − layer_id)`` with the
    layer id parsed from the name: ``N + 1`` for a name holding ``layers.N.``, ``layer.N.`` (also
    ``encoder.layer.N.``), ``blocks.N.`` or ``h.N.`` (``layer_regex``), 0 for embeddings (``embed_regex``:
-   ``embeddings``, ``patch_embed``, ``pos_embed``, ``cls_token``, ``wte``, ...), and ``num_layers`` (the
-   head: scale 1) for everything else. ``num_layers`` defaults to the number of blocks + 1 (timm's
-   ``param_groups_layer_decay``: ``layer_max``);
+   ``embeddings``, ``patch_embed``, ``pos_embed``, ``cls_token``, ``reg_token`` (ViT register tokens),
+   ``norm_pre``, ``wte``, ...: the stem of timm's ViT ``group_matcher``), and ``num_layers`` (the head:
+   scale 1) for everything else. ``num_layers`` defaults to the number of blocks + 1 (timm's
+   ``param_groups_layer_decay``: ``layer_max``). The final ``norm`` after the last block takes the head's
+   scale, as in BEiT's and MAE's layer decay (every name that is neither an embedding nor in a block is
+   the head's); timm's ViT ``group_matcher`` puts it in the last block instead (scale ``d``), which
+   ``final_norm="last_block"`` gives: names matching ``final_norm_regex`` (by default those of a module
+   called ``norm``) that are in no block take the last block's layer id;
 4. the first rule ``(regex, options)`` whose regex is found in the name (``re.search``) sets its options
    (overriding the three above).
 
@@ -48,18 +53,34 @@ from torch import Tensor, nn
 from . import _multi_tensor as mt
 
 __all__ = ["param_groups", "ParamGroups", "create_optimizer", "build_optimizer", "install_group_clipping",
-           "layer_id", "RULE_KEYS", "DEFAULT_LAYER_REGEX", "DEFAULT_EMBED_REGEX"]
+           "layer_id", "RULE_KEYS", "DEFAULT_LAYER_REGEX", "DEFAULT_EMBED_REGEX", "DEFAULT_FINAL_NORM_REGEX",
+           "FINAL_NORM_CHOICES"]
 
 #: the options a rule may set
 RULE_KEYS = ("lr_scale", "weight_decay", "exclude_from_adaptation", "clip")
 #: a transformer block index: ``layers.N.``, ``layer.N.`` (``encoder.layer.N.``), ``blocks.N.``, ``h.N.``
 DEFAULT_LAYER_REGEX = r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)(?:\.|$)"
-#: embeddings (layer 0)
+#: embeddings (layer 0); ``reg_token`` / ``register_tokens`` (ViT registers: timm, DINOv2) and ``norm_pre``
+#: are in the stem of timm's ViT ``group_matcher``
 DEFAULT_EMBED_REGEX = (r"(?:^|\.)(?:embeddings?|embed_tokens|word_embeddings|position_embeddings|"
                        r"token_type_embeddings|embeddings_project|patch_embed|pos_embed|cls_token|dist_token|mask_token|wte|"
-                       r"wpe)(?:\.|$)")
+                       r"wpe|reg_token|register_tokens|norm_pre)(?:\.|$)")
+#: the final norm after the last block (a module called ``norm``), moved by ``final_norm="last_block"``
+DEFAULT_FINAL_NORM_REGEX = r"(?:^|\.)norm\."
+#: where the final norm's layer is: the head's (BEiT, MAE) or the last block's (timm's ViT)
+FINAL_NORM_CHOICES = ("head", "last_block")
 
 RuleList = Sequence[tuple[str | re.Pattern, Mapping[str, Any]]]
+
+
+def _entry(item: Any) -> str:
+    """A short description of a refused entry: a tensor by its type and shape, never its values."""
+    if isinstance(item, Tensor):
+        return f"{type(item).__name__} of shape {tuple(item.shape)}"
+    if isinstance(item, tuple):
+        parts = (repr(x) if isinstance(x, str) and len(x) <= 60 else _entry(x) for x in item)
+        return "(" + ", ".join(parts) + ")"
+    return type(item).__name__
 
 
 def _named(model: Any, include_frozen: bool) -> list[tuple[str, Tensor]]:
@@ -72,8 +93,10 @@ def _named(model: Any, include_frozen: bool) -> list[tuple[str, Tensor]]:
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], Tensor)):
+                hint = ("; pass the module itself or model.named_parameters() (rules match names, which "
+                        "model.parameters() does not give)" if isinstance(item, Tensor) else "")
                 raise TypeError("`model` must be an nn.Module or an iterable of (name, tensor) pairs, "
-                                f"got an entry {item!r}")
+                                f"got an entry {_entry(item)}{hint}")
     out = [(n, p) for n, p in items if include_frozen or p.requires_grad]
     if not out:
         raise ValueError("`model` has no trainable parameters")
@@ -195,6 +218,8 @@ def param_groups(
     layer_regex: str | re.Pattern = DEFAULT_LAYER_REGEX,
     embed_regex: str | re.Pattern = DEFAULT_EMBED_REGEX,
     include_frozen: bool = False,
+    final_norm: str = "head",
+    final_norm_regex: str | re.Pattern = DEFAULT_FINAL_NORM_REGEX,
 ) -> ParamGroups:
     """Param groups by name (module doc): ``weight_decay``, then ``no_decay_1d``, then ``layer_decay``, then
     the first matching rule of ``rules`` (``[(regex, {"lr_scale": ..., "weight_decay": ...,
@@ -209,13 +234,26 @@ def param_groups(
         layer_decay: ``d`` in ``lr_scale = d ** (num_layers − layer_id)`` (``0 < d <= 1``).
         num_layers: the head's layer id (default: the number of blocks found + 1).
         layer_regex, embed_regex: how block indices (first group) and embeddings are found in names.
+        final_norm: the layer of the final norm (names matching ``final_norm_regex`` in no block and not
+            embeddings): ``"head"`` (``num_layers``, scale 1: BEiT, MAE) or ``"last_block"`` (the last
+            block's id ``max(N) + 1``, scale ``d ** (num_layers − max(N) − 1)``: timm's ViT, whose
+            ``group_matcher`` maps ``^norm`` to the last block's group).
+        final_norm_regex: how the final norm is found for ``final_norm="last_block"`` (default: the
+            parameters of a module called ``norm``).
 
     Returns a :class:`ParamGroups` (a list of group dicts that prints as a table).
 
     Raises:
         ValueError / TypeError: an unknown rule key (named), a bad value, an invalid regex, a ``layer_decay``
-            outside ``(0, 1]``, no block found for ``layer_decay``, or a block beyond ``num_layers``.
+            outside ``(0, 1]``, no block found for ``layer_decay``, a block beyond ``num_layers``, or a
+            ``final_norm`` other than ``"head"`` / ``"last_block"``.
     """
+    if not isinstance(final_norm, str):
+        raise TypeError(f"`final_norm` must be one of {list(FINAL_NORM_CHOICES)}, got {final_norm!r}")
+    if final_norm not in FINAL_NORM_CHOICES:
+        raise ValueError(f"`final_norm` must be one of {list(FINAL_NORM_CHOICES)}, got {final_norm!r}")
+    if not isinstance(final_norm_regex, (str, re.Pattern)):
+        raise TypeError(f"`final_norm_regex` must be a str or a compiled regex, got {final_norm_regex!r}")
     named = _named(model, include_frozen)
     compiled = _compile_rules(rules)
     if weight_decay is not None:
@@ -231,8 +269,10 @@ def param_groups(
         try:
             lre = re.compile(layer_regex) if isinstance(layer_regex, str) else layer_regex
             ere = re.compile(embed_regex) if isinstance(embed_regex, str) else embed_regex
+            fre = re.compile(final_norm_regex) if isinstance(final_norm_regex, str) else final_norm_regex
         except re.error as err:
-            raise ValueError(f"`layer_regex`/`embed_regex`: invalid regex: {err}") from None
+            raise ValueError(f"`layer_regex`/`embed_regex`/`final_norm_regex`: invalid regex: {err}") \
+                from None
         if lre.groups < 1:
             raise ValueError("`layer_regex` must capture the block index in its first group")
         blocks = [int(m.group(1)) for m in (lre.search(n) for n, _ in named) if m is not None]
@@ -249,8 +289,13 @@ def param_groups(
             raise ValueError(f"`num_layers`={num_layers} but a parameter is in block {max(blocks)} "
                              f"(layer id {max(blocks) + 1})")
         ids = [layer_id(n, int(num_layers), lre, ere) for n, _ in named]
+        if final_norm == "last_block":  # timm's ViT: the final norm is in the last block's group
+            ids = [max(blocks) + 1 if lre.search(n) is None and ere.search(n) is None and fre.search(n)
+                   else lid for (n, _), lid in zip(named, ids)]
     elif num_layers is not None:
         raise ValueError("`num_layers` only applies with `layer_decay`")
+    elif final_norm != "head":
+        raise ValueError("`final_norm` only applies with `layer_decay`")
     groups: list[dict] = []
     index: dict[tuple, int] = {}
     records = []
@@ -393,6 +438,8 @@ def create_optimizer(
     num_layers: int | None = None,
     layer_regex: str | re.Pattern = DEFAULT_LAYER_REGEX,
     embed_regex: str | re.Pattern = DEFAULT_EMBED_REGEX,
+    final_norm: str = "head",
+    final_norm_regex: str | re.Pattern = DEFAULT_FINAL_NORM_REGEX,
     **optimizer_kwargs: Any,
 ) -> torch.optim.Optimizer:
     """An optimizer from the registry (or a class) over :func:`param_groups` of ``model``.
@@ -400,9 +447,11 @@ def create_optimizer(
     ``create_optimizer(model, "LAMB", lr=1e-3, weight_decay=0.01, layer_decay=0.75,
     rules=[("head", {"lr_scale": 10.0})])`` builds ``LAMB(groups, learning_rate=1e-3, weight_decay=0.01)``
     where biases and norm scales have no weight decay, block ``N`` of ``L − 1`` has
-    ``lr_scale = 0.75 ** (L − N − 1)`` and the head 10. ``lr`` (alias ``learning_rate``) is a number, a 0-d
-    tensor, a schedule or a callable for optkit optimizers; ``weight_decay`` is also passed to the
-    constructor (the default of groups without their own). Other keywords go to the optimizer.
+    ``lr_scale = 0.75 ** (L − N − 1)`` and the head 10; the final ``norm`` has the head's scale (BEiT, MAE),
+    or the last block's with ``final_norm="last_block"`` (timm's ViT; :func:`param_groups`). ``lr`` (alias
+    ``learning_rate``) is a number, a 0-d tensor, a schedule or a callable for optkit optimizers;
+    ``weight_decay`` is also passed to the constructor (the default of groups without their own). Other
+    keywords go to the optimizer.
     """
     from .registry import get_optimizer
 
@@ -415,7 +464,7 @@ def create_optimizer(
     cls = get_optimizer(optimizer)
     groups = param_groups(model, rules, weight_decay=weight_decay, no_decay_1d=no_decay_1d,
                           layer_decay=layer_decay, num_layers=num_layers, layer_regex=layer_regex,
-                          embed_regex=embed_regex)
+                          embed_regex=embed_regex, final_norm=final_norm, final_norm_regex=final_norm_regex)
     if weight_decay is not None:
         optimizer_kwargs["weight_decay"] = weight_decay
     return build_optimizer(cls, groups, lr, **optimizer_kwargs)

@@ -1,14 +1,18 @@
 """Documented, tested training configurations.
 
-:func:`mlperf_resnet50_lars` — the MLPerf ResNet-50 v1.5 LARS recipe (the TensorFlow references of the MLPerf
-training rounds: ``tf.contrib.opt.LARSOptimizer(lr, momentum, weight_decay,
-skip_list=['batch_normalization', 'bias'], epsilon=0)`` with the ``poly_rate_schedule`` of their
-``lars_util.py``):
+:func:`mlperf_resnet50_lars` — the MLPerf ResNet-50 v1.5 LARS recipe of mlcommons' TensorFlow 2 reference
+(``mlcommons/training``, ``image_classification/tensorflow2``: ``lars_optimizer.LARSOptimizer(lr_schedule,
+momentum, weight_decay, skip_list=['batch_normalization', 'bias', 'bn'], epsilon=lars_epsilon)`` with the
+``PolynomialDecayWithWarmup`` schedule of its ``lars_util.py``):
 
-* LARS, TF 1.15 form, ``eeta = 0.001``, ``epsilon = 0``, momentum 0.9, weight decay 1e-4 (the reference's
-  flag default; submissions tune it); batch-norm parameters and biases get no trust ratio and no weight
-  decay (TF's ``skip_list``; in PyTorch the batch-norm parameters are found by module type, since their
-  names do not say ``batch_normalization``);
+* LARS, TF 1.15 form (``a ← m·a + s·(g + wd·w); w ← w − a``), ``eeta = 0.001``, momentum 0.9, weight
+  decay 1e-4 (the reference's flag default; submissions tune it), ``epsilon = 1e-7``: the reference's
+  ``lars_epsilon`` flag defaults to 0, but its optimizer takes ``epsilon or backend_config.epsilon()``
+  (Keras's ``1e-7``), so every reference run has ε = 1e-7 in the trust-ratio denominator
+  ``‖g‖ + wd·‖w‖ + ε`` (a flag of 0 cannot turn it off). ``epsilon=0.0`` gives the earlier rounds' TF 1
+  references (``tf.contrib.opt.LARSOptimizer``, whose ε = 0 is used as given). Batch-norm parameters and
+  biases get no trust ratio and no weight decay (TF's ``skip_list``; in PyTorch the batch-norm parameters
+  are found by module type, since their names do not say ``batch_normalization``);
 * the learning rate, with ``W`` warm-up steps (``warmup_epochs·steps_per_epoch``) and ``T`` total steps
   (``epochs·steps_per_epoch``), at update ``k`` (0-based, applied updates)::
 
@@ -103,12 +107,13 @@ def mlperf_resnet50_lars_kwargs(
     momentum: float = 0.9,
     weight_decay: float = 1e-4,
     eeta: float = 0.001,
-    epsilon: float = 0.0,
+    epsilon: float = 1e-7,
     skip_list: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """``optimize_loss`` keyword arguments for the recipe (module doc): ``optimizer="LARS"``,
     ``optimizer_params``, ``learning_rate_decay_fn`` (the schedule), ``rules`` (batch norm and biases
-    excluded from adaptation, which for LARS also drops their decay) and ``no_decay_1d=False``. Use as
+    excluded from adaptation, which for LARS also drops their decay) and ``no_decay_1d=False``; ``epsilon``
+    defaults to the reference's effective 1e-7 (module doc; 0 for the TF 1 references). Use as
     ``optimize_loss(loss, model=model, **mlperf_resnet50_lars_kwargs(model, ...), ...)``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be an nn.Module, got {type(model).__name__}")

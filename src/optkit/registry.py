@@ -19,6 +19,8 @@ exists from construction), called as ``cls(params, learning_rate=..., **optimize
 
 from __future__ import annotations
 
+from typing import TypeVar, overload
+
 import torch
 
 from .adagrad import Adagrad
@@ -27,12 +29,15 @@ from .ftrl import Ftrl
 from .lamb import LAMB
 from .lars import LARS
 from .momentum import Momentum
+from .optimizer import Optimizer
 from .rmsprop import RMSProp
 from .sgd import SGD
 
 __all__ = ["OPTIMIZER_CLS_NAMES", "get_optimizer"]
 
-OPTIMIZER_CLS_NAMES: dict[str, type[torch.optim.Optimizer]] = {
+_O = TypeVar("_O", bound=torch.optim.Optimizer)
+
+OPTIMIZER_CLS_NAMES: dict[str, type[Optimizer]] = {
     "SGD": SGD,
     "Momentum": Momentum,
     "Adam": Adam,
@@ -43,6 +48,14 @@ OPTIMIZER_CLS_NAMES: dict[str, type[torch.optim.Optimizer]] = {
     "LARS": LARS,
     "LAMB": LAMB,
 }
+
+
+@overload
+def get_optimizer(name: str) -> type[Optimizer]: ...
+
+
+@overload
+def get_optimizer(name: type[_O]) -> type[_O]: ...
 
 
 def get_optimizer(name: str | type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:

@@ -14,27 +14,28 @@ Implementation: one call of torch's fused SGD kernel per (device, dtype) group. 
 gradient by its ``grad_scale`` operand before the momentum update; passing ``grad_scale = −1/(lr·k)`` (``k``
 = unscale × global-clip factor) makes the kernel's buffer exactly the Keras velocity and folds learning
 rate, unscaling and clipping into the same memory pass (``lr = −1`` then adds the buffer). ``found_inf``
-makes it a no-op. As with ``torch.amp.GradScaler`` + fused optimizers, the kernel writes the scaled gradient
-back: after ``step()``, ``p.grad`` holds ``−lr·g``; call ``zero_grad()`` before the next backward as usual.
-With nothing to unscale or clip, no Nesterov, and the learning rate a host number (a constant or a torch
-scheduler's value), the kernel's dampening carries ``lr`` instead (``1 − d = −lr``): no gradient write-back,
-the minimal 20 bytes per parameter.
+makes it a no-op. The kernel writes the divided gradient back (``−lr·k·g``), so this form runs on in-cache
+copies of the gradient chunks (the base's blocked pass) unless ``scratch_grads=True``: ``p.grad`` is left as
+``torch.optim.SGD`` leaves it. With no Nesterov and the learning rate a host number (a constant or a torch
+scheduler's value), the kernel's dampening carries ``lr`` instead (``1 − d = −lr``) and ``grad_scale = 1/k``
+only unscales: no copy, no gradient write-back without a loss scale (the minimal 20 bytes per parameter),
+``g/S`` under one (as ``GradScaler`` leaves it).
 
 Exceptions: float64 groups fold ``−lr·k`` into the gradient in float64 (the kernel's ``grad_scale`` is
-float32). The kernel runs only where the gate (:mod:`optkit._fused`) says it is exact: float16/bfloat16
-tensors
-on CPU (torch 2.13's vectorised CPU kernel is wrong for them), non-dense tensors and gradients whose strides
-differ from the parameter's run it on contiguous float32 copies. With ``weight_decay`` or EMA the base runs
-decay → kernel → EMA block by block over cache-sized chunks.
+float32), and with a momentum buffer never take the dampening form (``1 − fl(1 + lr)`` is ``−lr`` only to
+1.1e-16 absolute). The kernel runs only where the gate (:mod:`optkit._fused`) says it is exact:
+float16/bfloat16 tensors on CPU (torch 2.13's vectorised CPU kernel is wrong for them), non-dense tensors
+and gradients whose strides differ from the parameter's run it on contiguous float32 copies. With
+``weight_decay`` or EMA the base runs decay → kernel → EMA block by block over cache-sized chunks.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from typing_extensions import Unpack
 
-from .optimizer import Optimizer, check_number
+from ._fused import unscale_arg
+from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_nesterov, check_number
 
 __all__ = ["SGD"]
 
@@ -61,25 +62,31 @@ class SGD(Optimizer):
         learning_rate: number, schedule or callable (default 0.01).
         momentum: float in [0, 1] (default 0.0). A group keeps a ``momentum`` slot while its momentum is
             non-zero; a scheduler that turns it on (``OneCycleLR``) gets a zero slot at the next step.
-        nesterov: Nesterov momentum (default False).
-        **kwargs: base options (weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, jit_compile, mesh, name, amsgrad).
+        nesterov: Nesterov momentum (default False); ``use_nesterov`` (TF1's name) is accepted for it.
+        weight_decay: the base class's decoupled decay ``w ← w − lr·weight_decay·w`` (Keras; default None).
+        **kwargs: base options (``lr``, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, jit_compile, mesh, name): :class:`~optkit.optimizer.OptimizerOptions`.
+
+    ``params`` and the learning rate are the only positional arguments.
 
     Reference: Keras 3 ``SGD`` (``keras/src/optimizers/sgd.py``), tf.keras DTensor SGD (seed 004).
     """
 
     def __init__(
         self,
-        params: Any,
-        learning_rate: Any = 0.01,
+        params: ParamsT,
+        learning_rate: LearningRate = 0.01,
+        *,
         momentum: float = 0.0,
         nesterov: bool = False,
-        **kwargs: Any,
+        use_nesterov: bool | None = None,
+        weight_decay: float | None = None,
+        **kwargs: Unpack[OptimizerOptions],
     ) -> None:
         check_number("momentum", momentum, low=0.0, high=1.0)
-        if not isinstance(nesterov, bool):
-            raise TypeError(f"`nesterov` must be a bool, got {nesterov!r}")
-        super().__init__(params, learning_rate, momentum=float(momentum), nesterov=nesterov, **kwargs)
+        nesterov = check_nesterov(nesterov, use_nesterov)
+        super().__init__(params, learning_rate, weight_decay=weight_decay, momentum=float(momentum),
+                         nesterov=nesterov, **kwargs)
 
     slot_names = ("momentum",)
     #: torch.optim.SGD's dampening has no Keras counterpart: a param group may only hold its neutral value
@@ -99,6 +106,15 @@ class SGD(Optimizer):
     #: LARC's trust ratios (per-tensor multipliers) join ``grad_scale``: one kernel call per tensor
     _mult_in_kernel = True
 
+    def _update_writes_grads(self, group: dict) -> bool:
+        """The dampening form (no Nesterov, the learning rate a host number: see :meth:`_update`) leaves
+        ``g`` or ``k·g`` in the gradients; the ``grad_scale`` form writes ``−lr·k·g`` there (the base then
+        hands it in-cache copies). Mirrors when ``_current_lr`` gives a host value."""
+        host = isinstance(self._learning_rate, (float, torch.Tensor)) and not isinstance(
+            group["lr"], torch.Tensor) and not isinstance(group.get("lr_scale", 1.0), torch.Tensor)
+        damp64 = float(group["momentum"]) != 0.0 and self._has_fp64(group)  # (no dampening form: _update)
+        return bool(group["nesterov"]) or not host or damp64
+
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         """``aux``: None, or per-tensor gradient multipliers ``m`` (0-d tensors or None for 1) from a wrapper
         such as LARC; the true gradient is then ``m·k·g`` and each tensor gets its own kernel call with
@@ -110,9 +126,11 @@ class SGD(Optimizer):
         # With nothing to unscale or clip and the learning rate a host number, the kernel's dampening carries
         # it: buf ← μ·buf + (1 − d)·g with 1 − d = −lr is the Keras velocity, and the gradient is not written
         # back (the grad_scale form writes the scaled gradient: 4 more bytes per parameter).
-        host_lr = getattr(lr, "host_value", None) if k is None and not nesterov and mult is None else None
+        host_lr = getattr(lr, "host_value", None) if not nesterov and mult is None else None
         bufs = slots.get("momentum", []) if momentum != 0.0 else []
         lists, written = ((params, grads, bufs), (0, 2)) if bufs else ((params, grads), (0,))
+        if host_lr is not None and k is not None:  # (the kernel leaves k·g in the gradients: see the base)
+            written = (*written, 1)
         for device, dtype, mode, ix, (p, g, *b) in self._kernel_parts("sgd", lists, written):
             fi = None if found_inf is None else found_inf.to(device)
             m = None
@@ -124,12 +142,15 @@ class SGD(Optimizer):
                     torch._foreach_mul_(g, list(m.to(dtype).unbind()))
                 self._pointwise_fallback(group, p, g, b, lr, k, fi, None)
                 continue
-            if host_lr is not None:
+            # (not for float64 with a buffer: 1 − fl(1 + lr) is −lr only to 1e-16 absolute, 1e-12 relative for
+            # an lr of 1e-4, where float64 runs promise 1e-12)
+            if host_lr is not None and not (b and dtype == torch.float64):
+                # (k: the kernel divides by grad_scale = 1/k first and stores k·g)
                 torch._fused_sgd_(
                     p, g, b[0] if b else [],
                     weight_decay=0.0, momentum=momentum, lr=-1.0 if b else host_lr,
                     dampening=1.0 + host_lr if b else 0.0, nesterov=False, maximize=False,
-                    is_first_step=False, found_inf=fi,
+                    is_first_step=False, grad_scale=unscale_arg(k, g, device, dtype), found_inf=fi,
                 )
                 continue
             e = eff.to(device)

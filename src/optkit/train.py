@@ -88,6 +88,7 @@ from torch import Tensor, nn
 
 from . import _multi_tensor as mt
 from ._compile import norm_check_sums
+from ._tf_surface import is_schedule
 from ._validation import check_count, check_int, check_lr_value, check_params
 from ._wrapper import OptimizerWrapper, handed_over, overflow_probe, protocol_level, refuse_inside_ema_weights
 from .clipping import clip_coefficient
@@ -234,7 +235,7 @@ def _accepts(cls: Any, kw: str) -> bool:
 
 
 def optimize_loss(
-    loss: Callable[..., Tensor],
+    loss: Callable[..., Tensor | tuple[Tensor, float | Tensor]],
     optimizer: str | Callable[..., torch.optim.Optimizer],
     optimizer_params: Mapping[str, Any] | None = None,
     learning_rate_decay_fn: Callable[[Any], Any] | float | None = None,
@@ -433,6 +434,12 @@ class TrainOp:
     own ``state_dict`` this resumes bit-identically.
     """
 
+    _scale_dtype = torch.float32  # (a train op pickled by an earlier optkit: its float32 divisor)
+    #: the outermost optimizer (class doc), typed as optkit's so that ``train_op.optimizer.ema_weights()``
+    #: type-checks; with a ``torch.optim`` class (and no wrapper) it is that class's instance, which lacks
+    #: optkit's own methods (``ema_weights``, ``iterations``, ...)
+    optimizer: _OptkitOptimizer | OptimizerWrapper
+
     def __init__(self, loss_fn, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
                  iter_size, skip_update_ph, model, process_group, bucket_numel, pipeline_group=None,
                  groups=None) -> None:
@@ -453,6 +460,10 @@ class TrainOp:
         self._unit_scale = isinstance(scaler, FixedLossScale) and scaler.loss_scale_value == 1.0
         self._checks = bool(scaler.dynamic or getattr(scaler, "skip_non_finite", False))
         self._one = torch.ones((), dtype=torch.float32, device=device)
+        #: the dtype of the window divisor, the token count and the grad_scale handed to the optimizer:
+        #: float64 when a parameter is float64 (its update is then unscaled exactly), else float32
+        self._scale_dtype = torch.float64 if any(mt.local(p).dtype == torch.float64 for p in self.params) \
+            else torch.float32
         self._false = torch.zeros((), dtype=torch.bool, device=device)
         self._true = torch.ones((), dtype=torch.bool, device=device)
 
@@ -473,6 +484,8 @@ class TrainOp:
         self._optkit = isinstance(cls, type) and issubclass(cls, _OptkitOptimizer)
         key = "learning_rate" if self._optkit or _accepts(cls, "learning_rate") else "lr"
         lr0 = self._current_lr if self._optkit else float(self._lr_now)
+        if self._optkit:  # this op clears the gradients after every update: the step may use them as scratch
+            opt_kwargs = {"scratch_grads": True, **opt_kwargs}
 
         def build(ps: list) -> torch.optim.Optimizer:
             if groups is not None:  # param groups by name (optkit.create_optimizer's construction)
@@ -587,6 +600,9 @@ class TrainOp:
 
     def _refresh_lr(self) -> None:
         step = self._host_step if self._host_step_exact() else self._step
+        if isinstance(step, Tensor) and self._scale_dtype == torch.float64 and self._optkit \
+                and is_schedule(getattr(self._lr_fn, "fn", None)):
+            step = step.to(torch.float64)  # a float64 step: optkit's schedules give the float64 value
         lr_now = self._lr_fn(step)
         lr_t = self._lr_tensor(lr_now, self._step.device)
         # (only now is a write into global_step taken into account: a schedule that raised is asked again)
@@ -759,12 +775,14 @@ class TrainOp:
             grads = [q.grad for q in qs]
 
         count = n * self._world
-        denom: Tensor | None = None if self._unit_scale else scale
+        sdt = self._scale_dtype
+        denom: Tensor | None = None if self._unit_scale else scale.to(sdt)
         if self._token_weighted:  # Σ loss_sum / Σ num_items over the window and the ranks
             items = self._window_items()
             denom = items.to(scale.device) if denom is None else denom * items.to(scale.device)
         elif count != 1:
-            denom = torch.full((), float(count), device=scale.device) if denom is None else denom * count
+            denom = torch.full((), float(count), dtype=sdt, device=scale.device) if denom is None \
+                else denom * count
         if self._diverted:
             self._add_diverted_grads(denom)
             idx, qs, grads = self._with_grads()
@@ -909,7 +927,8 @@ class TrainOp:
         return (self._group_idx, self._group_params, grads, whole), True
 
     def _window_items(self) -> Tensor:
-        """The divisor of token-weighted accumulation, 0-d fp32: ``Σ num_items`` over the window, summed over
+        """The divisor of token-weighted accumulation, 0-d fp32 (fp64 when a parameter is fp64; the count is
+        kept and all-reduced in fp64, exact up to 2^53 items): ``Σ num_items`` over the window, summed over
         the data-parallel ranks (one scalar all-reduce) and divided by the number of ranks whose gradients
         DDP or FSDP2 averaged (their mean times W is the sum). A window without items divides by 1 (its
         loss sum, and so its gradient, is 0). Resets the window's count."""
@@ -921,7 +940,7 @@ class TrainOp:
             dist.all_reduce(items, op=dist.ReduceOp.SUM, group=group)
             if averaged:
                 items = items / dist.get_world_size(group)
-        return torch.where(items > 0, items, torch.ones_like(items)).to(torch.float32)
+        return torch.where(items > 0, items, torch.ones_like(items)).to(self._scale_dtype)
 
     def _items_group(self) -> tuple[Any, bool]:
         """(process group for the count, whether that group's gradients arrive averaged); ``False`` as the
@@ -984,8 +1003,9 @@ class TrainOp:
         else None."""
         opt = self.optimizer
         if self._level != "none":
-            if grad_scale is not None:
-                opt.grad_scale = grad_scale.reshape(()).to(torch.float32)  # GradScaler's dtype
+            if grad_scale is not None:  # GradScaler's dtype (float64 for float64 parameters: optkit's own)
+                dtype = self._scale_dtype if self._level == "full" else torch.float32
+                opt.grad_scale = grad_scale.reshape(()).to(dtype)
             if found is not None:
                 opt.found_inf = found
             base = self.base_optimizer if self._optkit_inst else None

@@ -24,7 +24,8 @@ def test_pooled_over_window_and_ranks(results, case):
     for rank in range(2):
         status, got = results[rank][case]
         assert status == "ok", got
-        tol = dict(rtol=2e-2, atol=2e-2) if case == "ddp_mixed" else dict(rtol=1e-6, atol=1e-9)
+        # float64 models: the count (Σ over the window and the ranks, 26 here) divides in float64, to 1e-12
+        tol = dict(rtol=2e-2, atol=2e-2) if case == "ddp_mixed" else dict(rtol=1e-12, atol=1e-14)
         for g, r in zip(got, ref):
             torch.testing.assert_close(torch.from_numpy(g), r, **tol)
     for a, b in zip(results[0][case][1], results[1][case][1]):

@@ -534,7 +534,6 @@ def test_sgd_argument_checks():
     with pytest.raises(ValueError, match="momentum"):
         SGD([w], momentum=-0.1)
     SGD([w], learning_rate=1, momentum=0)
-    with pytest.raises(ValueError, match="lr"):
-        SGD([w], lr=0.1)
+    assert SGD([w], lr=0.1).get_config()["learning_rate"] == 0.1  # torch's name: an alias (compatibility.md)
     assert SGD([w], momentum=0.5).get_slot_names() == ["momentum"]
     assert SGD([w]).get_slot_names() == []
