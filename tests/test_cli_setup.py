@@ -292,6 +292,21 @@ def test_api_reference_is_current():
     assert res.returncode == 0, res.stderr
 
 
+def test_api_docs_cite_no_file_outside_the_package():
+    """Docstrings and comments cite the paper or the original source (or docs/), never the project's
+    working notes, which a user of the package does not have."""
+    banned = re.compile(r"spec/|DESIGN §|shared/|seed \d{3}")
+    hits = []
+    for path in sorted(SRC.rglob("*")):
+        if not path.is_file() or "__pycache__" in path.parts:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for no, line in enumerate(text.splitlines(), 1):
+            if banned.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
+    assert not hits, "cite the original source instead:\n" + "\n".join(hits)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the demo's layers
 

@@ -1,7 +1,7 @@
 """The fused-kernel gate: every call of one of torch's fused optimizer kernels goes through here.
 
 torch's fused kernels (``_fused_sgd_``, ``_fused_adam_``, ``_fused_adamw_``, ``_fused_adagrad_``) run at the
-memory-bandwidth floor on CPU (``spec/perf_baseline.md``), but they guard nothing. Measured on torch 2.13:
+memory-bandwidth floor on CPU, but they guard nothing. Measured on torch 2.13:
 
 * they walk each tensor's storage in memory order and pair elements by position, so a parameter that is not
   dense (``torch.randn(10, 5, 2)[..., 0]``), or a gradient or slot whose strides differ from the parameter's

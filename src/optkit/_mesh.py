@@ -1,10 +1,11 @@
 """Device-mesh helpers that the optimizer base needs (below it in the layering; ``distributed`` re-exports
 them).
 
-* :func:`check_mesh`: the ``mesh=`` argument of the optimizers (seed 004): every parameter must be a DTensor
-on   that mesh or on a sub-mesh sliced from it.
+* :func:`check_mesh`: the ``mesh=`` argument of the optimizers (as in tf.keras's DTensor optimizers,
+  ``tf.keras.dtensor.experimental.optimizers``): every parameter must be a DTensor on that mesh or on a
+  sub-mesh sliced from it.
 * :func:`replicated`: a 0-d scalar (``iterations``, a learning rate, a loss scale) as a DTensor replicated on
-a   mesh. optkit keeps such scalars as plain tensors on the mesh's device type; they hold the same value on
+  a mesh. optkit keeps such scalars as plain tensors on the mesh's device type; they hold the same value on
   every rank because every skip decision is all-reduced, so this view is exact.
 """
 

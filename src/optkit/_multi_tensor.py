@@ -1,6 +1,6 @@
 """The one multi-tensor layer: every per-parameter computation in optkit goes through here.
 
-Design (see ``shared/spec/perf_baseline.md``): on CPU every ``torch._foreach_*`` op is one full pass over
+Design (measured with torch 2.13): on CPU every ``torch._foreach_*`` op is one full pass over
 memory, while torch's fused kernels (``_fused_sgd_``, ``_amp_foreach_non_finite_check_and_unscale_``) run at
 the memory-bandwidth floor. So this module
 

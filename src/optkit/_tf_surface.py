@@ -1,4 +1,4 @@
-"""The TF/Keras surface of optkit optimizers, as thin layers over the PyTorch core (DESIGN §1.1).
+"""The TF/Keras surface of optkit optimizers, as thin layers over the PyTorch core.
 
 ``compute_gradients``/``apply_gradients``/``minimize`` (TF1), ``get_slot``/``get_slot_names``/``variables``/
 ``get_weights``/``set_weights``/``update_step`` (Keras) and ``get_config``/``from_config``. The helpers at the

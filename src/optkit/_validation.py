@@ -2,7 +2,7 @@
 
 OpenSeq2Seq configures its loss scalers, LARC and ``optimize_loss`` with plain dicts (``loss_scaling_params``,
 ``larc_params``) and checks them with ``utils.check_params(config, required, optional)``
-(``shared/spec/openseq2seq.md`` §0). That check is strict in four ways, and so is :func:`check_params`:
+(``open_seq2seq/utils/utils.py``). That check is strict in four ways, and so is :func:`check_params`:
 
 1. every key of ``required`` must be present;
 2. a declared type (a class, or a tuple of classes) is checked with ``isinstance``: an ``int`` is

@@ -1,4 +1,4 @@
-"""The common base of optkit's optimizer wrappers (DESIGN §1.5): proxying, the step protocol, checkpoints.
+"""The common base of optkit's optimizer wrappers: proxying, the step protocol, checkpoints.
 
 A wrapper holds an inner ``torch.optim.Optimizer`` (optkit's, torch's, or another wrapper) and is itself a
 ``torch.optim.Optimizer`` instance (it subclasses it without running its ``__init__``), so
@@ -16,7 +16,7 @@ and hand the result to the inner optimizer (:meth:`OptimizerWrapper._delegate`) 
   no extra memory pass and no host sync;
 * ``"amp"`` (torch fused optimizers, ``_step_supports_amp_scaling``): multipliers are applied to the
   gradients in place, ``grad_scale``/``found_inf`` are passed on. torch creates state lazily with
-  ``empty_like`` even on a skipped step (``spec/pytorch_anchors.md`` P13), so on a step where a parameter
+  ``empty_like`` even on a skipped step (``_fused_sgd`` in torch 2.13), so on a step where a parameter
   with a gradient has no state yet and a ``found_inf`` is given, ``found_inf`` is read on the host once and
   a skipped step does not call the inner optimizer at all;
 * ``"none"`` (any other optimizer): gradients are unscaled in place with the fused non-finite check,
@@ -462,7 +462,7 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
                     grad_scale: Tensor | None, found_inf: Tensor | None, dev: torch.device) -> Tensor:
         """The inner step of the ``"amp"`` and ``"none"`` levels (module doc); sets ``step_applied``."""
         if level == "amp" and found_inf is not None and self._missing_state(params):
-            # torch would create uninitialised state on a skipped step (P13): decide on the host, once.
+            # torch would create uninitialised state on a skipped step: decide on the host, once.
             if bool(found_inf.detach().reshape(()).cpu() != 0):
                 self.step_applied = torch.zeros((), dtype=torch.bool, device=dev)
                 return self.step_applied

@@ -1,4 +1,4 @@
-"""Adagrad: ``tf.train.AdagradOptimizer`` (registry name ``"Adagrad"``, ``spec/openseq2seq.md`` §3.9).
+"""Adagrad: ``tf.train.AdagradOptimizer`` (registry name ``"Adagrad"``, as in OpenSeq2Seq).
 
 With ``g`` the processed gradient, ``t`` the number of this update (the optimizer's count, as in TF; torch
 counts per parameter) and ``lr`` the current learning rate

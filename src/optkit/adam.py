@@ -1,4 +1,4 @@
-"""Adam and AdamW (registry names ``"Adam"``, ``"AdamW"``; ``spec/openseq2seq.md`` §3.9).
+"""Adam and AdamW (registry names ``"Adam"``, ``"AdamW"``, as in OpenSeq2Seq).
 
 With ``g`` the processed gradient, ``t`` the number of this update (``iterations + 1``: skipped steps do not
 count; one count for the whole optimizer as in TF and Keras, where torch counts per parameter, so a parameter

@@ -1,6 +1,6 @@
 """Gradient clipping: TF's global-norm and per-tensor primitives, OpenSeq2Seq's gradient clip, in-place forms.
 
-Out-of-place, TF semantics (``shared/spec/tf_keras.md`` §6, ``shared/spec/openseq2seq.md`` §1):
+Out-of-place, TF semantics (``tensorflow/python/ops/clip_ops.py``, OpenSeq2Seq ``optimizers.py``):
 
 * :func:`global_norm` — N = sqrt(Σ_i Σ t_i²) over the non-``None`` entries (``tf.linalg.global_norm``);
 * :func:`clip_by_global_norm` — t_i · c / max(N, c), plus (N − N) so that a non-finite N makes every output

@@ -16,8 +16,9 @@ gradients are reduced first). This module adds what a distributed run needs arou
   full state dicts round-trip through ``dcp.save``/``dcp.load``, EMA averages, loss-scale state and masters
   included. The shared ``step`` entry (``iterations``) is saved per parameter, as torch does, and re-shared
   on load.
-* :func:`check_mesh`: the ``mesh=`` argument of the optimizers (seed 004): every parameter must be a DTensor
-  on that mesh or on a sub-mesh of it.
+* :func:`check_mesh`: the ``mesh=`` argument of the optimizers (as in tf.keras's DTensor optimizers,
+  ``tf.keras.dtensor.experimental.optimizers``): every parameter must be a DTensor on that mesh or on a
+  sub-mesh of it.
 * :func:`replicated`: a 0-d scalar (``iterations``, a learning rate, a loss scale) as a DTensor replicated on
   a mesh. optkit keeps such scalars as plain tensors on the mesh's device type; they hold the same value on
   every rank because every skip decision is all-reduced, so this view is exact.
@@ -36,8 +37,9 @@ tensor by tensor, each cut to the local shard as it arrives, so no rank holds mo
 See ``docs/distributed.md`` for the collectives and memory per step at scale.
 
 EMA under FSDP2 needs nothing here: the averages are DTensors sharded like the parameters, updated shard by
-shard, and ``finalize_variable_values()`` copies shard into shard without any collective (P8 of
-``spec/pytorch_anchors.md``). Gather them only when saving with ``full_state_dict=True``.
+shard, and ``finalize_variable_values()`` copies shard into shard without any collective (unlike
+``torch.optim.swa_utils.AveragedModel``, whose deep copy fails under FSDP: pytorch/pytorch#149138). Gather
+them only when saving with ``full_state_dict=True``.
 """
 
 from __future__ import annotations

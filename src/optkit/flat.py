@@ -1,7 +1,7 @@
 """Flat parameter buffers: many parameters as views into one contiguous buffer per (device, dtype).
 
 An optimizer step over thousands of small tensors is bound by per-tensor host work, not by memory: every
-kernel call, norm or check costs about a microsecond per tensor (``spec/perf_baseline.md``: 10-60× the
+kernel call, norm or check costs about a microsecond per tensor (measured with torch 2.13: 10-60× the
 bandwidth floor at 10,000 tensors). :func:`flat_parameters` applies the Megatron/DeepSpeed/apex
 contiguous-buffer idea: each parameter's data becomes a view into one flat buffer of its (device, dtype), its
 gradient a view into a matching flat gradient buffer, and optkit optimizers then keep their slots and EMA

@@ -1,4 +1,4 @@
-"""FTRL-proximal (``tf.compat.v1.train.FtrlOptimizer``; registry name ``"Ftrl"``, openseq2seq.md §3.9).
+"""FTRL-proximal (``tf.compat.v1.train.FtrlOptimizer``; registry name ``"Ftrl"``, as in OpenSeq2Seq).
 
 Per element, with ``p = −learning_rate_power`` (TF's ``ApplyFtrlV2`` as documented; McMahan et al., "Ad Click
 Prediction: a View from the Trenches", KDD 2013, Algorithm 1)::

@@ -1,4 +1,7 @@
-"""``LARC``: layer-wise adaptive rate control around any optimizer (``spec/openseq2seq.md`` §4).
+"""``LARC``: layer-wise adaptive rate control around any optimizer (OpenSeq2Seq ``larc_params``).
+
+The original is ``post_process_gradients`` in OpenSeq2Seq's ``open_seq2seq/optimizers/optimizers.py``, after
+You, Gitman & Ginsburg, "Large Batch Training of Convolutional Networks" (2017, arXiv:1708.03888).
 
 Before the inner step every gradient ``g`` of a parameter ``v`` is multiplied by a trust ratio ``r`` computed
 from whole-tensor L2 norms (fp32) and the inner optimizer's **current** learning rate ``lr`` of its group:
@@ -8,7 +11,7 @@ from whole-tensor L2 norms (fp32) and the inner optimizer's **current** learning
   (the original divided by zero and produced NaN for zero-norm variables);
 * ``larc_mode="scale"``: ``r = max(η‖v‖ / (‖g‖ + ε), min_update)`` (LARS, no lr and no upper bound).
 
-Options beyond the original (``spec/pytorch_anchors.md`` P1, P2, P19):
+Options beyond the original (see docs/compatibility.md):
 
 * ``exclude(name, param) -> bool``: parameters for which it returns True keep ``r = 1`` (e.g. biases and
   normalisation weights: ``exclude=lambda n, p: p.ndim <= 1``). Evaluated once per parameter (tensor

@@ -1,4 +1,4 @@
-"""LARS: layer-wise adaptive rate scaling (``tf.contrib.opt.LARSOptimizer``; seed 002, tf_keras.md §1.1).
+"""LARS: layer-wise adaptive rate scaling (``tf.contrib.opt.LARSOptimizer``; You et al. 2017).
 
 For each parameter ``w`` with gradient ``g`` (``‖·‖`` the L2 norm of all elements)::
 

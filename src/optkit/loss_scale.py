@@ -1,9 +1,9 @@
 """Loss scaling: fixed, dynamic (TF/Keras, with DeepSpeed hysteresis), OpenSeq2Seq Backoff and LogMax.
 
 Loss scaling multiplies the loss by ``S`` before ``backward`` so that small fp16 gradients do not underflow,
-then multiplies every gradient by ``1/S`` (``shared/seeds/003``). A dynamic scaler also watches the gradients:
-a step whose gradients hold a NaN or an inf is skipped and ``S`` shrinks; after enough clean steps ``S`` grows
-again.
+then multiplies every gradient by ``1/S`` (TF ``MixedPrecisionLossScaleOptimizer``). A dynamic scaler also
+watches the gradients: a step whose gradients hold a NaN or an inf is skipped and ``S`` shrinks; after enough
+clean steps ``S`` grows again.
 
 Every scale object is a :class:`LossScale`:
 
@@ -24,23 +24,25 @@ make ``σ`` noisy through the cancellation in ``E[x²] − μ²``.
 
 State machines (``i`` = update attempt, ``overflow`` = NaN or ±inf in the gradients):
 
-``FixedLossScale`` (TF1, ``spec/tf_keras.md`` §3.1): ``S`` constant; ``should_apply`` is always True, even for
-non-finite gradients, as in TF (opt in to skipping with ``skip_non_finite=True``).
+``FixedLossScale`` (TF1 ``tf.train.experimental.FixedLossScale``): ``S`` constant; ``should_apply`` is always
+True, even for non-finite gradients, as in TF (opt in to skipping with ``skip_non_finite=True``).
 
-``DynamicLossScale`` (TF1 rule; hysteresis from DeepSpeed ``spec/pytorch_anchors.md`` §7.2)::
+``DynamicLossScale`` (TF1 ``tf.train.experimental.DynamicLossScale``; hysteresis from DeepSpeed's
+``DynamicLossScaler``)::
 
     finite:   if good + 1 >= period: S ← min(S·m, max_loss_scale) if S·m is finite else S; good ← 0
               else good ← good + 1;                            run ← 0
     overflow: run ← run + 1; if run >= hysteresis: S ← max(S / m, min_loss_scale);   good ← 0
     should_apply = finite
 
-``BackoffScaler`` (OpenSeq2Seq, ``spec/openseq2seq.md`` §6.2), starting at ``S = scale_max``::
+``BackoffScaler`` (OpenSeq2Seq ``open_seq2seq/optimizers/automatic_loss_scaler.py``), starting at
+``S = scale_max``::
 
     overflow: S ← clip(S / f, min, max); last ← i
     finite:   if (i − last) mod window == 0: S ← clip(S · f, min, max)
     i ← i + 1
 
-``LogMaxScaler`` (§6.3, with the fixes of §9 #2), starting at ``S = 1``. With ``x = log_max`` on overflow,
+``LogMaxScaler`` (OpenSeq2Seq, bugs fixed), starting at ``S = 1``. With ``x = log_max`` on overflow,
 else ``x = log2(amax)``: ``x̂ ← β1 x̂ + (1−β1) x``, ``μ = x̂ / (1 − β1^t)``; ``s ← β2 s + (1−β2) x``,
 ``q ← β2 q + (1−β2) x²``, ``μ_s = s / (1 − β2^t)``, ``σ = sqrt(max(q/(1 − β2^t) − μ_s², 0))``;
 ``S ← clip(2^(log_max − (μ + z σ)), min, max)``. A finite step with ``amax == 0`` (every scaled gradient
@@ -533,13 +535,13 @@ def _clamp_params(p: dict[str, Any], where: str) -> tuple[float, float]:
 
 
 class BackoffScaler(LossScale):
-    """OpenSeq2Seq ``BackoffScaler(params)`` (``spec/openseq2seq.md`` §6.2).
+    """OpenSeq2Seq ``BackoffScaler(params)`` (``open_seq2seq/optimizers/automatic_loss_scaler.py``).
 
     ``params`` (all optional, strict types): ``scale_min`` float 1.0, ``scale_max`` float 2^14,
     ``step_factor`` float 2.0, ``step_window`` int 2000. The scale starts at ``scale_max``; growth happens on
     every ``step_window``-th clean update counted from the last overflow (or from the start), and the scale is
-    clipped to ``[scale_min, scale_max]`` after every change. ``iteration`` is read before its increment (§9
-    #21).
+    clipped to ``[scale_min, scale_max]`` after every change. ``iteration`` is read before its increment (the
+    original left that order unspecified).
     """
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
@@ -586,7 +588,7 @@ class BackoffScaler(LossScale):
 
 
 class LogMaxScaler(LossScale):
-    """OpenSeq2Seq ``LogMaxScaler(params)`` (``spec/openseq2seq.md`` §6.3), with the original's bugs fixed.
+    """OpenSeq2Seq ``LogMaxScaler(params)``, with the original's bugs fixed (see docs/compatibility.md).
 
     ``params`` (all optional, all float): ``scale_min`` 1.0, ``scale_max`` 2^14, ``log_max`` 16.0, ``beta1``
     0.99, ``beta2`` 0.999, ``overflow_std_dev`` 3.09. It tracks the mean and spread of ``log2(amax)``
@@ -675,7 +677,8 @@ class LogMaxScaler(LossScale):
 
 
 class AutomaticLossScaler(LossScale):
-    """OpenSeq2Seq ``AutomaticLossScaler(algorithm='Backoff', params=None)`` (``spec/openseq2seq.md`` §6.1).
+    """OpenSeq2Seq ``AutomaticLossScaler(algorithm='Backoff', params=None)``
+    (``open_seq2seq/optimizers/automatic_loss_scaler.py``).
 
     ``algorithm.lower().strip()`` picks ``BackoffScaler`` (``'backoff'``) or ``LogMaxScaler`` (``'logmax'``),
     built with ``params``; the chosen scaler is ``self.scaler``. The OpenSeq2Seq surface is ``loss_scale``,

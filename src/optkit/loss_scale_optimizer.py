@@ -1,4 +1,5 @@
-"""``LossScaleOptimizer``: loss scaling around any optimizer (seed 003, ``spec/tf_keras.md`` §3.2).
+"""``LossScaleOptimizer``: loss scaling around any optimizer (TF1
+``tf.train.experimental.MixedPrecisionLossScaleOptimizer``, ``tensorflow/python/training/experimental/``).
 
 Loss scaling multiplies the loss by ``S`` before ``backward`` and divides every gradient by ``S``; with a
 dynamic scale a step whose gradients hold a NaN or an inf is skipped and ``S`` shrinks (the rules live in

@@ -1,7 +1,7 @@
 """OpenSeq2Seq learning-rate policies (``optimizers/lr_policies.py``) as pure functions of the step.
 
-Every policy takes ``global_step`` first, then its own arguments, with the seed page's names and defaults
-(``shared/seeds/000_*.txt``; exact semantics in ``shared/spec/openseq2seq.md`` §7). ``global_step`` counts
+Every policy takes ``global_step`` first, then its own arguments, with the names and defaults
+of OpenSeq2Seq's documented API (``open_seq2seq/optimizers/lr_policies.py``). ``global_step`` counts
 *applied* updates (update ``k``, 0-based, uses ``lr(k)``) and may be
 
 * a python ``int`` or ``float`` (or a NumPy scalar): the policy computes in float64 and returns a python
@@ -18,7 +18,7 @@ raises ``ValueError`` (wrong value) or ``TypeError`` (wrong type) naming the arg
 must be finite and non-negative; tensor steps are not inspected (that would need a sync).
 
 Differences from the original (see ``docs/compatibility.md``): ``inv_poly_decay`` honours ``begin_decay_at``
-and ``warmup_steps`` and stays at ``min_lr`` after ``decay_steps``, as its seed page documents; parameters are
+and ``warmup_steps`` and stays at ``min_lr`` after ``decay_steps``, as its docstring states; parameters are
 validated up front.
 """
 
@@ -336,8 +336,8 @@ def inv_poly_decay(
     ``m = min(max(min_lr, 1e-8), lr₀)`` and ``a = ((lr₀/m)^(1/power) − 1)/decay_steps``. Warmup as in
     :func:`poly_decay`; ``lr_w`` if ``step < begin_decay_at``, else with
     ``s = min(step − begin_decay_at, decay_steps)``: ``lr_w/(1 + a·s)^power``, so the rate stays at ``m`` once
-    decay is over. This follows the seed page (``begin_decay_at`` is the first decaying step, ``min_lr`` the
-    end rate); the original ignored both step arguments and kept decreasing below ``min_lr``.
+    decay is over. This follows the original's docstring (``begin_decay_at`` is the first decaying step,
+    ``min_lr`` the end rate); the original ignored both step arguments and kept decreasing below ``min_lr``.
     ``name`` (TF's op name) is accepted and unused.
     """
     fn = "inv_poly_decay"

@@ -1,4 +1,4 @@
-"""fp32 master weights for half-precision models (``spec/openseq2seq.md`` §5, seed 000 ``mp_wrapper``).
+"""fp32 master weights for half-precision models (OpenSeq2Seq ``open_seq2seq/optimizers/mp_wrapper.py``).
 
 :class:`MixedPrecisionOptimizerWrapper` keeps exactly one float32 master copy of every float16/bfloat16
 parameter and runs the inner optimizer on the masters, so its state (momentum, moments, EMA) is float32.
@@ -411,9 +411,9 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
     def compute_gradients(
         self, loss: Tensor | Callable[[], Tensor], var_list: Sequence[Tensor] | None = None
     ) -> list[tuple[Tensor | None, Tensor]]:
-        """OpenSeq2Seq §5.2: gradients of ``loss·S`` w.r.t. the model variables; a half variable's pair is
-        ``(fp32(g)/S + λ·master, master)``, an fp32 variable's ``(g/S, v)``. ``None`` gradients stay
-        ``None`` (the original crashed)."""
+        """OpenSeq2Seq ``compute_gradients``: gradients of ``loss·S`` w.r.t. the model variables; a half
+        variable's pair is ``(fp32(g)/S + λ·master, master)``, an fp32 variable's ``(g/S, v)``. ``None``
+        gradients stay ``None`` (the original crashed)."""
         vs = [p for p, _ in self._pairs] + self._fp32_params if var_list is None else list(var_list)
         scale = self.loss_scaler()
 

@@ -1,4 +1,4 @@
-"""Momentum: ``tf.train.MomentumOptimizer`` (registry name ``"Momentum"``, ``spec/openseq2seq.md`` §3.9).
+"""Momentum: ``tf.train.MomentumOptimizer`` (registry name ``"Momentum"``, as in OpenSeq2Seq).
 
 With ``g`` the processed gradient (plus ``weight_decay·w``, torch's coupled L2, when set) and ``lr`` the
 current learning rate::

@@ -3,7 +3,8 @@
 Every optkit optimizer derives from :class:`Optimizer` and states its rule over grouped tensor lists
 (:meth:`Optimizer._update`), plus the same rule as out-of-place pointwise math (``_pointwise``, for
 ``jit_compile`` and for devices without a fused kernel). The base runs the Keras 3 pipeline
-(``spec/tf_keras.md`` §4.1) once per ``step()``, with optkit's own rules where DESIGN §1 says so:
+(``keras/src/optimizers/base_optimizer.py``) once per ``step()``, with the differences listed in
+docs/compatibility.md:
 
 1. gradients: ``None`` skipped; sparse COO densified (unless the optimizer has a sparse rule);
 2. unscale by ``grad_scale`` (set by a loss-scale wrapper or ``torch.amp.GradScaler``);
@@ -325,7 +326,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         jit_compile: compile the grouped update with ``torch.compile`` (falls back to eager with a warning).
         mesh: a ``DeviceMesh`` all DTensor parameters must live on (scalar state is kept on its device type).
         name: the optimizer's name (defaults to the class name).
-        amsgrad: accepted and ignored, as in the seed (``Adam`` has its own).
+        amsgrad: accepted and ignored, as in tf.keras's DTensor ``SGD`` (``Adam`` has its own).
         scratch_grads: let ``step()`` use the gradients as scratch (default False). By default ``step()``
             leaves every ``.grad`` as ``torch.optim`` does: bitwise as it was, or, when the step unscales a
             loss scale ``S`` (``grad_scale``: a loss-scale wrapper, ``torch.amp.GradScaler``), holding the
@@ -754,8 +755,8 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     def build(self, var_list: Iterable[Tensor] | None = None) -> None:
         """Create missing optimizer state for ``var_list`` (default: every parameter). Idempotent.
 
-        optkit builds state at construction so a skipped first step creates nothing (DESIGN §1.4); this exists
-        for the seed's API and for parameters whose state was removed.
+        optkit builds state at construction so a skipped first step creates nothing; this exists
+        for the Keras API and for parameters whose state was removed.
         """
         known = {id(p): g for g in self.param_groups for p in g["params"]}
         vs = [p for g in self.param_groups for p in g["params"]] if var_list is None else list(var_list)

@@ -1,4 +1,4 @@
-"""Optimizers by name (OpenSeq2Seq's ``OPTIMIZER_CLS_NAMES``, ``spec/openseq2seq.md`` §3.9).
+"""Optimizers by name (OpenSeq2Seq's ``OPTIMIZER_CLS_NAMES``, ``open_seq2seq/optimizers/optimizers.py``).
 
 Every class is an optkit optimizer (the Keras-style base: every option, a skipped step changes nothing, state
 exists from construction), called as ``cls(params, learning_rate=..., **optimizer_params)`` (how

@@ -1,5 +1,5 @@
 """Regularization losses registered on parameters or modules, and their sum (OpenSeq2Seq
-``get_regularization_loss``, ``spec/openseq2seq.md`` §2).
+``get_regularization_loss``, ``open_seq2seq/optimizers/optimizers.py``).
 
 TensorFlow collects regularization losses in a graph collection when a layer is built with a regularizer. The
 PyTorch-native equivalent here is a registry keyed by the parameter itself (weakly, so a dropped model frees
@@ -14,12 +14,13 @@ its entries):
 * :func:`l2_regularizer(scale)` / :func:`l1_regularizer(scale)`: ``tf.contrib.layers`` forms,
   ``scale·Σw²/2`` (gradient ``scale·w``) and ``scale·Σ|w|``.
 
-Mixed precision (§2, §5.2): in ``dtype="mixed"`` training, :func:`optkit.optimize_loss` *diverts* the
-regularizers of half-precision parameters (those registered when it is built, while they stay registered):
-the train op adds their gradient computed on the fp32 master copy, where small weights do not underflow, and
-while it runs its loss function :func:`get_regularization_loss` skips them (so the loss it reports excludes
-them, as in the original). Everywhere else they count, so call :func:`get_regularization_loss` inside the
-loss function given to ``optimize_loss``: a loss computed outside it would count them twice.
+Mixed precision (OpenSeq2Seq ``mp_regularizer_wrapper``): in ``dtype="mixed"`` training,
+:func:`optkit.optimize_loss` *diverts* the regularizers of half-precision parameters (those registered when
+it is built, while they stay registered): the train op adds their gradient computed on the fp32 master copy,
+where small weights do not underflow, and while it runs its loss function :func:`get_regularization_loss`
+skips them (so the loss it reports excludes them, as in the original). Everywhere else they count, so call
+:func:`get_regularization_loss` inside the loss function given to ``optimize_loss``: a loss computed outside
+it would count them twice.
 
 Why the sum is taken in fp32: TF's own version failed to add fp16 and fp32 losses; this one supports pure
 half-precision models.
@@ -229,8 +230,8 @@ def get_regularization_loss(scope: str | None = None, name: str = "total_regular
     Diverted entries (module doc: the half-precision parameters' regularizers, while an
     ``optimize_loss(dtype="mixed")`` train op that adds them on fp32 masters runs its loss function) are
     left out. With no matching entry the result is the constant 0.0 (fp32, CPU), as in the original's
-    empty-collection branch. ``name`` is kept for the seed's signature (TF names the tensor; a PyTorch tensor
-    has no name) and must be a str.
+    empty-collection branch. ``name`` is kept for the original's signature (TF names the tensor; a PyTorch
+    tensor has no name) and must be a str.
     """
     if not isinstance(name, str):
         raise TypeError(f"get_regularization_loss: name must be a str, got {name!r}")

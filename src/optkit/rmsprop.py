@@ -1,4 +1,4 @@
-"""RMSProp: ``tf.train.RMSPropOptimizer`` (registry name ``"RMSProp"``, ``spec/openseq2seq.md`` §3.9).
+"""RMSProp: ``tf.train.RMSPropOptimizer`` (registry name ``"RMSProp"``, as in OpenSeq2Seq).
 
 TF rule (mean square ``ms`` starts at 1, ``mom`` and ``mg`` at 0)::
 

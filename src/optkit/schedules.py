@@ -12,7 +12,8 @@
   ``lr_scale`` (layer-wise decay, :func:`optkit.param_groups`) multiplies its learning rate: optkit
   optimizers apply it themselves, for other optimizers ``ScheduleLR`` does.
 
-Step counting: the step is the number of *applied* updates, as in OpenSeq2Seq (``spec/openseq2seq.md`` §3.7).
+Step counting: the step is the number of *applied* updates, as in OpenSeq2Seq (whose ``global_step``
+advances only when an update is applied).
 Call ``scheduler.step()`` once after every optimizer update that was applied, and not after skipped ones
 (overflow, accumulation micro-steps); update ``k`` (0-based) then runs with ``schedule(k)``.
 """

@@ -1,4 +1,4 @@
-"""Keras-style SGD with momentum and Nesterov (seed 004, ``spec/tf_keras.md`` §5.1).
+"""Keras-style SGD with momentum and Nesterov (Keras 3 ``keras.optimizers.SGD``).
 
 Update, with ``g`` the processed gradient and ``lr`` the current learning rate::
 
@@ -69,7 +69,8 @@ class SGD(Optimizer):
 
     ``params`` and the learning rate are the only positional arguments.
 
-    Reference: Keras 3 ``SGD`` (``keras/src/optimizers/sgd.py``), tf.keras DTensor SGD (seed 004).
+    Reference: Keras 3 ``SGD`` (``keras/src/optimizers/sgd.py``), tf.keras 2.11 DTensor SGD
+    (``keras/dtensor/optimizers.py``).
     """
 
     def __init__(

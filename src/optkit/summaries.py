@@ -1,5 +1,5 @@
 """Optimizer summaries for :func:`optkit.optimize_loss` (OpenSeq2Seq ``OPTIMIZER_SUMMARIES``,
-``spec/openseq2seq.md`` §3.1–3.3).
+``open_seq2seq/optimizers/optimizers.py``).
 
 Names and tags (``<name>`` is the parameter name, ``:`` replaced by ``_``):
 

@@ -1,9 +1,9 @@
-"""``optimize_loss``: OpenSeq2Seq's one-call training step, as an eager PyTorch train op (seed 000,
-``spec/openseq2seq.md`` §2–§4, §11; DESIGN §2.3).
+"""``optimize_loss``: OpenSeq2Seq's one-call training step, as an eager PyTorch train op
+(``optimize_loss`` in ``open_seq2seq/optimizers/optimizers.py``).
 
 ``train_op = optimize_loss(loss, "Momentum", {"momentum": 0.9}, lambda k: poly_decay(k, 0.1, 1000), ...)``
 returns a :class:`TrainOp`; ``train_op(*inputs)`` runs one micro-step and returns a :class:`StepResult`.
-One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the original's order (§3.3, §11):
+One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the original's order:
 
 1. forward ``L = fp32(loss(*inputs))``; backward of ``L·S`` into the parameters' ``.grad`` (``"mixed"``:
    :meth:`MixedPrecisionOptimizerWrapper.accumulate_grads` folds the half gradients into the fp32 gradient
@@ -15,7 +15,7 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
    FSDP2 (DTensor) parameters are reduce-scattered and averaged by FSDP2 itself (no second reduction; with
    an FSDP2 ``model``, ``set_requires_gradient_sync(False)`` on accumulation micro-steps);
 4. ``"mixed"``: diverted regularizers of half parameters add ``S·n·W·∂R/∂master`` (they are evaluated on the
-   fp32 master, §5.2);
+   fp32 master, as OpenSeq2Seq's ``mp_regularizer_wrapper`` does);
 5. global norm ``N = ‖Σ grads‖ / (S·n·W)`` (fp32) — the true norm of the *mean* gradient — logged as
    ``global_gradient_norm``;
 6. clip (``clip_gradients = c``): ``s = min(1, c/N)`` (no epsilon, as the original);
@@ -29,7 +29,7 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
 9. the optimizer stack's step with ``lr(k)``, ``k`` = applied updates so far (a skipped update changes
    nothing): ``LARC`` (``larc_params``, :mod:`optkit.larc`) computes per parameter
    ``r = min(max(η‖w‖/(lr(‖g‖+ε)), min_update), 1)`` (clip mode) or ``max(η‖w‖/(‖g‖+ε), min_update)``
-   (scale mode, §4) on the mean unscaled gradient and hands ``r`` inward; LARC summaries are written from
+   (scale mode) on the mean unscaled gradient and hands ``r`` inward; LARC summaries are written from
    the ratios it used; ``"mixed"``: the :class:`~optkit.mixed_precision.MixedPrecisionOptimizerWrapper`
    steps the fp32 masters and copies back ``p16 ← saturate(master)``;
 10. gradients cleared for the next window. An update that raises before it is committed (a summary writer's
@@ -1033,7 +1033,7 @@ class TrainOp:
         return None
 
     def _add_diverted_grads(self, denom: Tensor | None) -> None:
-        """``master.grad += S·n·W·∂R/∂master`` for the regularizers of half parameters (§5.2)."""
+        """``master.grad += S·n·W·∂R/∂master`` for the regularizers of half parameters."""
         live = [(p, e, m) for (p, e), m in zip(self._diverted, self._diverted_masters) if _registered(p, e)]
         if not live:  # (every one removed by clear_regularizers since)
             return

@@ -1,7 +1,8 @@
-"""``VariableClippingOptimizer``: clip chosen parameters to a maximum L2 norm after each update (seed 001).
+"""``VariableClippingOptimizer``: clip chosen parameters to a maximum L2 norm after each update.
 
-``spec/tf_keras.md`` §2. After the inner optimizer's update, every listed parameter that had a gradient this
-step is projected onto the norm ball along its dims (TF ``clip_by_norm`` axes semantics)::
+TF1 ``tf.contrib.opt.VariableClippingOptimizer``. After the inner optimizer's update, every listed parameter
+that had a gradient this step is projected onto the norm ball along its dims (TF ``clip_by_norm`` axes
+semantics)::
 
     n = sqrt(Σ_dims w²)  (keepdims)        w ← w · c / max(n, c)
 

@@ -68,7 +68,7 @@ def loss_dtype_arg(cfg: TrainConfig) -> torch.dtype | str:
 
 
 def policy_params(cfg: TrainConfig, total_updates: int) -> dict[str, Any]:
-    """The policy's parameters with OpenSeq2Seq's default injection (``spec/openseq2seq.md`` §7.0): when the
+    """The policy's parameters with OpenSeq2Seq's default injection (its ``Model.compile``): when the
     policy takes ``decay_steps`` and it is not given, decay over the whole run after ``begin_decay_at``
     (itself raised to ``warmup_steps`` when the policy has both)."""
     from optkit.lr_policies import get_policy
