@@ -278,3 +278,36 @@ def test_keras_sgd_momentum_with_a_small_float64_learning_rate_is_exact(scale):
     inner = opt if scale is None else opt.optimizer
     np.testing.assert_allclose(inner.state[w]["momentum"].numpy(), v_ref, rtol=1e-13, atol=0)
     np.testing.assert_allclose(w.detach().numpy(), w_ref, rtol=1e-13, atol=0)
+
+
+class _TableSchedule(optkit.LearningRateSchedule):
+    """A user's schedule that indexes a table with the step (an integer tensor, as it always was)."""
+
+    def __init__(self, rates):
+        self.rates = torch.tensor(rates, dtype=F64)
+
+    def __call__(self, step):
+        return self.rates[step]
+
+    def get_config(self):
+        return {"rates": self.rates.tolist()}
+
+
+@pytest.mark.parametrize("via", ["optimizer", "train-op"])
+def test_a_users_schedule_still_gets_the_integer_step_on_float64_parameters(via):
+    """Only optkit's own policies are asked for their float64 value with a float64 step
+    (``LearningRateSchedule.value``); a user's schedule gets the integer step tensor: one SGD step per rate,
+    each ``w ← w − lr_t·1`` exactly."""
+    rates = [0.5, 0.25, 0.125]
+    w = torch.zeros(3, dtype=F64, requires_grad=True)
+    sched = _TableSchedule(rates)
+    if via == "optimizer":
+        opt = optkit.SGD([w], sched)
+        for _ in rates:
+            w.grad = torch.ones_like(w)
+            opt.step()
+    else:
+        op = optkit.optimize_loss(lambda: w.sum(), "SGD", {}, sched, var_list=[w])
+        for _ in rates:
+            op()
+    assert w.detach().tolist() == [-sum(rates)] * 3

@@ -838,7 +838,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             before = group.get("lr")
             version = getattr(before, "_version", None)
             if is_schedule(fn):
-                lr = fn(self._iterations if dtype != torch.float64 else self._iterations.to(dtype))
+                lr = fn.value(self._iterations, dtype)  # type: ignore[union-attr]
             else:
                 lr = fn(self._iterations) if _callable_arity(fn) >= 1 else fn()
             if commit:

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from . import lr_policies as _lr_policies
 from ._validation import ParameterTypeError, check_count, check_lr_value, check_real
 from .lr_policies import LR, LR_POLICIES, Step, get_policy
 
@@ -84,6 +85,13 @@ class LearningRateSchedule(ABC):
     @abstractmethod
     def __call__(self, step: Step) -> LR:
         """The learning rate at ``step`` (python float for a number, 0-d tensor for a tensor)."""
+
+    def value(self, step: Tensor, dtype: torch.dtype) -> LR:
+        """The learning rate at the integer step tensor ``step`` for parameters of ``dtype`` (how an optimizer
+        asks). By default ``self(step)``; optkit's policy schedules give float64 parameters their float64
+        value (``self(step)`` rounds it to float32, as TF's float32 learning-rate variable did). A subclass
+        that computes in float64 may override it likewise."""
+        return self(step)
 
     @abstractmethod
     def get_config(self) -> dict[str, Any]:
@@ -177,6 +185,13 @@ class PolicySchedule(LearningRateSchedule):
         self.params = params
 
     def __call__(self, step: Step) -> LR:
+        return self.policy(step, **self.params)
+
+    def value(self, step: Tensor, dtype: torch.dtype) -> LR:
+        """optkit's own policies, given a float64 step tensor, compute and return their float64 value; a
+        user's policy function gets the integer step as always (it may index a table with it)."""
+        if dtype == torch.float64 and getattr(self.policy, "__module__", None) == _lr_policies.__name__:
+            return self.policy(step.to(torch.float64), **self.params)
         return self.policy(step, **self.params)
 
     def get_config(self) -> dict[str, Any]:

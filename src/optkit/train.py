@@ -398,7 +398,7 @@ class _ConstantLR:
     def __init__(self, value: float) -> None:
         self.value = value
 
-    def __call__(self, step: Any) -> float:
+    def __call__(self, step: Any, dtype: torch.dtype | None = None) -> float:
         return self.value
 
 
@@ -408,8 +408,11 @@ class _CheckedLR:
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         self.fn = fn
 
-    def __call__(self, step: Any) -> Any:
-        return check_lr_value("`learning_rate_decay_fn`", self.fn(step), step)
+    def __call__(self, step: Any, dtype: torch.dtype | None = None) -> Any:
+        """``dtype``: the parameters' (a schedule gives float64 ones its float64 value: ``value``)."""
+        fn = self.fn
+        lr = fn.value(step, dtype) if dtype is not None and is_schedule(fn) else fn(step)  # type: ignore[union-attr]
+        return check_lr_value("`learning_rate_decay_fn`", lr, step)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -598,12 +601,15 @@ class TrainOp:
             self._host_exact = False
         return self._host_exact
 
-    def _refresh_lr(self) -> None:
+    def _lr_at_step(self) -> Any:
+        """The learning rate at the current step (the host count while exact, else the device one); a
+        schedule gives a float64 model its float64 value (``LearningRateSchedule.value``)."""
         step = self._host_step if self._host_step_exact() else self._step
-        if isinstance(step, Tensor) and self._scale_dtype == torch.float64 and self._optkit \
-                and is_schedule(getattr(self._lr_fn, "fn", None)):
-            step = step.to(torch.float64)  # a float64 step: optkit's schedules give the float64 value
-        lr_now = self._lr_fn(step)
+        wide = isinstance(step, Tensor) and self._scale_dtype == torch.float64 and self._optkit
+        return self._lr_fn(step, torch.float64 if wide else None)
+
+    def _refresh_lr(self) -> None:
+        lr_now = self._lr_at_step()
         lr_t = self._lr_tensor(lr_now, self._step.device)
         # (only now is a write into global_step taken into account: a schedule that raised is asked again)
         self._lr_now, self._lr_t, self._step_seen = lr_now, lr_t, self._step._version
@@ -1288,7 +1294,7 @@ class TrainOp:
             q.grad = None if a is None else a.clone().to(q.dtype)
         self._lr_error = None
         try:
-            self._lr_now = self._lr_fn(self._host_step if self._host_step_exact() else self._step)
+            self._lr_now = self._lr_at_step()
             self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
         except Exception as err:  # noqa: BLE001 - the state is loaded; the next update raises it first
             self._lr_error = err
