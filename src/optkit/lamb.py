@@ -50,10 +50,18 @@ needs the norm of ``u`` over the whole tensor before any weight changes, so a st
    Elsewhere the direction is rebuilt in cache from the new moments: ``d = c·m/(√v + e) + s·wd·w`` with
    ``c = s·√(1−β2^t)/(1−β1^t)``, ``e = ε·√(1−β2^t)``, and the fused SGD kernel applies ``w ← w − d``.
 
-That direct form writes ``u`` into the gradients. With ``scratch_grads=True`` (the train op) it runs in
-``p.grad``; by default, so that ``p.grad`` is left as ``torch.optim`` leaves it, in a copy of the gradients
-kept with the base's plan (one more copy pass, +8 B/param in fp32, and one gradient's memory; flat buffers
-then take the per-tensor chunks, not the row runs). Where that copy is not used (inside ``torch.compile``, or
+A block of whole float32/float64 CPU tensors (every block but the pieces of tensors larger than a block)
+takes both passes at once, while it is in cache (:meth:`LAMB._fused_block`): pass 1 writes ``u`` into the
+block's in-cache scratch (the fused AdamW kernel with the zeroed scratch chunk as its "parameter":
+``0·(1 − 1) + direction``, the same ``u``), the block's trust ratios come from its own norms (the tensors
+are whole), and pass 2 applies ``w ← w − s·u`` from the scratch; the gradients are only read (under an
+unscaling factor with the caller's gradients, the kernel's write-back of ``k·g`` goes into a copy in the
+scratch). The pieces of larger tensors keep ``u`` in their gradient chunks from pass 1 to pass 2: with
+``scratch_grads=True`` (the train op) in ``p.grad``; by default, so that ``p.grad`` is left as
+``torch.optim`` leaves it, in a buffer of the gradients' size kept with the base's plan (memory, not state),
+each chunk copied into it just before the fused kernel reads it (in cache: no separate copy pass); flat
+buffers then take the per-tensor chunks, not the row runs. Both modes give bit for bit the same weights and
+moments. Where that buffer is not used (inside ``torch.compile``, or
 the step whose compilation failed) pass 1 leaves the caller's gradients alone by taking every chunk the way
 of the half-precision ones (below): ``u`` from copies of the moments, and pass 2 updates the moments with the
 same kernel on its in-cache copies of the gradients, so the applied direction is still the one whose norm
@@ -78,7 +86,9 @@ inputs per run of consecutive equal-size parameters, not per parameter (past
 
 Main memory sees: read ``w, g, m, v`` and write ``m, v, g`` (pass 1, 28 B/param in fp32), read ``w, g``
 and write ``w`` (pass 2, 12 B/param): 40 B/param, the floor of any two-pass LAMB (+4 in pass 2 for blocks of
-many small tensors, whose gradient chunks are written again). Half-precision parameters keep half moments,
+many small tensors, whose gradient chunks are written again; about +4 for the default mode's buffer); a
+block taking both passes at once reads ``w, g, m, v`` and writes ``m, v, w`` as far as it stays in cache
+(28 B/param at best). Half-precision parameters keep half moments,
 updated in pass 2 by the fused Adam kernel (fp32 arithmetic, rounded once) after pass 1 ran it on copies:
 the applied direction is then the one whose norm set the trust ratio (rebuilding it from rounded half
 moments would not be); their pass 2 runs on fp32 staged copies. Sparse gradients are densified (duplicates
@@ -89,6 +99,7 @@ State: ``exp_avg`` and ``exp_avg_sq`` (torch/timm names).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -212,7 +223,7 @@ class _BlockInfo:
     """Per block of a plan: the scratch chunks, and which chunks adapt (positions, their tensors' positions
     among the adapting tensors, the decayed ones and their weight decay as 0-d tensors)."""
 
-    __slots__ = ("scratch", "sel", "own", "dec", "wd_t", "halves", "dec_all", "moments")
+    __slots__ = ("scratch", "sel", "own", "dec", "wd_t", "halves", "dec_all", "moments", "sel_t")
 
 
 class LAMB(Optimizer):
@@ -303,6 +314,7 @@ class LAMB(Optimizer):
         self._block_cache: dict[int, tuple] = {}
         self._direct_cache: dict[int, tuple] = {}  # id(group) -> (plan, (flags, all)): see _direct_flags
         self._skip: Tensor | None = None
+        self._fused_blocks: set[int] = set()  # blocks of this step whose pass 2 ran in pass 1 (_fused_block)
         self._halves_unscaled = True  # whether pass 1 unscaled the half-precision gradients in place
         super().__init__(
             params, learning_rate, weight_decay=float(weight_decay), beta1=float(beta1), beta2=float(beta2),
@@ -430,6 +442,7 @@ class LAMB(Optimizer):
             info.wd_t = [torch.tensor(st.wd, dtype=mt.acc_dtype(blk.params[j].dtype)) for j in info.dec]
             info.halves = [j for j, c in enumerate(blk.params) if c.dtype in _HALF]
             info.dec_all = [j for j, o in enumerate(blk.owners) if st.decayed[o]]
+            info.sel_t = torch.tensor(info.sel, dtype=torch.long, device=st.index.device)
             infos[id(blk)] = info
         self._block_cache[id(group)] = (plan, st, infos)
         return infos
@@ -459,6 +472,7 @@ class LAMB(Optimizer):
         tensors) means the moments are left for pass 2 (see :meth:`_pass1`), ``direct`` that the gradient
         chunks hold ``u`` (module doc)."""
         n = len(params)
+        self._fused_blocks = set()
         dev = mt.local(params[0]).device
         if plan.flat_active:  # one flat buffer: one dtype (no scan over the parameters)
             dtype = torch.float64 if mt.local(params[0]).dtype == torch.float64 else torch.float32
@@ -492,14 +506,32 @@ class LAMB(Optimizer):
                 return aux
         infos = None if tracing else self._block_infos(group, plan, st)
         acc: tuple[list, list, list] = ([], [], [])  # ‖w‖ and ‖u‖ of adapting chunks, their tensors
-        for blk, own, ws, gs, ms, vs in self._chunks(plan, params, grads):
-            info = None if infos is None else infos[id(blk)]
-            self._pass1(blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc)
+        # grads: the base's buffer kept with the plan (Optimizer._shadow_grads), filled here block by block
+        src = getattr(self, "_shadow_src", None)
+        callers = (itertools.repeat(None) if src is None
+                   else (c[3] for c in self._chunks(plan, params, src[0])))
         bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=dev, dtype=dtype))
         lr = lr.to(device=dev, dtype=dtype)
-        trust = self._trust(group, st, *acc, params, dev, dtype) if st.n_adapt else None
-        s = _step_sizes(st, trust, lr, n)
         e = eps * bc2_sqrt
+        # blocks of whole float32/float64 tensors on the CPU take both passes at once (module doc)
+        fuse = (infos is not None and self._cpu_direct and not protected and not plan.any_dtensor
+                and self._direct_flags(group, plan, params)[1])
+        for (blk, own, ws, gs, ms, vs), cgs in zip(self._chunks(plan, params, grads), callers):
+            info = None if infos is None else infos[id(blk)]
+            if fuse and blk.split is None:
+                mine = cgs is None
+                self._fused_block(group, blk, info, ws, gs if mine else cgs, not mine, ms, vs, st, hyper, lr,
+                                  e, dev, dtype)
+                if cgs is not None and src[1] is not None:  # the caller's chunk: g/S, while in cache
+                    mt.scale_(cgs, src[1])
+                continue
+            if cgs is not None:  # the caller's chunk into the buffer, and its 1/S, while in cache
+                torch._foreach_copy_(gs, cgs)
+                if src[1] is not None:
+                    mt.scale_(cgs, src[1])
+            self._pass1(blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc)
+        trust = self._trust(group, st, *acc, params, dev, dtype) if st.n_adapt and acc[0] else None
+        s = _step_sizes(st, trust, lr, n)
         # (a compiled pass 2 reads c and s·wd: the jit_compile rule, _lamb_pointwise)
         compiled = self.jit_compile and self._compile_state != "failed"
         direct = None
@@ -514,6 +546,52 @@ class LAMB(Optimizer):
         flags = direct[0] if direct is not None else [False] * n
         return [(ci, wi, e, si, protected or p.dtype in _HALF, d)
                 for ci, wi, si, p, d in zip(c, swd, s.unbind(), params, flags)]
+
+    def _fused_block(self, group, blk, info, ws, gs, callers, ms, vs, st, hyper, lr, e, dev, dtype) -> None:
+        """Both passes on one block of whole float32/float64 CPU tensors while it is in cache: pass 1
+        (:meth:`_pass1`, the direct form) writes ``u`` into the block's in-cache scratch and takes the norms,
+        the block's trust ratios and ``s = lr·r`` (1 on a skipped step) are formed from them as :meth:`_trust`
+        and :func:`_step_sizes` form them, and pass 2 (:meth:`_update`) applies ``w ← w − s·u`` from the
+        scratch. The gradients are only read (the caller's, ``callers``, under an unscaling factor ``k``: a
+        copy in the scratch takes it, since the fused kernel writes ``k·g`` back). :meth:`_update` then skips
+        the block."""
+        d = info.scratch
+        into = hyper[4] is None or not callers
+        if not into:
+            torch._foreach_copy_(d, gs)
+        acc: tuple[list, list, list] = ([], [], [])
+        self._pass1(blk, info, blk.owners, ws, gs if into else d, ms, vs, st, hyper, False, acc, into)
+        n = len(ws)
+        if acc[0]:
+            if len({(x.device, x.dtype) for x in acc[0]}) == 1:
+                wv = torch.stack(acc[0]).to(device=dev, dtype=dtype)
+                uv = torch.stack(acc[1]).to(device=dev, dtype=dtype)
+            else:
+                wv = torch.stack([x.to(device=dev, dtype=dtype) for x in acc[0]])
+                uv = torch.stack([x.to(device=dev, dtype=dtype) for x in acc[1]])
+            r = self._trust_ratio(group, (wv * wv).sqrt(), (uv * uv).sqrt())
+            if acc[2] == info.own:  # (the chunks in block order; the kernel gate may have split the block)
+                pos = info.sel_t
+            else:
+                at = dict(zip(info.own, info.sel))
+                pos = torch.tensor([at[a] for a in acc[2]], dtype=torch.long, device=dev)
+            if len(acc[0]) == n and pos is info.sel_t:
+                s = lr * r
+            else:
+                s = torch.ones(n, dtype=dtype, device=dev).index_copy_(0, pos, r) * lr
+        else:
+            s = lr.expand(n)
+        skip = hyper[5]
+        if skip is not None:
+            s = torch.where(skip.to(dev) > 0, torch.ones_like(s), s)
+        aux = [(None, None, e, si, False, True) for si in s.unbind()]
+        slots = {"exp_avg": ms, "exp_avg_sq": vs}
+        self._block = blk
+        try:
+            self._update(group, ws, d, slots, lr, hyper[4], skip, aux)
+        finally:
+            self._block = None
+        self._fused_blocks.add(id(blk))
 
     def _prepare_compiled(self, group, params, grads, plan, st, hyper, lr, dev, dtype) -> list | None:
         """Pass 1 for ``jit_compile``: the sums of squares of the adapting tensors by the compiled
@@ -649,7 +727,7 @@ class LAMB(Optimizer):
         torch._fused_sgd_([w], [g], [], weight_decay=0.0, momentum=0.0, lr=1.0, dampening=0.0, nesterov=False,
                           maximize=False, is_first_step=False, grad_scale=None, found_inf=found_inf)
 
-    def _pass1(self, blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc) -> None:
+    def _pass1(self, blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc, into=False) -> None:
         """Pass 1 on one chunk list. float32/float64 chunks: the fused Adam kernel updates ``m, v`` in place
         and writes the direction into scratch. Half-precision chunks keep their moments for pass 2 (the
         kernel on copies): the kernel forms the direction from the unrounded fp32 moments, and pass 2 must
@@ -701,12 +779,13 @@ class LAMB(Optimizer):
             copies = info.moments if protected and info is not None else None  # (protected: pos is whole)
             self._block = blk  # the gate's per-block fast path (layouts and dtype known)
             try:
-                self._pass1_fused(d, *sub, st, hyper, fresh, p_sel, p_own, p_dec, acc, p_dec_all, copies)
+                self._pass1_fused(d, *sub, st, hyper, fresh, p_sel, p_own, p_dec, acc, p_dec_all, copies,
+                                  into)
             finally:
                 self._block = None
 
     def _pass1_fused(self, scratch, ws, gs, ms, vs, st, hyper, fresh, sel, own_pos, dec, acc,
-                     dec_all=(), copies=None) -> None:
+                     dec_all=(), copies=None, into=False) -> None:
         """:meth:`_pass1` through the fused-kernel gate (``dec``: chunk position -> weight decay tensor of
         the adapting decayed chunks; ``dec_all``: the positions of every decayed chunk). float32/float64 on
         the CPU (``direct``): the direction ``u`` goes into the gradient chunk itself (module doc)."""
@@ -714,7 +793,7 @@ class LAMB(Optimizer):
         n = len(ws)
         lists = (scratch, gs, ms, vs, ws) + (() if copies is None else copies)  # (copies: for m and v)
         direct_ok = not fresh and self._cpu_direct
-        written = (0,) if fresh else ((0, 1, 2, 3) if direct_ok else (0, 2, 3))
+        written = (0,) if fresh else ((0, 1, 2, 3) if direct_ok and not into else (0, 2, 3))
         sel_set = set(sel)
         for device, dtype, mode, ix, (d, g, m, v, w, *mv) in self._kernel_parts("adam", lists, written):
             if mode == "fallback":
@@ -727,8 +806,12 @@ class LAMB(Optimizer):
             if direct_ok and device.type == "cpu":
                 # g ← m̂/(√v̂ + ε): AdamW with lr = wd = −1 on the gradient as its own "parameter" computes
                 # g·(1 − 1) + direction (the kernel loads both operands before it stores; bit-identical to
-                # the direction written into a zeroed buffer), then u = g + wd·w for every decayed chunk
-                torch._fused_adamw_(g, g, m, v, [], [t_] * len(g), lr=-1.0, beta1=beta1, beta2=beta2,
+                # the direction written into a zeroed buffer), then u = g + wd·w for every decayed chunk;
+                # ``into``: u goes into the zeroed scratch chunks instead (the gradient is only read)
+                if into:
+                    torch._foreach_zero_(d)
+                u = d if into else g
+                torch._fused_adamw_(u, g, m, v, [], [t_] * len(g), lr=-1.0, beta1=beta1, beta2=beta2,
                                     weight_decay=-1.0, eps=eps, amsgrad=False, maximize=False,
                                     grad_scale=scale, found_inf=fi)
                 if dec_all:  # (times 0 on a skipped step: the gradient is then left as it was)
@@ -737,12 +820,12 @@ class LAMB(Optimizer):
                         wd_a = mt.scalar(st.wd, mt.acc_dtype(dtype), device)
                         if fi is not None:
                             wd_a = wd_a * (1.0 - fi)
-                        torch._foreach_addcmul_([g[q] for q in q_all], [w[q] for q in q_all],
+                        torch._foreach_addcmul_([u[q] for q in q_all], [w[q] for q in q_all],
                                                 [wd_a] * len(q_all))
                 q_sel = sel if src is None else [q for q, i in enumerate(ix) if i in sel_set]
                 if q_sel:
                     a = mt.acc_dtype(dtype)
-                    acc[1].extend(mt._foreach_norm([g[q] for q in q_sel], 2.0, a))
+                    acc[1].extend(mt._foreach_norm([u[q] for q in q_sel], 2.0, a))
                     acc[0].extend(mt._foreach_norm([w[q] for q in q_sel], 2.0, a))
                     own_of = dict(zip(sel, own_pos))
                     acc[2].extend(own_of[q if src is None else src[q]] for q in q_sel)
@@ -866,6 +949,8 @@ class LAMB(Optimizer):
             self._pointwise_fallback(group, params, grads, [m_l, v_l], lr, k, found_inf, aux)
             return
         blk = self._block
+        if blk is not None and id(blk) in self._fused_blocks:
+            return  # both passes ran in pass 1 (_fused_block)
         hit = self._block_cache.get(id(group))
         info = None if (blk is None or hit is None) else hit[2].get(id(blk))
         if info is not None and len(info.scratch) == len(params):

@@ -466,6 +466,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         self._zeroed_groups: set[int] = set()
         self._step_inv: Tensor | None = None  # 1/S for the caller's gradients of the group being stepped
         self._grads_protected = False  # (_prepare: the gradients it gets are the caller's; see _guards)
+        self._shadow_src: tuple | None = None  # (a _shadow_grads rule's _prepare copies these)
         #: plans whose parameter storages a wrapper's probe (_flat_part) just checked, by group id: the step
         #: right after (which takes the probe's gathered lists) does not check them again
         self._fit_seen: dict[int, Plan] = {}
@@ -1315,8 +1316,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
     #: the default of :meth:`_update_writes_grads`
     _writes_grads = True
     #: whether the rule keeps values in its gradients from :meth:`_prepare` to :meth:`_update` (LAMB's
-    #: direction): with the caller's gradients (:meth:`_guards`) the eager pass then runs on a whole copy kept
-    #: with the plan instead of in-cache chunk copies
+    #: direction): with the caller's gradients (:meth:`_guards`) the eager pass then runs on a buffer kept
+    #: with the plan (:meth:`_grad_shadow`) instead of in-cache chunk copies. Its :meth:`_prepare` gets that
+    #: buffer as ``grads`` and must first fill it from :attr:`_shadow_src`, ``(caller's local gradients, 1/S
+    #: or None)``: copy each chunk, then scale the caller's chunk by 1/S, while it is in cache (no separate
+    #: copy pass over memory)
     _shadow_grads = False
 
     def _folds_mult(self, group: dict) -> bool:
@@ -1449,12 +1453,11 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             mult = None
         if guard and self._shadow_grads and not tracing and not (
                 self.jit_compile and self._compile_state != "failed"):
-            # a rule that keeps values in its gradients from one pass to the next (LAMB's u) runs on a copy
-            # kept with the plan (one copy pass); the caller's get 1/S now
+            # a rule that keeps values in its gradients from one pass to the next (LAMB's u) runs on a buffer
+            # kept with the plan; its _prepare copies the caller's gradients into it chunk by chunk and gives
+            # those their 1/S while each chunk is in cache (_shadow_src)
             shadow = self._grad_shadow(plan, grads)
-            torch._foreach_copy_(shadow, [mt.local(g) for g in grads] if plan.any_dtensor else grads)
-            if inv is not None:
-                mt.scale_(grads, inv)
+            self._shadow_src = ([mt.local(g) for g in grads] if plan.any_dtensor else grads, inv)
             grads, guard, inv, flat_ok = shadow, False, None, False
         flat = getattr(plan, "flat", None) if flat_ok else None
         plan.flat_active = flat is not None and mult is None and not tracing
@@ -1463,6 +1466,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             aux = self._prepare(group, plan, params, grads, lr, k)
         finally:
             self._grads_protected = False
+            self._shadow_src = None
         if row_mult is not None and not (aux is None or isinstance(aux, RunAux)):
             if guard:  # per-tensor values and multipliers: the per-tensor blocks (in-cache copies)
                 mult, row_mult = list(row_mult.unbind()), None
