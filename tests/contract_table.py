@@ -196,6 +196,9 @@ ROWS: list[Row] = [
         _named(ps), learning_rate=lr, momentum=0.9, nesterov=True, weight_decay=0.1)),
         "keras_sgd", {"momentum": 0.9, "nesterov": True}, {"weight_decay": 0.1}, decay_mask=_bias_mask,
         uses_names=True),
+    Row("SGD-scratch-nesterov-clipnorm", lambda ps, lr: optkit.SGD(
+        _plain(ps), learning_rate=lr, momentum=0.9, nesterov=True, clipnorm=0.7, scratch_grads=True),
+        "keras_sgd", {"momentum": 0.9, "nesterov": True}, {"clipnorm": 0.7}),
     Row("SGD-wd-exclude-list", lambda ps, lr: _excluding_bias_tensors(optkit.SGD(
         _plain(ps), learning_rate=lr, momentum=0.9, weight_decay=0.1), ps),
         "keras_sgd", {"momentum": 0.9}, {"weight_decay": 0.1}, decay_mask=_bias_mask),
@@ -296,6 +299,16 @@ ROWS: list[Row] = [
         "lamb", {"weight_decay": 0.05, "min_coeff": 0.6, "max_coeff": 2.0},
         {"global_clipnorm": 4.0, "use_ema": True, "ema_momentum": 0.9},
         per_tensor=_lamb_skip_bias, uses_names=True),
+    # scratch_grads=True (what optimize_loss sets): the update may use .grad as scratch; every other
+    # guarantee (dtypes, layouts, flat buffers, skips, checkpoints, hooks) holds as in the default mode
+    Row("LAMB-scratch-clamp", lambda ps, lr: optkit.LAMB(
+        _plain(ps), lr, weight_decay=0.01, min_coeff=0.6, max_coeff=2.0, scratch_grads=True),
+        "lamb", {"weight_decay": 0.01, "min_coeff": 0.6, "max_coeff": 2.0}),
+    Row("LARS-scratch-nesterov-wd", lambda ps, lr: optkit.LARS(
+        _named(ps), lr, eeta=0.01, skip_list=["bias"], nesterov=True, weight_decay=0.05, scratch_grads=True),
+        "lars", {"eeta": 0.01, "use_nesterov": True, "weight_decay": 0.05}, per_tensor=_lars_skip_bias,
+        sparse="rows", sparse_rule="momentum", sparse_hp={"momentum": 0.9, "use_nesterov": True},
+        uses_names=True),
     Row("LAMBC-exclude1d-nobc", lambda ps, lr: optkit.LAMB(
         _plain(ps), lr, beta1=0.8, weight_decay=0.02, exclude_1d=True, lambc=True, bias_correction=False,
         always_adapt=True, use_ema=True, ema_momentum=0.9, ema_warmup=True),
