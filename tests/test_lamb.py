@@ -259,6 +259,56 @@ def test_exclude_from_adaptation_group_key_and_group_weight_decay():
         np.testing.assert_allclose(t.detach().numpy(), r[0], rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("block_numel", [1 << 20, 16])
+def test_flat_buffers_default_mode_keep_row_runs_and_leave_grad(dtype, block_numel, monkeypatch):
+    """By default (``scratch_grads=False``) LAMB over flat buffers still steps the row runs, on a flat copy
+    of the flat gradient filled chunk by chunk: ``.grad`` is left bitwise as it was (``g/S`` under a loss
+    scale ``S``), the weights and moments are bit for bit those of ``scratch_grads=True`` (the same kernels
+    on the same values) and the float64 reference's."""
+    shapes = [(6,), (6,), (6,), (2, 3), (3, 2, 2), (3, 4), (4,), (4,), (1,)]
+    names = [f"l{i}.weight" if len(s) > 1 else f"l{i}.bias" for i, s in enumerate(shapes)]
+    names[1] = "l1.scale"
+    ws, grads = _problem(21, shapes=shapes, w_scale=2.0)
+    kw = {"weight_decay": 0.01, "skip_list": ["scale"]}
+    per = [{"_skipped": True} if "scale" in n else {} for n in names]
+    ref = _ref_run(ws, grads, 0.05, {"weight_decay": 0.01}, per_tensor=per)
+    row_steps = []
+    original = optkit.LAMB._prepare_rows
+    monkeypatch.setattr(optkit.LAMB, "_prepare_rows",
+                        lambda self, *a: (row_steps.append(self.scratch_grads), original(self, *a))[1])
+    tol = 1e-11 if dtype == F64 else 2e-5
+    for scale in (None, 64.0):
+        runs = []
+        for scratch in (False, True):
+            row_steps.clear()
+            ts = [torch.tensor(w, dtype=dtype, requires_grad=True) for w in ws]
+            for t in ts:
+                t.grad = torch.zeros_like(t)
+            optkit.flat_parameters(ts)
+            opt = optkit.LAMB(list(zip(names, ts)), 0.05, block_numel=block_numel, scratch_grads=scratch,
+                              **kw)
+            for gs in grads:
+                for t, g in zip(ts, gs):
+                    t.grad.copy_(torch.tensor(g if scale is None else np.asarray(g) * scale))
+                before = [t.grad.clone() for t in ts]
+                if scale is not None:
+                    opt.grad_scale = torch.tensor(scale)
+                opt.step()
+                opt.__dict__.pop("grad_scale", None)
+                if not scratch:
+                    want = before if scale is None else [(b.double() / scale).to(dtype) for b in before]
+                    assert all(torch.equal(t.grad, b) for t, b in zip(ts, want))
+            plan = list(opt._plans.values())[0]
+            assert plan.flat_active and plan.flat.rows_pay and row_steps == [scratch] * len(grads)
+            assert len(plan.flat.row_blocks) > (1 if block_numel == 16 else 0)
+            for t, r in zip(ts, ref):
+                np.testing.assert_allclose(t.detach().double().numpy(), r, rtol=tol, atol=tol)
+            runs.append((ts, [opt.state[t][s].clone() for t in ts for s in ("exp_avg", "exp_avg_sq")]))
+        (wa, sa), (wb, sb) = runs
+        assert all(torch.equal(a, b) for a, b in zip(wa + sa, wb + sb))
+
+
 def test_zero_norms_give_ratio_one():
     """A zero weight or a zero update takes ``r = 1`` (no division by zero)."""
     ws = [np.zeros((3, 2)), np.ones(4)]

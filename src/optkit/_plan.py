@@ -310,6 +310,13 @@ class FlatPart:
             offset += count * n
         return out
 
+    def row_chunks(self, flat: Tensor) -> list[Tensor]:
+        """The row chunks (``row_grads``' layout: the same shapes at the same offsets) of another contiguous
+        flat run of the gradient's size."""
+        base = self.grad.storage_offset()
+        return [flat[g.storage_offset() - base:g.storage_offset() - base + g.numel()].view(g.shape)
+                for g in self.row_grads]
+
     def scale_rows_(self, flat: Tensor, factors: Tensor) -> None:
         """Multiply each parameter's segment of ``flat`` by its entry of ``factors`` (one vector over the
         segments): one broadcast multiply per run."""

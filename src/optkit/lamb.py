@@ -59,8 +59,9 @@ unscaling factor with the caller's gradients, the kernel's write-back of ``k·g`
 scratch). The pieces of larger tensors keep ``u`` in their gradient chunks from pass 1 to pass 2: with
 ``scratch_grads=True`` (the train op) in ``p.grad``; by default, so that ``p.grad`` is left as
 ``torch.optim`` leaves it, in a buffer of the gradients' size kept with the base's plan (memory, not state),
-each chunk copied into it just before the fused kernel reads it (in cache: no separate copy pass); flat
-buffers then take the per-tensor chunks, not the row runs. Both modes give bit for bit the same weights and
+each chunk copied into it just before the fused kernel reads it (in cache: no separate copy pass); over flat
+buffers' row runs that buffer is one flat copy of the flat gradient, filled row chunk by row chunk the same
+way (:meth:`optkit.optimizer.Optimizer._shadow_rows`). Both modes give bit for bit the same weights and
 moments. Where that buffer is not used (inside ``torch.compile``, or
 the step whose compilation failed) pass 1 leaves the caller's gradients alone by taking every chunk the way
 of the half-precision ones (below): ``u`` from copies of the moments, and pass 2 updates the moments with the
@@ -492,7 +493,7 @@ class LAMB(Optimizer):
         # is bit for bit the one whose norm set the ratio)
         protected = self._grads_protected
         self._halves_unscaled = not protected
-        if plan.flat_active and plan.flat.rows_pay and self._rows_ok(plan.flat):
+        if plan.flat_active and self._shadow_rows(plan.flat):
             if jit and len(plan.flat.runs) <= COMPILE_WARN_TENSORS:  # (more runs: minutes of compiling)
                 aux = self._prepare_rows_compiled(group, plan.flat, st, hyper, lr, dev, dtype)
                 if aux is not None:
@@ -650,18 +651,33 @@ class LAMB(Optimizer):
         return (w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
                 and _fused.native_dtype_ok("adam", w.device, w.dtype))
 
+    def _shadow_rows(self, flat: Any) -> bool:
+        """Whether the eager passes run over ``flat``'s row runs: when they pay and :meth:`_rows_ok`."""
+        return flat.rows_pay and self._rows_ok(flat)
+
     def _prepare_rows(self, group, flat, st, hyper, lr, dev, dtype) -> RunAux:
         """Pass 1 over a flat buffer's row runs (:class:`optkit._plan.FlatPart`: consecutive parameters of one
         size form a ``(count, size)`` matrix): the fused Adam kernel runs once per row chunk, ``‖w‖`` and
         ``‖u‖`` are row norms, and the factors are ``(rows, 1)`` columns, so a step costs O(#chunks) kernel
-        calls instead of O(#parameters). Same rule and factors as :meth:`_prepare`."""
+        calls instead of O(#parameters). Same rule and factors as :meth:`_prepare`. With the caller's
+        gradients (``_shadow_src``) the rows hold ``u`` in the base's flat shadow (:meth:`_grad_shadow_rows`):
+        each caller's chunk is copied into it, and scaled by 1/S, just before the kernel reads it."""
         beta1, beta2, eps, t, k, skip = hyper
         wd_col = st.wd_vec.unsqueeze(1) if st.any_decayed else None
         w_parts, u_parts = [], []
         if wd_col is not None and skip is not None:  # times 0 on a skipped step: g is left as it was
             wd_col = wd_col * (1.0 - skip.to(device=dev, dtype=wd_col.dtype))
-        for blk, g, (lo, hi) in zip(flat.row_blocks, flat.row_grads, flat.chunk_segments):
+        # with the caller's gradients (Optimizer._shadow_rows) the rows run on the base's flat shadow: each
+        # caller's chunk is copied into it, then gets its 1/S, while in cache
+        src = getattr(self, "_shadow_src", None)
+        grads = flat.row_grads if src is None else self._grad_shadow_rows(flat)
+        for j, (blk, g, (lo, hi)) in enumerate(zip(flat.row_blocks, grads, flat.chunk_segments)):
             w, m, v = blk.params[0], blk.slots["exp_avg"][0], blk.slots["exp_avg_sq"][0]
+            if src is not None:
+                cg = src[0][j]
+                g.copy_(cg)
+                if src[1] is not None:
+                    mt.scale_([cg], src[1])
             scale = _fused.unscale_arg(k, [g], w.device, w.dtype)
             # g ← m̂/(√v̂ + ε) in place (as the per-tensor pass: AdamW with lr = wd = −1 on the gradient)
             torch._fused_adamw_([g], [g], [m], [v], [], [t.to(w.device)], lr=-1.0, beta1=beta1, beta2=beta2,

@@ -1451,14 +1451,22 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
                 guard, inv, flat_ok = False, None, False
             mt.scale_([grads[j] for j, _ in sel], [m for _, m in sel])
             mult = None
+        shadow_rows = None  # the flat shadow's row chunks (a _shadow_grads rule over the row runs)
         if guard and self._shadow_grads and not tracing and not (
                 self.jit_compile and self._compile_state != "failed"):
             # a rule that keeps values in its gradients from one pass to the next (LAMB's u) runs on a buffer
             # kept with the plan; its _prepare copies the caller's gradients into it chunk by chunk and gives
             # those their 1/S while each chunk is in cache (_shadow_src)
-            shadow = self._grad_shadow(plan, grads)
-            self._shadow_src = ([mt.local(g) for g in grads] if plan.any_dtensor else grads, inv)
-            grads, guard, inv, flat_ok = shadow, False, None, False
+            if flat_ok and plan.flat is not None and mult is None and self._shadow_rows(plan.flat):
+                # over a current flat part's row runs: one flat buffer of the flat gradient's size, its row
+                # chunks filled the same way by the row pass (the flat path stays, .grad is not written)
+                shadow_rows = self._grad_shadow_rows(plan.flat)
+                self._shadow_src = (plan.flat.row_grads, inv)
+                guard, inv = False, None
+            else:
+                shadow = self._grad_shadow(plan, grads)
+                self._shadow_src = ([mt.local(g) for g in grads] if plan.any_dtensor else grads, inv)
+                grads, guard, inv, flat_ok = shadow, False, None, False
         flat = getattr(plan, "flat", None) if flat_ok else None
         plan.flat_active = flat is not None and mult is None and not tracing
         self._grads_protected = guard  # (_prepare: the gradients are the caller's, leave them)
@@ -1485,7 +1493,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
             return
         # every gradient is a view of the flat gradient, cleared after this step: the pass zeroes it (each
         # chunk in cache, or in the compiled loop that reads it)
-        zero = self._zero_grads_in_pass and flat_ok and plan.flat is not None
+        zero = self._zero_grads_in_pass and flat_ok and plan.flat is not None and shadow_rows is None
         if isinstance(aux, RunAux) and aux.per_run:  # jit_compile over a flat part's row runs
             self._run_compiled_rows(group, idx, flat, lr, k, found_inf, applied, aux, zero=zero)
             if zero:
@@ -1521,7 +1529,7 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
         cols = None
         if isinstance(aux, RunAux) or row_mult is not None:
             # per-tensor values over the flat part's row chunks (LARS's factors, LARC's multipliers)
-            blocks, glocal = flat.row_blocks, flat.row_grads
+            blocks, glocal = flat.row_blocks, flat.row_grads if shadow_rows is None else shadow_rows
             aux = aux.items if isinstance(aux, RunAux) else None
             if row_mult is not None:
                 cols = [row_mult[lo:hi].unsqueeze(1) for lo, hi in flat.chunk_segments]
@@ -1576,6 +1584,24 @@ class Optimizer(AmpProtocol, TFSurface, torch.optim.Optimizer):
 
         if self.use_ema:
             self._ema_rest(group, idx, applied)
+
+    def _shadow_rows(self, flat: FlatPart) -> bool:
+        """Whether this :attr:`_shadow_grads` rule runs over ``flat``'s row runs (its :meth:`_prepare` then
+        returns a :class:`~optkit._plan.RunAux` for them): the base gives it one flat shadow of the flat
+        gradient instead of per-tensor copies (:meth:`_grad_shadow_rows`), and :attr:`_shadow_src` holds the
+        caller's row chunks (``flat.row_grads``) and the 1/S for them. Its row pass must copy each caller's
+        chunk into the shadow's chunk, then scale the caller's chunk by 1/S, while it is in cache."""
+        return False
+
+    @staticmethod
+    def _grad_shadow_rows(flat: FlatPart) -> list[Tensor]:
+        """The row chunks (laid out as ``flat.row_grads``) of one buffer of the flat gradient's size, kept
+        with the flat part, for :meth:`_shadow_rows` (memory, not state)."""
+        hit = flat.__dict__.get("_grad_shadow_rows")
+        if hit is None:
+            hit = flat.row_chunks(torch.empty_like(flat.grad, memory_format=torch.contiguous_format))
+            flat.__dict__["_grad_shadow_rows"] = hit
+        return hit
 
     @staticmethod
     def _grad_shadow(plan: Plan, grads: list[Tensor]) -> list[Tensor]:
