@@ -230,6 +230,23 @@ def test_create_optimizer_passes_final_norm():
     assert names["norm.weight"] == 0.5 and names["head.weight"] == 1.0 and names["reg_token"] == 0.5**3
 
 
+def test_optimize_loss_passes_final_norm():
+    """``optimize_loss(layer_decay=..., final_norm=...)`` builds the groups ``param_groups`` builds (timm's
+    final-norm assignment here), and ``final_norm`` alone is refused, naming it."""
+    model = TimmViTNames(2)
+
+    def loss():
+        return sum((p * p).sum() for p in model.parameters())
+
+    op = optkit.optimize_loss(loss, "SGD", {}, 0.1, model=model, layer_decay=0.5, final_norm="last_block")
+    got = {n: g["lr_scale"] for g in op.optimizer.param_groups for n in g["param_names"]}
+    want = {n: g["lr_scale"] for g in optkit.param_groups(model, layer_decay=0.5, final_norm="last_block")
+            for n, _ in g["params"]}
+    assert got == want and got["norm.weight"] == 0.5 and got["head.weight"] == 1.0
+    with pytest.raises(ValueError, match="final_norm"):
+        optkit.optimize_loss(loss, "SGD", {}, 0.1, model=model, final_norm="last_block")
+
+
 def test_unmatched_rule_warns_and_describe_prints_a_table():
     with pytest.warns(UserWarning, match="matches no parameter"):
         groups = optkit.param_groups(_model(), [("decoder", {"lr_scale": 2.0})])

@@ -261,6 +261,7 @@ def optimize_loss(
     num_layers: int | None = None,
     no_decay_1d: bool = True,
     layer_regex: str | None = None,
+    final_norm: str | None = None,
 ) -> TrainOp:
     """Build the train op for ``loss`` (OpenSeq2Seq ``optimize_loss``; see the module docstring for the
     per-update order and the differences from the original).
@@ -303,12 +304,12 @@ def optimize_loss(
             a true value makes the call accumulate only and a false value updates with the micro-batches
             accumulated so far (``train_op(..., skip_update=...)`` overrides it per call).
         model: the model (its parameters and names; DDP detection).
-        rules, layer_decay, num_layers, no_decay_1d, layer_regex: param groups by name
+        rules, layer_decay, num_layers, no_decay_1d, layer_regex, final_norm: param groups by name
             (:func:`optkit.param_groups`: per-group ``lr_scale``, ``weight_decay``,
-            ``exclude_from_adaptation``, ``clip``; BEiT layer-wise decay), built as
-            :func:`optkit.create_optimizer` does. Grouping happens when ``rules`` (``[]`` for no rules) or
-            ``layer_decay`` is given; then ``no_decay_1d`` (default True) takes weight decay
-            off biases and normalisation scales.
+            ``exclude_from_adaptation``, ``clip``; BEiT layer-wise decay, or timm's with
+            ``final_norm="last_block"``), built as :func:`optkit.create_optimizer` does. Grouping happens
+            when ``rules`` (``[]`` for no rules) or ``layer_decay`` is given; then ``no_decay_1d`` (default
+            True) takes weight decay off biases and normalisation scales.
 
     Raises ``ValueError``/``TypeError`` naming the argument; nothing is built when an argument is bad.
     """
@@ -352,9 +353,10 @@ def optimize_loss(
 
         groups = param_groups(named, rules, no_decay_1d=no_decay_1d, layer_decay=layer_decay,
                               num_layers=num_layers,
-                              layer_regex=DEFAULT_LAYER_REGEX if layer_regex is None else layer_regex)
-    elif num_layers is not None or layer_regex is not None:
-        raise ValueError("`num_layers` and `layer_regex` only apply with `layer_decay`")
+                              layer_regex=DEFAULT_LAYER_REGEX if layer_regex is None else layer_regex,
+                              final_norm="head" if final_norm is None else final_norm)
+    elif num_layers is not None or layer_regex is not None or final_norm is not None:
+        raise ValueError("`num_layers`, `layer_regex` and `final_norm` only apply with `layer_decay`")
     if on_horovod:
         import torch.distributed as dist
 
