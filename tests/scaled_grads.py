@@ -31,3 +31,18 @@ def assert_skip_changes_nothing(opt, params, grad_scale=None) -> None:
     del opt.found_inf
     after = tensors()
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def step_checking_grads(opt, params, scale=None, scratch=False) -> None:
+    """``opt.step()`` with ``grad_scale = scale`` handed to it as ``torch.amp.GradScaler`` does (the
+    gradients set by hand carry ``scale``), then, unless the optimizer was built with ``scratch_grads=True``,
+    assert that each ``.grad`` is what ``torch.optim`` leaves: bitwise the gradient before the step, or
+    ``g/scale`` (rounded once from float64)."""
+    before = [p.grad.clone() for p in params]
+    if scale is not None:
+        opt.grad_scale = torch.tensor(scale)
+    opt.step()
+    opt.__dict__.pop("grad_scale", None)
+    if not scratch:
+        want = before if scale is None else [(b.double() / scale).to(b.dtype) for b in before]
+        assert all(torch.equal(p.grad, b) for p, b in zip(params, want))

@@ -24,7 +24,7 @@ import torch
 
 import optkit
 from reference_rules import Reference
-from scaled_grads import assert_skip_changes_nothing
+from scaled_grads import assert_skip_changes_nothing, step_checking_grads
 from timm_optim import load_timm_optim
 
 F64 = torch.float64
@@ -291,14 +291,7 @@ def test_flat_buffers_default_mode_keep_row_runs_and_leave_grad(dtype, block_num
             for gs in grads:
                 for t, g in zip(ts, gs):
                     t.grad.copy_(torch.tensor(g if scale is None else np.asarray(g) * scale))
-                before = [t.grad.clone() for t in ts]
-                if scale is not None:
-                    opt.grad_scale = torch.tensor(scale)
-                opt.step()
-                opt.__dict__.pop("grad_scale", None)
-                if not scratch:
-                    want = before if scale is None else [(b.double() / scale).to(dtype) for b in before]
-                    assert all(torch.equal(t.grad, b) for t, b in zip(ts, want))
+                step_checking_grads(opt, ts, scale, scratch)
             plan = list(opt._plans.values())[0]
             assert plan.flat_active and plan.flat.rows_pay and row_steps == [scratch] * len(grads)
             assert len(plan.flat.row_blocks) > (1 if block_numel == 16 else 0)
@@ -753,14 +746,7 @@ def test_step_leaves_grad_and_matches_the_reference(dtype, block_numel, copy, mo
             for gs in grads:
                 for t, g in zip(ts, gs):
                     t.grad = torch.tensor(g if scale is None else np.asarray(g) * scale, dtype=dtype)
-                before = [t.grad.clone() for t in ts]
-                if scale is not None:
-                    opt.grad_scale = torch.tensor(scale)
-                opt.step()
-                opt.__dict__.pop("grad_scale", None)
-                if not scratch:
-                    want = before if scale is None else [(b.double() / scale).to(dtype) for b in before]
-                    assert all(torch.equal(t.grad, b) for t, b in zip(ts, want))
+                step_checking_grads(opt, ts, scale, scratch)
             runs.append(ts)
             for t, r in zip(ts, ref):
                 np.testing.assert_allclose(t.detach().double().numpy(), r, rtol=tol, atol=tol)

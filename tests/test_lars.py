@@ -14,6 +14,7 @@ import torch
 
 import optkit
 from optkit import LARS
+from scaled_grads import step_checking_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 
@@ -593,13 +594,6 @@ def test_step_leaves_grad_and_matches_the_scratch_mode(variant, nesterov, dtype)
             for step in gs:
                 for p, g in zip(ps, step):
                     p.grad = g.clone() if scale is None else (g.double() * scale).to(dtype)
-                before = [p.grad.clone() for p in ps]
-                if scale is not None:
-                    opt.grad_scale = torch.tensor(scale)
-                opt.step()
-                opt.__dict__.pop("grad_scale", None)
-                if not scratch:
-                    want = before if scale is None else [(b.double() / scale).to(dtype) for b in before]
-                    assert all(torch.equal(p.grad, b) for p, b in zip(ps, want))
+                step_checking_grads(opt, ps, scale, scratch)
             out.append(ps)
         assert all(torch.equal(a, b) for a, b in zip(*out))
