@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import optkit.optimizer
+import optkit._core.compiled
 from optkit import _compile
 
 #: the variants the tests cross: eager, compiled (counted), compiling fails, more tensors than allowed
@@ -31,7 +31,7 @@ def set_variant(monkeypatch, fn: Callable, variant: str, calls: list[int]) -> No
 
     calls.clear()
     monkeypatch.setitem(_compile._COMPILED_OTHER, fn, fail if variant == "jit-fails" else counted)
-    monkeypatch.setattr(optkit.optimizer, "COMPILE_WARN_TENSORS", 0 if variant == "jit-capped" else 1000)
+    monkeypatch.setattr(optkit._core.compiled, "COMPILE_WARN_TENSORS", 0 if variant == "jit-capped" else 1000)
 
 
 def run_uncompiled(monkeypatch) -> None:

@@ -588,7 +588,7 @@ def test_jit_compile_failure_in_either_pass_falls_back_to_the_eager_result(broke
     pointwise rule then forms the moments from k·g) warns once and gives the eager result, with a skipped
     step (GradScaler-style ``found_inf``) and a loss-scale factor on the way; over flat buffers too (the
     compiled row sums, then the rule over the run matrices run eagerly)."""
-    import optkit.optimizer as base
+    import optkit._core.compiled as base
     from optkit import _compile
 
     def fail(*args, **kwargs):

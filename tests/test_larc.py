@@ -491,7 +491,7 @@ def test_large_tensors_fold_the_ratios_into_the_sgd_kernel(rng, dtype):
     its fused kernel (``grad_scale = −1/(lr·k·r)``, one call per tensor; float64 folds them into the gradient
     in float64) instead of the blocked multiply; with a loss scale to divide out and a skipped attempt, the
     result is the float64 reference."""
-    from optkit.optimizer import FOLD_MIN_NUMEL
+    from optkit._core.passes import FOLD_MIN_NUMEL
 
     shapes = [(512, 300), (FOLD_MIN_NUMEL + 7,), (3,)]
     ws = [rng.normal(size=s) for s in shapes]

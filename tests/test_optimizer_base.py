@@ -589,7 +589,7 @@ def test_closure_return_value():
 def test_pointwise_rules_used_by_jit_compile_match_eager(kind, monkeypatch):
     """``jit_compile`` hands ``optkit._compile.chain`` (decay → each optimizer's pointwise rule → EMA) to
     ``torch.compile``; running it uncompiled must reproduce the eager update, skipped steps included."""
-    import optkit.optimizer as base
+    import optkit._core.compiled as base
     from optkit._compile import chain
 
     monkeypatch.setattr(base, "compiled_chain", lambda: chain)
@@ -616,7 +616,7 @@ def test_pointwise_rules_used_by_jit_compile_match_eager(kind, monkeypatch):
 def test_jit_compile_warns_before_tracing_a_group_of_thousands_of_tensors(monkeypatch):
     """Compiling traces one graph input per tensor: over ``COMPILE_WARN_TENSORS`` tensors in a group the
     first compiled step warns once (naming the count and the flat-buffer alternative) and still runs."""
-    import optkit.optimizer as base
+    import optkit._core.compiled as base
     from optkit._compile import chain
 
     monkeypatch.setattr(base, "compiled_chain", lambda: chain)

@@ -456,7 +456,7 @@ def test_jit_compile_matches_eager_without_recompiling():
 
 
 def test_jit_compile_falls_back_with_warning(monkeypatch):
-    import optkit.optimizer as base
+    import optkit._core.compiled as base
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated compiler failure")

@@ -59,12 +59,22 @@ def _first_paragraph(doc: str | None) -> str:
     return (doc or "").strip().split("\n\n")[0].strip()
 
 
+def _engine_part(base: type) -> bool:
+    """Whether ``base`` is one of the engine's parts (:mod:`optkit._core`): its public members are documented
+    with the class that composes them, and it is not listed as a base."""
+    return base.__module__.startswith("optkit._core.")
+
+
 def _members(cls: type) -> list[str]:
-    """Markdown bullets for the public methods and properties ``cls`` defines itself."""
+    """Markdown bullets for the public methods and properties ``cls`` defines itself or takes from the
+    engine's parts."""
     lines = []
-    for name, member in cls.__dict__.items():
-        if name.startswith("_"):
+    own = [cls.__dict__] + [b.__dict__ for b in cls.__bases__ if _engine_part(b)]
+    seen: set[str] = set()
+    for name, member in (item for d in own for item in d.items()):
+        if name.startswith("_") or name in seen:
             continue
+        seen.add(name)
         if isinstance(member, property):
             lines.append(f"- `{name}` (property): {_first_paragraph(member.__doc__)}".rstrip(": "))
         elif isinstance(member, (staticmethod, classmethod)) or inspect.isfunction(member):
@@ -88,7 +98,7 @@ def _entry(name: str, obj: Any, package: types.ModuleType) -> list[str]:
         canonical = getattr(package, obj.__name__, None) is obj and obj.__name__ != name
         if canonical:
             return out + [f"Alias of [`{obj.__name__}`](#{obj.__name__.lower()}).", ""]
-        bases = ", ".join(b.__qualname__ for b in obj.__bases__ if b is not object)
+        bases = ", ".join(b.__qualname__ for b in obj.__bases__ if b is not object and not _engine_part(b))
         out += [
             "```python",
             f"class {name}{_signature(obj)}" + (f"  # bases: {bases}" if bases else ""),

@@ -110,8 +110,9 @@ from typing_extensions import Unpack
 
 from . import _fused
 from . import _multi_tensor as mt
+from ._core.compiled import COMPILE_WARN_TENSORS
 from ._plan import RunAux
-from .optimizer import COMPILE_WARN_TENSORS, LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
+from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["LAMB"]
 

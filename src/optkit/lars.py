@@ -41,10 +41,10 @@ from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
 from ._compile import norm_sums
+from ._core.compiled import COMPILE_WARN_TENSORS
 from ._plan import RunAux
 from .momentum import sparse_momentum_rows_
 from .optimizer import (
-    COMPILE_WARN_TENSORS,
     LearningRate,
     Optimizer,
     OptimizerOptions,
