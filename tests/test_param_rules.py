@@ -334,6 +334,96 @@ def test_schedulelr_honours_lr_scale(torch_opt, mode):
         np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-13, atol=1e-14)
 
 
+@pytest.mark.parametrize("wrapper", ["LossScaleOptimizer", "LARC"])
+@pytest.mark.parametrize("inner", ["optkit", "torch"])
+def test_schedulelr_through_wrappers(wrapper, inner):
+    """A wrapper applies ``lr_scale`` when the optimizer it wraps does (``applies_lr_scale`` forwards to it):
+    around an optkit optimizer ``ScheduleLR`` writes ``schedule(t)`` into every group, around a torch one
+    ``schedule(t)·lr_scale``; through the loss-scale wrapper the weights follow the float64 reference, with
+    the scale applied once."""
+    rng = np.random.default_rng(4)
+    ws = [rng.standard_normal((3, 2)), rng.standard_normal(4)]
+    grads = [[rng.standard_normal((3, 2)), rng.standard_normal(4)] for _ in range(3)]
+    ts = [torch.tensor(w, requires_grad=True) for w in ws]
+    groups = optkit.param_groups([("blocks.0.w", ts[0]), ("head.w", ts[1])], layer_decay=0.5,
+                                 no_decay_1d=False)
+    assert [g["lr_scale"] for g in groups] == [0.5, 1.0]
+    if inner == "optkit":
+        opt = optkit.SGD(groups, learning_rate=0.2)
+    else:
+        opt = torch.optim.SGD([{**g, "params": [p for _, p in g["params"]]} for g in groups], lr=0.2)
+    if wrapper == "LossScaleOptimizer":
+        opt = optkit.LossScaleOptimizer(opt, 4.0)
+    else:
+        opt = optkit.LARC(opt, 0.02)
+    assert optkit.schedules.applies_lr_scale(opt) is (inner == "optkit")
+    sched = optkit.PolicySchedule("exp_decay", learning_rate=0.2, decay_steps=1, decay_rate=0.5,
+                                   use_staircase_decay=False)
+    scheduler = optkit.ScheduleLR(opt, sched)
+    for k, gs in enumerate(grads):
+        expected = [0.2 * 0.5**k * (scale if inner == "torch" else 1.0) for scale in (0.5, 1.0)]
+        np.testing.assert_allclose([g["lr"] for g in opt.param_groups], expected, rtol=1e-15)
+        for t, g in zip(ts, gs):
+            t.grad = torch.tensor(g) * (4.0 if wrapper == "LossScaleOptimizer" else 1.0)
+        if wrapper == "LossScaleOptimizer":
+            opt.grads_scaled = True
+        opt.step()
+        scheduler.step()
+    if wrapper == "LossScaleOptimizer":
+        ref = _sgd_reference(ws, grads, lambda k: 0.2 * 0.5**k, [0.5, 1.0])
+        for t, r in zip(ts, ref):
+            np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-13, atol=1e-14)
+
+
+def test_applies_lr_scale_is_declared():
+    """``applies_lr_scale`` reads the declared attribute, on optimizers and on classes: optkit optimizers
+    declare it, torch's do not, a wrapper forwards its inner optimizer's answer (its class, whose attribute
+    is a property, answers False), and any torch optimizer that declares it is left to scale by itself, by
+    ``ScheduleLR`` and ``create_optimizer``."""
+    from optkit.schedules import applies_lr_scale
+
+    assert applies_lr_scale(optkit.SGD) and applies_lr_scale(optkit.LAMB)
+    assert not applies_lr_scale(torch.optim.SGD)
+    for cls in (optkit.LossScaleOptimizer, optkit.LARC, optkit.MixedPrecisionOptimizerWrapper,
+                optkit.VariableClippingOptimizer):
+        assert not applies_lr_scale(cls), cls
+    p = torch.zeros(2, dtype=F64, requires_grad=True)
+    assert applies_lr_scale(optkit.LARC(optkit.LossScaleOptimizer(optkit.SGD([p], 0.1), 2.0), 0.02))
+    assert not applies_lr_scale(optkit.LARC(torch.optim.SGD([p], lr=0.1), 0.02))
+
+    class ScalingSGD(torch.optim.SGD):  # a torch optimizer that multiplies lr_scale in itself
+        applies_lr_scale = True
+
+        def step(self, closure=None):
+            saved = [g["lr"] for g in self.param_groups]
+            for g in self.param_groups:
+                g["lr"] = g["lr"] * g.get("lr_scale", 1.0)
+            try:
+                return super().step(closure)
+            finally:
+                for g, lr in zip(self.param_groups, saved):
+                    g["lr"] = lr
+
+    rng = np.random.default_rng(5)
+    ws = [rng.standard_normal((3, 2)), rng.standard_normal(4)]
+    grads = [[rng.standard_normal((3, 2)), rng.standard_normal(4)] for _ in range(3)]
+    ts = [torch.tensor(w, requires_grad=True) for w in ws]
+    opt = optkit.create_optimizer([("blocks.0.w", ts[0]), ("head.w", ts[1])], ScalingSGD, lr=0.2,
+                                  layer_decay=0.5, no_decay_1d=False)
+    assert [g["lr"] for g in opt.param_groups] == [0.2, 0.2]  # left unscaled: the optimizer scales
+    sched = optkit.PolicySchedule("exp_decay", learning_rate=0.2, decay_steps=1, decay_rate=0.5,
+                                   use_staircase_decay=False)
+    scheduler = optkit.ScheduleLR(opt, sched)
+    for gs in grads:
+        for t, g in zip(ts, gs):
+            t.grad = torch.tensor(g)
+        opt.step()
+        scheduler.step()
+    ref = _sgd_reference(ws, grads, lambda k: 0.2 * 0.5**k, [0.5, 1.0])
+    for t, r in zip(ts, ref):
+        np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-13, atol=1e-14)
+
+
 def test_lr_scale_survives_a_checkpoint():
     m = _model()
     opt = optkit.create_optimizer(m, "Adam", lr=0.01, layer_decay=0.7)

@@ -50,6 +50,7 @@ from ._tf_surface import autograd_pairs as _autograd_pairs
 from ._tf_surface import check_pairs as _check_pairs
 from ._tf_surface import gradients_installed
 from .optimizer import Optimizer, record_field
+from .schedules import applies_lr_scale
 
 __all__ = ["OptimizerWrapper", "protocol_level", "step_inner"]
 
@@ -281,6 +282,13 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict) -> None:
         self.optimizer.defaults = value
+
+    @property
+    def applies_lr_scale(self) -> bool:
+        """Whether the inner optimizer multiplies each param group's ``lr_scale`` into its learning rate
+        itself (:func:`optkit.schedules.applies_lr_scale`: an optkit optimizer does, a ``torch.optim`` one
+        does not)."""
+        return applies_lr_scale(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's ``zero_grad``."""

@@ -130,6 +130,9 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
     """
 
     slot_names: tuple[str, ...] = ()
+    #: multiplies each param group's ``lr_scale`` into its learning rate itself (so ``ScheduleLR`` and
+    #: ``create_optimizer`` leave the group's ``lr`` unscaled; read by ``optkit.schedules.applies_lr_scale``)
+    applies_lr_scale = True
     #: whether the group key ``weight_decay`` means Keras decoupled decay (LARS uses it for its own rule)
     _decoupled_weight_decay = True
     #: whether _update is purely elementwise given per-tensor aux values (may run on chunk views)

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _multi_tensor as mt
+from .schedules import applies_lr_scale
 
 __all__ = ["param_groups", "ParamGroups", "create_optimizer", "build_optimizer", "install_group_clipping",
            "layer_id", "RULE_KEYS", "DEFAULT_LAYER_REGEX", "DEFAULT_EMBED_REGEX", "DEFAULT_FINAL_NORM_REGEX",
@@ -379,12 +380,6 @@ def install_group_clipping(opt: torch.optim.Optimizer) -> bool:
     return True
 
 
-def _applies_lr_scale(cls: Any) -> bool:
-    from .optimizer import Optimizer
-
-    return isinstance(cls, type) and issubclass(cls, Optimizer)
-
-
 def _accepts_learning_rate(cls: Any) -> bool:
     import inspect
 
@@ -395,14 +390,15 @@ def _accepts_learning_rate(cls: Any) -> bool:
 
 
 def build_optimizer(cls: Any, groups: Sequence[dict], lr: Any, **kwargs: Any) -> torch.optim.Optimizer:
-    """``cls`` over ``groups`` (from :func:`param_groups`) with learning rate ``lr``: optkit optimizers get
-    the groups as they are (they apply ``lr_scale``); torch optimizers get tensors and ``lr = lr × lr_scale``
-    per group. ``exclude_from_adaptation`` becomes LARS's match-all ``skip_list`` and is dropped for
-    optimizers without layer adaptation; ``clip`` installs :func:`install_group_clipping`."""
+    """``cls`` over ``groups`` (from :func:`param_groups`) with learning rate ``lr``: optimizers that apply
+    ``lr_scale`` themselves (:func:`~optkit.schedules.applies_lr_scale`: optkit's) get the groups as they are;
+    torch optimizers get tensors and ``lr = lr × lr_scale`` per group. ``exclude_from_adaptation`` becomes
+    LARS's match-all ``skip_list`` and is dropped for optimizers without layer adaptation; ``clip`` installs
+    :func:`install_group_clipping`."""
     from .lamb import LAMB
     from .lars import LARS
 
-    optkit_cls = _applies_lr_scale(cls)
+    scales_itself = applies_lr_scale(cls)
     out = []
     for g in groups:
         g = dict(g)
@@ -411,7 +407,7 @@ def build_optimizer(cls: Any, groups: Sequence[dict], lr: Any, **kwargs: Any) ->
                 g["exclude_from_adaptation"] = True
             elif isinstance(cls, type) and issubclass(cls, LARS):
                 g["skip_list"] = [""]  # every name contains ""
-        if not optkit_cls:
+        if not scales_itself:
             g["params"] = [p[1] if isinstance(p, tuple) else p for p in g["params"]]
             scale = g.get("lr_scale", 1.0)
             if scale != 1.0:
@@ -422,7 +418,7 @@ def build_optimizer(cls: Any, groups: Sequence[dict], lr: Any, **kwargs: Any) ->
                     name = getattr(cls, "__name__", cls)
                     raise TypeError(f"{name}: lr_scale needs a number `lr` for a torch optimizer")
         out.append(g)
-    key = "learning_rate" if optkit_cls or _accepts_learning_rate(cls) else "lr"
+    key = "learning_rate" if _accepts_learning_rate(cls) else "lr"
     opt = cls(out, **{key: lr}, **kwargs)
     install_group_clipping(opt)
     return opt

@@ -9,8 +9,10 @@
 * :func:`build_schedule`: one entry point for a name, a config dict, a policy function or a schedule.
 * :class:`ScheduleLR`: a ``torch.optim.lr_scheduler.LRScheduler`` that sets each param group's ``lr`` from a
   schedule, as a closed form of the step (so resuming never drifts; see pytorch/pytorch#162591). A group's
-  ``lr_scale`` (layer-wise decay, :func:`optkit.param_groups`) multiplies its learning rate: optkit
-  optimizers apply it themselves, for other optimizers ``ScheduleLR`` does.
+  ``lr_scale`` (layer-wise decay, :func:`optkit.param_groups`) multiplies its learning rate: optimizers that
+  declare ``applies_lr_scale = True`` (optkit's) apply it themselves, for other optimizers ``ScheduleLR``
+  does (:func:`applies_lr_scale`). It knows optimizers only by the ``torch.optim`` interface and that
+  declaration, so this module imports none of optkit's optimizers or wrappers.
 
 Step counting: the step is the number of *applied* updates, as in OpenSeq2Seq (whose ``global_step``
 advances only when an update is applied).
@@ -36,7 +38,7 @@ from . import lr_policies as _lr_policies
 from ._validation import ParameterTypeError, check_count, check_lr_value, check_real
 from .lr_policies import LR, LR_POLICIES, Step, get_policy
 
-__all__ = ["LearningRateSchedule", "PolicySchedule", "build_schedule", "ScheduleLR"]
+__all__ = ["LearningRateSchedule", "PolicySchedule", "build_schedule", "ScheduleLR", "applies_lr_scale"]
 
 
 class LearningRateSchedule(ABC):
@@ -226,14 +228,14 @@ def build_schedule(
     )
 
 
-def _applies_lr_scale(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` (through any optkit wrappers) multiplies a group's ``lr_scale`` in itself."""
-    from ._wrapper import OptimizerWrapper
-    from .optimizer import Optimizer as OptkitOptimizer
-
-    while isinstance(optimizer, OptimizerWrapper):
-        optimizer = optimizer.optimizer
-    return isinstance(optimizer, OptkitOptimizer)
+def applies_lr_scale(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (an optimizer, or an optimizer class) multiplies each param group's ``lr_scale``
+    into its learning rate itself: its declared ``applies_lr_scale`` attribute, ``True`` for optkit
+    optimizers (:attr:`optkit.Optimizer.applies_lr_scale`) and for optkit wrappers around one, absent (so
+    ``False``) for ``torch.optim`` optimizers, which leave ``lr_scale`` to whoever sets their ``lr``
+    (:class:`ScheduleLR`, :func:`optkit.create_optimizer`). On a wrapper *class* the attribute is a property
+    (the answer depends on the optimizer it wraps), which counts as ``False``: only ``True`` itself does."""
+    return getattr(optimizer, "applies_lr_scale", False) is True
 
 
 class ScheduleLR(LRScheduler):
@@ -241,13 +243,17 @@ class ScheduleLR(LRScheduler):
 
     After construction and after every ``step()``, with ``t = last_step``:
 
-    * ``mode="absolute"`` (default): every param group gets ``lr = schedule(t)`` (times the group's
-      ``lr_scale`` for optimizers that do not apply it themselves: everything but optkit optimizers and
-      wrappers around them);
+    * ``mode="absolute"`` (default): every param group gets ``lr = schedule(t)``, times the group's
+      ``lr_scale`` for optimizers that do not apply it themselves;
     * ``mode="multiplier"``: group ``g`` gets ``lr = initial_lr_g·schedule(t)`` (``LambdaLR``'s form; build
       the schedule with ``learning_rate=1.0`` to use a policy as a per-group multiplier), times the group's
-      ``lr_scale`` for torch optimizers unless their ``lr`` already holds it (groups that
-      :func:`~optkit.create_optimizer` built, marked ``lr_scale_in_lr``), as timm's schedulers do.
+      ``lr_scale`` for optimizers that do not apply it themselves unless their ``lr`` already holds it
+      (groups that :func:`~optkit.create_optimizer` built, marked ``lr_scale_in_lr``), as timm's schedulers
+      do.
+
+    An optimizer applies ``lr_scale`` itself when it declares ``applies_lr_scale = True``
+    (:func:`~optkit.schedules.applies_lr_scale`): optkit optimizers do, and optkit wrappers around one;
+    ``torch.optim`` optimizers do not.
 
     Groups that share one tensor ``lr`` (torch puts the default tensor ``lr`` itself into every group without
     its own) each get their own copy before the first write, so each group keeps its value.
@@ -286,7 +292,7 @@ class ScheduleLR(LRScheduler):
                 "state_dict); build it with last_step=-1 and load the scheduler's state_dict instead")
         self.schedule = schedule
         self.mode = mode
-        self._scales_itself = _applies_lr_scale(optimizer)
+        self._scales_itself = applies_lr_scale(optimizer)
         super().__init__(optimizer, last_epoch=int(last_step))
 
     @property
@@ -299,7 +305,7 @@ class ScheduleLR(LRScheduler):
         at = self.last_epoch if step is None else step
         lr = check_lr_value("ScheduleLR: the schedule", self.schedule(at), at)
         if self.mode == "absolute":
-            if self._scales_itself:  # optkit optimizers multiply the group's lr_scale in themselves
+            if self._scales_itself:  # the optimizer multiplies the group's lr_scale in itself
                 return [lr for _ in self.optimizer.param_groups]
             return [lr if g.get("lr_scale", 1.0) == 1.0 else lr * g["lr_scale"]
                     for g in self.optimizer.param_groups]
