@@ -23,14 +23,13 @@ from torch import Tensor
 from typing_extensions import Self
 
 from . import _multi_tensor as mt
+from .schedules import LearningRateSchedule
 
 __all__ = ["TFSurface", "autograd_pairs", "check_pairs", "gradients_installed", "is_schedule"]
 
 
 def is_schedule(lr: object) -> bool:
     """Whether ``lr`` is an :class:`optkit.schedules.LearningRateSchedule`."""
-    from .schedules import LearningRateSchedule
-
     return isinstance(lr, LearningRateSchedule)
 
 
@@ -241,7 +240,5 @@ class TFSurface:
         cfg = dict(config)
         lr = cfg.get("learning_rate")
         if isinstance(lr, dict) and "config" in lr:
-            from .schedules import LearningRateSchedule
-
             cfg["learning_rate"] = LearningRateSchedule._from_named_config(lr, custom_objects)
         return cls(params, **cfg)
