@@ -16,6 +16,7 @@ Upstream sources of the golden values:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import numpy as np
@@ -733,7 +734,8 @@ def test_step_leaves_grad_and_matches_the_reference(dtype, block_numel, copy, mo
     the applied direction is the one whose norm set the trust ratio: the eager passes run on a copy of the
     gradients (``copy``), or, as inside ``torch.compile``, pass 2 forms it again with the same kernel from
     in-cache copies of the gradients."""
-    monkeypatch.setattr(optkit.LAMB, "_shadow_grads", copy)
+    traits = dataclasses.replace(optkit.LAMB.traits, keeps_values_in_grads=copy)
+    monkeypatch.setattr(optkit.LAMB, "traits", traits)
     ws, grads = _problem(12, shapes=((5, 4), (4,), (3, 2, 2), (7,), (2, 3), (6,)), w_scale=2.0)
     kw = {"weight_decay": 0.01, "global_grad_norm_clip": 2.0}
     ref = _ref_run(ws, grads, 0.05, {"weight_decay": 0.01}, base={"global_clipnorm": 2.0})

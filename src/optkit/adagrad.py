@@ -23,6 +23,7 @@ import torch
 from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
+from ._core.traits import Traits
 from ._fused import split_by_mask, unscale_arg
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
@@ -59,12 +60,10 @@ class Adagrad(Optimizer):
     """
 
     slot_names = ("sum",)
-    _writes_grads = False  # (the gradients keep g, or get k·g from the kernel; staged copies written back)
+    traits = Traits(writes_grads=False, decoupled_weight_decay=False, sparse=True)
     #: torch.optim.Adagrad's name for epsilon (its checkpoints load)
     _torch_group_keys = {"eps": ("epsilon",)}
     _loads_torch_checkpoints = True
-    _decoupled_weight_decay = False
-    _sparse_rule = True
 
     def __init__(self, params: ParamsT, learning_rate: LearningRate = 0.001, *,
                  initial_accumulator_value: float = 0.1, epsilon: float = 0.0, lr_decay: float = 0.0,

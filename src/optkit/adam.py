@@ -31,6 +31,7 @@ import torch
 from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
+from ._core.traits import Traits
 from ._fused import split_by_mask, unscale_arg
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
@@ -79,7 +80,7 @@ class Adam(Optimizer):
     ``params`` and the learning rate are the only positional arguments: ``Adam(params, 3e-4)``.
     """
 
-    _decoupled_weight_decay = False
+    traits = Traits(decoupled_weight_decay=False, writes_grads=False)
     _kernel_name = "adam"
 
     def __init__(self, params: ParamsT, learning_rate: LearningRate = 0.001, *, beta1: float = 0.9,
@@ -100,7 +101,6 @@ class Adam(Optimizer):
 
     #: every slot an Adam group may keep; a group keeps ``max_exp_avg_sq`` when its ``amsgrad`` is on
     slot_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-    _writes_grads = False  # (the gradients keep g, or get k·g from the kernel; staged copies written back)
     #: torch.optim.Adam's group keys (its checkpoints load) and the setting optkit's rule computes with
     _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
     _loads_torch_checkpoints = True

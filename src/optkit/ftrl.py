@@ -26,6 +26,7 @@ import torch
 from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
+from ._core.traits import Traits
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["Ftrl"]
@@ -72,9 +73,7 @@ class Ftrl(Optimizer):
     """
 
     slot_names = ("accum", "linear")
-    _always_block = True
-    _writes_grads = False  # (the gradients keep g, or get k·g; staged copies written back)
-    _sparse_rule = True
+    traits = Traits(blocks="always", writes_grads=False, sparse=True)
 
     def __init__(
         self,

@@ -111,6 +111,7 @@ from typing_extensions import Unpack
 from . import _fused
 from . import _multi_tensor as mt
 from ._core.compiled import COMPILE_WARN_TENSORS
+from ._core.traits import Traits
 from ._plan import RunAux
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
@@ -258,14 +259,11 @@ class LAMB(Optimizer):
     slot_names = ("exp_avg", "exp_avg_sq")
     #: torch's (and timm's) names of these hyperparameters: refused in a param group, which would ignore them
     _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
-    _decoupled_weight_decay = False  # weight_decay enters u (module doc)
-    _always_block = True
-    _prepare_reads_grads = True
+    traits = Traits(decoupled_weight_decay=False, blocks="always", prepare_reads_grads=True,
+                    keeps_values_in_grads=True)
     #: the direction kept in the gradient chunks on CPU (module doc); False runs the scratch-and-rebuild
     #: chain of other devices on the CPU too (for tests)
     _cpu_direct = True
-    #: pass 1 leaves u in the gradients for pass 2: with the caller's gradients the eager passes run on a copy
-    _shadow_grads = True
 
     def __init__(
         self,
@@ -508,7 +506,7 @@ class LAMB(Optimizer):
                 return aux
         infos = None if tracing else self._block_infos(group, plan, st)
         acc: tuple[list, list, list] = ([], [], [])  # ‖w‖ and ‖u‖ of adapting chunks, their tensors
-        # grads: the base's buffer kept with the plan (Optimizer._shadow_grads), filled here block by block
+        # grads: the base's buffer kept with the plan (keeps_values_in_grads), filled here block by block
         src = getattr(self, "_shadow_src", None)
         callers = (itertools.repeat(None) if src is None
                    else (c[3] for c in self._chunks(plan, params, src[0])))

@@ -42,6 +42,7 @@ from typing_extensions import Unpack
 from . import _multi_tensor as mt
 from ._compile import norm_sums
 from ._core.compiled import COMPILE_WARN_TENSORS
+from ._core.traits import Traits
 from ._plan import RunAux
 from .momentum import sparse_momentum_rows_
 from .optimizer import (
@@ -141,9 +142,7 @@ class LARS(Optimizer):
     slot_names = ("momentum",)
     #: torch's name of this option: refused in a param group, which would ignore it
     _torch_group_keys = {"eps": ("epsilon",)}
-    _decoupled_weight_decay = False
-    _always_block = True
-    _sparse_rule = True
+    traits = Traits(decoupled_weight_decay=False, blocks="always", sparse=True, prepare_reads_grads=True)
 
     def __init__(
         self,
@@ -241,7 +240,6 @@ class LARS(Optimizer):
         self._static_cache[id(group)] = (key, value, plan)
         return value
 
-    _prepare_reads_grads = True
 
     def _prepare(self, group, plan, params, grads, lr, k) -> list:
         """Per-tensor factors as 0-d tensors: ``(s·k, s·wd)`` for TF 1.15, ``(s, s·m)`` for TF 1.14, with

@@ -31,6 +31,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
+from ._core.traits import Traits
 from ._fused import split_by_mask, unscale_arg
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_nesterov, check_number
 
@@ -73,10 +74,7 @@ class Momentum(Optimizer):
     #: computes with
     _loads_torch_checkpoints = True
     _torch_required = {"dampening": 0.0}
-    _decoupled_weight_decay = False
-    _sparse_rule = True
-    #: the gradients keep ``g``, or get ``k·g`` (the kernel's grad_scale; staged copies written back)
-    _writes_grads = False
+    traits = Traits(decoupled_weight_decay=False, sparse=True, writes_grads=False)
 
     def __init__(self, params: ParamsT, learning_rate: LearningRate | None = None, *, momentum: float,
                  nesterov: bool = False, use_nesterov: bool | None = None, weight_decay: float = 0.0,

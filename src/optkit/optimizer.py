@@ -11,7 +11,7 @@ docs/compatibility.md:
 3. clip: ``clipvalue`` (elementwise), ``clipnorm`` (each tensor: g·c/max(‖g‖, c)) or ``global_clipnorm``
    (g·c/max(N, c), all NaN for a non-finite N) — mutually exclusive;
 4. decoupled weight decay ``w ← w − w·wd·lr`` on the parameters not excluded (optimizers whose
-   ``weight_decay`` means something else set ``_decoupled_weight_decay = False``);
+   ``weight_decay`` means something else declare ``Traits(decoupled_weight_decay=False)``);
 5. the optimizer's update rule with the current learning rate;
 6. EMA ``avg ← μ·avg + (1−μ)·w`` over all parameters (the first applied step copies ``w``), and the optional
    overwrite ``w ← avg`` every ``ema_overwrite_frequency`` applied steps;
@@ -42,7 +42,7 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
@@ -61,6 +61,7 @@ from ._core.learning_rate import LearningRateMixin
 from ._core.passes import PassesMixin
 from ._core.slots import SlotsMixin
 from ._core.state import _HostRecord, _NewSlots, _Slots, _StateVersion, _TrackedState, record_field  # noqa: F401 (pickles name them here)
+from ._core.traits import Traits
 from ._gc import gc_paused
 from ._params import normalize_param_groups
 from ._plan import (
@@ -133,20 +134,9 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
     #: multiplies each param group's ``lr_scale`` into its learning rate itself (so ``ScheduleLR`` and
     #: ``create_optimizer`` leave the group's ``lr`` unscaled; read by ``optkit.schedules.applies_lr_scale``)
     applies_lr_scale = True
-    #: whether the group key ``weight_decay`` means Keras decoupled decay (LARS uses it for its own rule)
-    _decoupled_weight_decay = True
-    #: whether _update is purely elementwise given per-tensor aux values (may run on chunk views)
-    _blockable = True
-    #: run the blocked pass even for a one-kernel chain (update rules made of several in-cache kernels)
-    _always_block = False
-    #: whether the optimizer has its own rule for sparse gradients (:meth:`_sparse_update`)
-    _sparse_rule = False
-    #: whether :meth:`_prepare` reads the gradients (then per-tensor multipliers are applied before it)
-    _prepare_reads_grads = False
-    #: whether :meth:`_update` can fold per-tensor gradient multipliers into its kernel (they then arrive as
-    #: ``aux``, one 0-d tensor or None per tensor, instead of an in-cache multiply; needs no ``_prepare``);
-    #: used for groups whose tensors are large on average (:data:`FOLD_MIN_NUMEL`, :meth:`_folds_mult`)
-    _mult_in_kernel = False
+    #: how the engine runs this rule (decoupled decay, blocks, sparse form, what it does with its gradients):
+    #: one declaration per class, :class:`optkit._core.traits.Traits`
+    traits: ClassVar[Traits] = Traits()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         # before Python binds the arguments (optkit._arguments): Momentum(params, betas=...) gets its hint,
@@ -253,7 +243,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         self._zeroed_groups: set[int] = set()
         self._step_inv: Tensor | None = None  # 1/S for the caller's gradients of the group being stepped
         self._grads_protected = False  # (_prepare: the gradients it gets are the caller's; see _guards)
-        self._shadow_src: tuple | None = None  # (a _shadow_grads rule's _prepare copies these)
+        self._shadow_src: tuple | None = None  # (a keeps_values_in_grads rule's _prepare copies these)
         #: plans whose parameter storages a wrapper's probe (_flat_part) just checked, by group id: the step
         #: right after (which takes the probe's gathered lists) does not check them again
         self._fit_seen: dict[int, Plan] = {}
@@ -496,26 +486,6 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
             mt.scale_(callers, inv, scale64=inv64)
 
         self._after_update(found_inf, applied)
-
-
-
-
-
-
-
-
-
-
-
-    #: the default of :meth:`_update_writes_grads`
-    _writes_grads = True
-    #: whether the rule keeps values in its gradients from :meth:`_prepare` to :meth:`_update` (LAMB's
-    #: direction): with the caller's gradients (:meth:`_guards`) the eager pass then runs on a buffer kept
-    #: with the plan (:meth:`_grad_shadow`) instead of in-cache chunk copies. Its :meth:`_prepare` gets that
-    #: buffer as ``grads`` and must first fill it from :attr:`_shadow_src`, ``(caller's local gradients, 1/S
-    #: or None)``: copy each chunk, then scale the caller's chunk by 1/S, while it is in cache (no separate
-    #: copy pass over memory)
-    _shadow_grads = False
 
 
 

@@ -28,6 +28,7 @@ import torch
 from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
+from ._core.traits import Traits
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["RMSProp"]
@@ -62,9 +63,7 @@ class RMSProp(Optimizer):
     State per parameter: ``rms`` (starts at 1), ``momentum`` and, centered, ``mg`` (TF's slot names).
     """
 
-    _always_block = True
-    _writes_grads = False  # (the gradients keep g, or get k·g; staged copies written back)
-    _sparse_rule = True
+    traits = Traits(blocks="always", writes_grads=False, sparse=True)
     #: every slot a group may keep; a group keeps ``mg`` when its ``centered`` is on
     slot_names = ("rms", "momentum", "mg")
     #: torch.optim.RMSprop's names of these hyperparameters (its rule differs): refused in a param group

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from typing_extensions import Unpack
 
+from ._core.traits import Traits
 from ._fused import unscale_arg
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_nesterov, check_number
 
@@ -104,8 +105,7 @@ class SGD(Optimizer):
     def _pointwise_hyper(self, group: dict) -> tuple:
         return (float(group["momentum"]), bool(group["nesterov"]))
 
-    #: LARC's trust ratios (per-tensor multipliers) join ``grad_scale``: one kernel call per tensor
-    _mult_in_kernel = True
+    traits = Traits(multipliers_in_kernel=True)
 
     def _update_writes_grads(self, group: dict) -> bool:
         """The dampening form (no Nesterov, the learning rate a host number: see :meth:`_update`) leaves

@@ -22,7 +22,8 @@ from .state import _HostRecord, _Slots
 
 
 class CheckpointMixin:
-    """Saving and loading the optimizer: torch's state-dict format, checked before use, and pickling. A part of :class:`optkit.optimizer.Optimizer`."""
+    """Saving and loading the optimizer: torch's state-dict format, checked before use, and pickling. A
+    part of :class:`optkit.optimizer.Optimizer`."""
 
     def state_dict(self) -> dict:
         """torch's state dict, plus ``"ema_buffers"`` (name -> average) when buffers are averaged; the

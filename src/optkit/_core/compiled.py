@@ -23,7 +23,8 @@ COMPILE_WARN_TENSORS = 1000
 
 
 class CompiledMixin:
-    """The compiled path: the pointwise rule through ``torch.compile`` (``jit_compile=True``). A part of :class:`optkit.optimizer.Optimizer`."""
+    """The compiled path: the pointwise rule through ``torch.compile`` (``jit_compile=True``). A part of
+    :class:`optkit.optimizer.Optimizer`."""
 
     def _run_compiled(self, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
                       mult, aux, avgs=None, zero=False) -> bool:

@@ -18,7 +18,8 @@ from .._state_dict import (
 
 
 class EmaMixin:
-    """The parameters' moving averages (Keras ``use_ema``). A part of :class:`optkit.optimizer.Optimizer`."""
+    """The parameters' moving averages (Keras ``use_ema``). A part of
+    :class:`optkit.optimizer.Optimizer`."""
 
     def _ema_rest(self, group: dict, idx: list[int], applied: Tensor | None) -> None:
         """EMA over the group's parameters that took no part in this step's dense pass (Keras averages every

@@ -21,7 +21,8 @@ _GRAD = operator.attrgetter("grad")
 
 
 class GradientsMixin:
-    """Reading, zeroing and preparing the gradients a step updates with. A part of :class:`optkit.optimizer.Optimizer`."""
+    """Reading, zeroing and preparing the gradients a step updates with. A part of
+    :class:`optkit.optimizer.Optimizer`."""
 
     def whole_grads(self, seen: dict | None = None) -> list[Tensor] | None:
         """The gradients as few tensors, for reductions over all of them (wrappers' non-finite checks):
@@ -151,11 +152,11 @@ class GradientsMixin:
         """Prepare sparse COO gradients before clipping.
 
         Default (the dense fallback): densify, which sums duplicate indices. Optimizers with a sparse rule
-        (``_sparse_rule = True``) get their sparse gradients coalesced instead (duplicates summed, as TF1
+        (``Traits(sparse=True)``) get their sparse gradients coalesced instead (duplicates summed, as TF1
         de-duplicates ``IndexedSlices``); those stay sparse through unscaling and clipping and are updated by
         :meth:`_sparse_update`. Returns the ids of the parameters handled by the sparse rule.
         """
-        if self._sparse_rule:
+        if self.traits.sparse:
             for group, (_, _, grads) in zip(self.param_groups, gathered):
                 if any(g.is_sparse for g in grads):
                     self._check_sparse(group)
@@ -165,7 +166,7 @@ class GradientsMixin:
                 if g.is_sparse:
                     if originals is not None:  # (the caller's sparse gradients, unscaled after the step)
                         originals.append(g)
-                    if self._sparse_rule:
+                    if self.traits.sparse:
                         c = g.coalesce()  # (the caller's tensor itself when coalesced: a copy unless scratch)
                         grads[j] = c if c is not g or self.scratch_grads else c.clone()
                         handled.add(id(params[j]))
@@ -178,7 +179,8 @@ class GradientsMixin:
 
     def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
         """The update rule for coalesced sparse gradients (only called when ``_sparse_rule`` is True)."""
-        raise TypeError(f"{type(self).__name__} sets _sparse_rule but does not implement _sparse_update()")
+        raise TypeError(f"{type(self).__name__} declares Traits(sparse=True) but does not implement "
+                        "_sparse_update()")
 
     def _clips_copy(self) -> bool:
         """Whether this step's pass runs on copies of the caller's gradients: ``clipnorm``/``clipvalue``

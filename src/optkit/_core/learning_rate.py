@@ -34,7 +34,8 @@ def _callable_arity(fn: Callable) -> int:
 
 
 class LearningRateMixin:
-    """The current learning rate of each group, on device. A part of :class:`optkit.optimizer.Optimizer`."""
+    """The current learning rate of each group, on device. A part of
+    :class:`optkit.optimizer.Optimizer`."""
 
     @staticmethod
     def _validate_learning_rate(lr: Any) -> float | Tensor | None:

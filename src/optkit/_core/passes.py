@@ -1,7 +1,8 @@
-"""The eager passes that apply the update: each group's cached plan (:mod:`optkit._plan`), the blocked pass over
-cache-sized chunks (decoupled decay → the rule's ``_update`` → EMA, chunk by chunk, so the chain costs about one
-sweep over memory), the flat buffers and their row runs, in-cache scratch copies that keep the caller's
-``.grad`` untouched, and the fused-kernel gate (:mod:`optkit._fused`) with its pointwise fallback."""
+"""The eager passes that apply the update: each group's cached plan (:mod:`optkit._plan`), the blocked
+pass over cache-sized chunks (decoupled decay → the rule's ``_update`` → EMA, chunk by chunk, so the chain
+costs about one sweep over memory), the flat buffers and their row runs, in-cache scratch copies that keep
+the caller's ``.grad`` untouched, and the fused-kernel gate (:mod:`optkit._fused`) with its pointwise
+fallback."""
 
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ class PassesMixin:
 
     def _blocked(self, group: dict, mult: list | None) -> bool:
         """Whether the group's chain of kernels runs block by block over cache-sized chunks."""
-        wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
+        wd = group.get("weight_decay", 0.0) if self.traits.decoupled_weight_decay else 0.0
         folds = mult is not None and not self._folds_mult(group)
-        return self._blockable and (self._always_block or bool(wd) or self.use_ema or folds
+        return (self.traits.blocks == "always" or bool(wd) or self.use_ema or folds
                                     or self._guards(group, mult))
 
     def _guards(self, group: dict, mult: Any) -> bool:
@@ -72,13 +73,13 @@ class PassesMixin:
         1/S alone). True (the safe default) makes the base hand the update in-cache copies (:meth:`_guards`);
         optimizers whose rule only reads the gradient, or writes ``k·g`` on every kernel path (staged copies
         written back, the pointwise fallback), return False."""
-        return self._writes_grads
+        return self.traits.writes_grads
 
     def _folds_mult(self, group: dict) -> bool:
-        """Whether this group's per-tensor multipliers go into the kernel (``_mult_in_kernel`` and tensors of
-        at least :data:`FOLD_MIN_NUMEL` elements on average; cached until the group's parameter list
-        changes)."""
-        if not self._mult_in_kernel:
+        """Whether this group's per-tensor multipliers go into the kernel (``traits.multipliers_in_kernel``
+        and tensors of at least :data:`FOLD_MIN_NUMEL` elements on average; cached until the group's
+        parameter list changes)."""
+        if not self.traits.multipliers_in_kernel:
             return False
         ps = group["params"]
         hit = self._fold_cache.get(id(group))
@@ -178,21 +179,21 @@ class PassesMixin:
         """Decay → update → EMA of one group with its plan: the flat blocks when the plan has a flat part
         whose gradients are this step's (``flat_ok``) and nothing per tensor differs (multipliers,
         per-tensor ``_prepare`` values, a mixed decay mask), else the per-tensor blocks."""
-        wd = group.get("weight_decay", 0.0) if self._decoupled_weight_decay else 0.0
+        wd = group.get("weight_decay", 0.0) if self.traits.decoupled_weight_decay else 0.0
         # the caller's gradients are copied chunk by chunk (in cache) for the update, and get 1/S there
         guard = self._guards(group, mult)
         inv = getattr(self, "_step_inv", None)
         row_mult = None  # per-parameter multipliers over the flat part's row runs (RowMultipliers)
         if isinstance(mult, Tensor):
             row_mult, mult = mult, None
-            if self._prepare_reads_grads or (wd and plan.any_wd and plan.uniform_wd is None) or (
+            if self.traits.prepare_reads_grads or (wd and plan.any_wd and plan.uniform_wd is None) or (
                     self.jit_compile and self._compile_state != "failed"):
                 if guard:  # (not into the caller's gradients: per tensor, below)
                     mult, row_mult = list(row_mult.unbind()), None
                 else:
                     plan.flat.scale_rows_(plan.flat.grad, row_mult)  # one pass; then the usual flat path
                     row_mult = None
-        if mult is not None and self._prepare_reads_grads:
+        if mult is not None and self.traits.prepare_reads_grads:
             # _prepare reads whole-tensor quantities (norms): it must see the multiplied gradients
             sel = [(j, m) for j, m in enumerate(mult) if m is not None]
             if guard:  # the products go into copies, which the pass then owns; the caller's get 1/S now
@@ -202,8 +203,8 @@ class PassesMixin:
                 guard, inv, flat_ok = False, None, False
             mt.scale_([grads[j] for j, _ in sel], [m for _, m in sel])
             mult = None
-        shadow_rows = None  # the flat shadow's row chunks (a _shadow_grads rule over the row runs)
-        if guard and self._shadow_grads and not tracing and not (
+        shadow_rows = None  # the flat shadow's row chunks (a keeps_values_in_grads rule over the row runs)
+        if guard and self.traits.keeps_values_in_grads and not tracing and not (
                 self.jit_compile and self._compile_state != "failed"):
             # a rule that keeps values in its gradients from one pass to the next (LAMB's u) runs on a buffer
             # kept with the plan; its _prepare copies the caller's gradients into it chunk by chunk and gives
@@ -337,7 +338,8 @@ class PassesMixin:
             self._ema_rest(group, idx, applied)
 
     def _shadow_rows(self, flat: FlatPart) -> bool:
-        """Whether this :attr:`_shadow_grads` rule runs over ``flat``'s row runs (its :meth:`_prepare` then
+        """Whether this ``keeps_values_in_grads`` rule runs over ``flat``'s row runs (its :meth:`_prepare`
+        then
         returns a :class:`~optkit._plan.RunAux` for them): the base gives it one flat shadow of the flat
         gradient instead of per-tensor copies (:meth:`_grad_shadow_rows`), and :attr:`_shadow_src` holds the
         caller's row chunks (``flat.row_grads``) and the 1/S for them. Its row pass must copy each caller's
@@ -356,7 +358,7 @@ class PassesMixin:
 
     @staticmethod
     def _grad_shadow(plan: Plan, grads: list[Tensor]) -> list[Tensor]:
-        """A copy of the group's (local) gradients kept with the plan, for :attr:`_shadow_grads` rules."""
+        """A copy of the group's (local) gradients kept with the plan, for ``keeps_values_in_grads`` rules."""
         shadow = plan.__dict__.get("_grad_shadow")
         if shadow is None or len(shadow) != len(grads):
             shadow = [torch.empty_like(mt.local(g), memory_format=torch.preserve_format) for g in grads]
