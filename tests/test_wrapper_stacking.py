@@ -106,20 +106,26 @@ def test_skip_through_stack_is_bit_identical(rng, kind):
         assert int(opt.iterations) == its
 
 
-def test_protocol_reaches_optkit_inner_and_is_removed():
+def test_protocol_reaches_optkit_inner_as_a_context():
+    """The loss scale, the skip flag and LARC's multipliers reach the innermost optkit optimizer as its
+    ``apply_step`` context (between its own step hooks); nothing is set on any optimizer of the stack."""
     p = torch.tensor([3.0, 4.0], requires_grad=True)
     base = SGD([p], 0.1)
-    seen = {}
+    seen, contexts = {}, []
 
     def hook(o, args, kwargs):
         seen.update({k: getattr(o, k, None) for k in ("grad_scale", "found_inf", "grad_multipliers")})
 
     base.register_step_pre_hook(hook)
+    apply = base.apply_step
+    base.apply_step = lambda context: contexts.append(context) or apply(context)
     opt = LossScaleOptimizer(LARC(base, 0.002), DynamicLossScale(8.0))
     p.grad = torch.tensor([0.3, 0.4]) * 8
     scaled_step(opt)
-    assert float(seen["grad_scale"]) == 8.0 and float(seen["found_inf"]) == 0.0
-    (key, mult), = seen["grad_multipliers"].items()
+    assert seen == dict.fromkeys(("grad_scale", "found_inf", "grad_multipliers"))  # (ran; no attributes)
+    (context,) = contexts
+    assert float(context.grad_scale) == 8.0 and float(context.found_inf) == 0.0
+    (key, mult), = context.multipliers.items()
     assert key == id(p) and float(mult) == pytest.approx(0.19999996, rel=1e-6)
     for k in ("grad_scale", "found_inf", "grad_multipliers"):
         assert k not in base.__dict__ and k not in opt.optimizer.__dict__

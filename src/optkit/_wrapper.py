@@ -6,14 +6,16 @@ A wrapper holds an inner ``torch.optim.Optimizer`` (optkit's, torch's, or anothe
 ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's objects (a scheduler that edits a
 group's ``lr`` edits the inner optimizer's group).
 
-**The step protocol.** optkit optimizers read three attributes in ``step()``: ``grad_scale`` (gradients are
-divided by it), ``found_inf`` (0-d float, 1.0 = skip: nothing changes) and ``grad_multipliers``
-(``{id(param): 0-d tensor}`` multiplying that gradient inside the optimizer's own pass). Wrappers accept the
-same three attributes (so ``GradScaler`` or an outer wrapper can set them), combine them with their own work,
-and hand the result to the inner optimizer (:meth:`OptimizerWrapper._delegate`) according to what it supports:
+**The step protocol.** A step takes a :class:`~optkit._core.context.StepContext`: ``grad_scale`` (gradients
+are divided by it), ``found_inf`` (0-d float, 1.0 = skip: nothing changes) and ``multipliers``
+(``{id(param): 0-d tensor}`` multiplying that gradient inside the optimizer's own pass), plus what the caller
+already read and whether it zeroes the gradients next. ``step()`` builds it from the attributes
+``grad_scale``, ``found_inf`` and ``grad_multipliers`` (so ``GradScaler`` can set them), as optkit optimizers
+do. A wrapper combines it with its own work and hands the result to the inner optimizer
+(:meth:`OptimizerWrapper._delegate`) according to what that supports:
 
-* ``"full"`` (optkit optimizers and wrappers): set the attributes on the inner optimizer, step, delete them —
-  no extra memory pass and no host sync;
+* ``"full"`` (optkit optimizers and wrappers): the inner ``apply_step(context)``, between the inner
+  optimizer's own step hooks — no extra memory pass and no host sync;
 * ``"amp"`` (torch fused optimizers, ``_step_supports_amp_scaling``): multipliers are applied to the
   gradients in place, ``grad_scale``/``found_inf`` are passed on. torch creates state lazily with
   ``empty_like`` even on a skipped step (``_fused_sgd`` in torch 2.13), so on a step where a parameter
@@ -38,12 +40,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
 from typing_extensions import Self
 
 from . import _multi_tensor as mt
 from ._amp import AmpProtocol
 from ._arguments import accepted_keywords, check_call
+from ._core.context import StepContext, StepResult
 from ._gc import gc_paused
 from ._state_dict import validate_torch_state_dict
 from ._tf_surface import autograd_pairs as _autograd_pairs
@@ -54,7 +58,6 @@ from .schedules import applies_lr_scale
 
 __all__ = ["OptimizerWrapper", "protocol_level", "step_inner"]
 
-_PROTOCOL = ("grad_scale", "found_inf", "grad_multipliers")
 
 
 def protocol_level(opt: torch.optim.Optimizer) -> str:
@@ -68,23 +71,67 @@ def protocol_level(opt: torch.optim.Optimizer) -> str:
     return "none"
 
 
-def step_inner(opt: torch.optim.Optimizer) -> Any:
+def step_inner(opt: torch.optim.Optimizer, context: StepContext | None = None, *, global_hooks: bool = False
+               ) -> Any:
     """``opt.step()`` as a wrapper calls it: ``opt``'s own step hooks run, the global ones
     (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``) do not — they already
     ran around the outermost ``step()``, and must fire once per training step, not once per wrapper level.
     A torch LR scheduler's per-instance patch of ``opt.step`` (which only records the call) is honoured
-    without going through the hooked class ``step`` again."""
+    without going through the hooked class ``step`` again.
+
+    With ``context`` (for an ``opt`` that honours the whole protocol, :func:`protocol_level` ``"full"``):
+    ``opt.apply_step(context)`` between those hooks (which get it as the keyword argument ``context``),
+    returning its :class:`~optkit._core.context.StepResult`.
+    A pre-hook may replace gradients, so ``context.gathered`` does not reach an ``opt`` that has one. A step
+    patched per instance by something else is called as it is, with the context's loss scale, skip flag and
+    multipliers set as the attributes ``step()`` reads (the rest of the context is an optimisation, or the
+    overflow report, which such a step then does not give). ``global_hooks``: the global hooks run too
+    (the outermost step of a caller that is not itself a ``step()``: the train op)."""
     fn = type(opt).step
     raw = getattr(fn, "__wrapped__", None)
-    if raw is None or not getattr(fn, "hooked", False):
-        return opt.step()  # not patched by torch
+    hooked = raw is not None and getattr(fn, "hooked", False)
     patched = opt.__dict__.get("step")
     if patched is not None:
-        by_scheduler = getattr(patched, "_wrapped_by_lr_sched", False)
-        if not (by_scheduler and getattr(patched, "__wrapped__", None) is fn):
-            return opt.step()  # some other per-instance patch: call it as it is
+        by_scheduler = hooked and getattr(patched, "_wrapped_by_lr_sched", False) and getattr(
+            patched, "__wrapped__", None) is fn
+        if not by_scheduler:  # some other per-instance patch: call it as it is
+            return opt.step() if context is None else _step_by_attributes(opt, context)
         opt._opt_called = True  # what the scheduler's patch does (it warns on lr_scheduler.step() first)
-    return _run_step_hooks(opt, raw, (opt,), {}, global_hooks=False)
+    if context is None:
+        return _run_step_hooks(opt, raw, (opt,), {}, global_hooks=global_hooks) if hooked else opt.step()
+    if not hooked:
+        return opt.apply_step(context)
+    if context.gathered and (opt._optimizer_step_pre_hooks or (
+            global_hooks and _torch_optimizer._global_optimizer_pre_hooks)):
+        context = context.inward(gathered=None)
+    results: list[StepResult] = []
+
+    def run(_opt: Any, closure: Callable[[], Any] | None = None, context: StepContext = context) -> None:
+        if closure is not None:  # (a pre-hook returned arguments with a closure)
+            with torch.enable_grad():
+                closure()
+        results.append(opt.apply_step(context))
+
+    # the hooks see the context as the keyword ``context`` (a pre-hook may return a changed one)
+    _run_step_hooks(opt, run, (opt,), {"context": context}, global_hooks=global_hooks)
+    return results[0]
+
+
+def _step_by_attributes(opt: torch.optim.Optimizer, context: StepContext) -> StepResult:
+    """``opt.step()`` with the context's loss scale, skip flag and multipliers set as the protocol's
+    attributes for the call (``torch.amp.GradScaler``'s way)."""
+    values = {"grad_scale": context.grad_scale, "found_inf": context.found_inf,
+              "grad_multipliers": context.multipliers}
+    for k, v in values.items():
+        if v is not None:
+            setattr(opt, k, v)
+    try:
+        opt.step()
+    finally:
+        for k, v in values.items():
+            if v is not None and k in opt.__dict__:
+                delattr(opt, k)
+    return StepResult(getattr(opt, "step_applied", None))
 
 
 def _run_step_hooks(
@@ -93,8 +140,6 @@ def _run_step_hooks(
     """``fn(*args, **kwargs)`` between ``opt``'s step pre- and post-hooks (torch's order: global pre, own pre,
     own post, global post; a pre-hook may return new ``(args, kwargs)``), the global ones only with
     ``global_hooks``."""
-    from torch.optim import optimizer as _torch_optimizer
-
     pre = list(opt._optimizer_step_pre_hooks.values())
     post = list(opt._optimizer_step_post_hooks.values())
     if global_hooks:
@@ -128,25 +173,6 @@ def _innermost(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
-@contextlib.contextmanager
-def overflow_probe(opt: torch.optim.Optimizer, enabled: bool) -> Iterator[list[Tensor] | None]:
-    """Around a step driven by a scaler that backs off: the innermost optkit optimizer of ``opt`` may
-    refuse the step when a clip norm of the scaled gradients overflows float32 (the scale is too large:
-    :meth:`optkit.Optimizer._refuse_overflowed_norm`); the flag it then appends to the yielded list is for the
-    caller to count as an overflow. Yields None (nothing installed) when not ``enabled`` or the innermost
-    optimizer is not optkit's."""
-    inner = _innermost(opt)
-    if not enabled or not isinstance(inner, Optimizer):
-        yield None
-        return
-    probe: list[Tensor] = []
-    inner._overflow_probe = probe
-    try:
-        yield probe
-    finally:
-        inner.__dict__.pop("_overflow_probe", None)
-
-
 def refuse_inside_ema_weights(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """``RuntimeError`` when the innermost optkit optimizer of ``opt`` is inside an ``ema_weights()`` block
     (asked at the top of a wrapper's step, before anything changes); returns that innermost optimizer."""
@@ -154,25 +180,6 @@ def refuse_inside_ema_weights(opt: torch.optim.Optimizer) -> torch.optim.Optimiz
     if hasattr(inner, "_refuse_inside_ema_weights"):
         inner._refuse_inside_ema_weights()
     return inner
-
-
-@contextlib.contextmanager
-def handed_over(opt: torch.optim.Optimizer, gathered: dict | None) -> Iterator[None]:
-    """Inside the block, the innermost optkit optimizer of ``opt`` takes ``gathered`` (what its
-    :meth:`~optkit.Optimizer.whole_grads` just read of its groups) as ``_gathered``, so that its next step
-    does not read the gradients again; removed after, also when the step raises. For a caller whose code
-    between ``whole_grads`` and the step replaces no gradient. Nothing is handed over when a wrapper between
-    ``opt`` and the innermost optimizer has a step pre-hook (it runs after the read and may replace a
-    gradient); the innermost step itself ignores it under its own or global pre-hooks."""
-    inner = _innermost(opt) if gathered else None
-    if not isinstance(inner, Optimizer) or _wrapper_hooks(opt):
-        yield
-        return
-    inner._gathered = gathered
-    try:
-        yield
-    finally:
-        inner.__dict__.pop("_gathered", None)
 
 
 class _WrapperRecord:
@@ -376,12 +383,6 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
 
     # --------------------------------------------------------------------------------------- step
 
-    def _take_protocol(self) -> tuple[Tensor | None, Tensor | None, dict | None]:
-        """The protocol attributes an outer caller set on this wrapper (read, not removed: the caller
-        deletes them after ``step()``)."""
-        d = self.__dict__
-        return d.get("grad_scale"), d.get("found_inf"), d.get("grad_multipliers")
-
     def whole_grads(self, seen: dict | None = None) -> list[Tensor] | None:
         """The inner optimizer's :meth:`optkit.Optimizer.whole_grads` (flat gradients), or None."""
         whole = getattr(self.optimizer, "whole_grads", None)
@@ -400,47 +401,44 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run the closure (if any, under ``enable_grad``), then the wrapper's step; returns the closure's
         value (torch semantics). ``step_applied`` tells whether anything changed."""
-        inner = refuse_inside_ema_weights(self)
+        refuse_inside_ema_weights(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if getattr(inner, "_any_dtensor", True):  # before any wrapper reads a gradient
-            mt.reduce_partial_grads_(self._all_params())
-        grad_scale, found_inf, multipliers = self._take_protocol()
-        with gc_paused(sum(len(g["params"]) for g in self.param_groups)):
-            self._wrapped_step(grad_scale, found_inf, multipliers)
+        self.apply_step(StepContext.from_attributes(self))
         return loss
 
-    def _wrapped_step(
-        self, grad_scale: Tensor | None, found_inf: Tensor | None, multipliers: dict | None
-    ) -> None:
-        self._delegate(grad_scale, found_inf, multipliers)
+    @torch.no_grad()
+    def apply_step(self, context: StepContext) -> StepResult:
+        """One step of this wrapper under ``context`` (the step protocol as a value, module doc); returns
+        what the step did. The caller runs the step hooks (``step()`` is this, between them, with the
+        context its attributes set)."""
+        inner = refuse_inside_ema_weights(self)
+        if getattr(inner, "_any_dtensor", True):  # before any wrapper reads a gradient
+            mt.reduce_partial_grads_(self._all_params())
+        with gc_paused(sum(len(g["params"]) for g in self.param_groups)):
+            return self._wrapped_step(context)
 
-    def _delegate(
-        self, grad_scale: Tensor | None, found_inf: Tensor | None, multipliers: dict | None
-    ) -> Tensor:
-        """Step the inner optimizer with the given protocol values (see the module doc for the three
-        levels). Sets and returns ``self.step_applied``."""
+    def _wrapped_step(self, context: StepContext) -> StepResult:
+        """The wrapper's own work around :meth:`_delegate` (subclasses); returns the step's result."""
+        return self._delegate(context)
+
+    def _delegate(self, context: StepContext) -> StepResult:
+        """Step the inner optimizer under ``context`` (the wrapper's own scale, skip flag and multipliers
+        already in it; see the module doc for the three levels). Sets ``self.step_applied`` and returns the
+        step's result."""
+        grad_scale, found_inf, multipliers = context.grad_scale, context.found_inf, context.multipliers
         inner = self.optimizer
         level = protocol_level(inner)
         dev = self._device()
         if level == "full":
-            values = dict(zip(_PROTOCOL, (grad_scale, found_inf, multipliers)))
-            for k, v in values.items():
-                if v is not None:
-                    setattr(inner, k, v)
-            try:
-                step_inner(inner)
-            finally:
-                for k, v in values.items():
-                    if v is not None and k in inner.__dict__:
-                        delattr(inner, k)
-            applied = getattr(inner, "step_applied", None)
+            result = step_inner(inner, context)
+            applied = result.applied
             if applied is None:
                 applied = self._applied_from(found_inf, dev)
             self.step_applied = applied
-            return applied
+            return StepResult(applied, result.zeroed_groups, result.overflow)
 
         params, grads = self._params_with_grads()
         if level == "none" and grad_scale is not None:
@@ -464,7 +462,7 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
                 mt.scale_(copies, [factors[j] for j in sel])
                 swapped = list(zip([params[j] for j in sel], copies))
         with grads_swapped(swapped):
-            return self._step_level(inner, level, params, grad_scale, found_inf, dev)
+            return StepResult(self._step_level(inner, level, params, grad_scale, found_inf, dev))
 
     def _step_level(self, inner: torch.optim.Optimizer, level: str, params: list[Tensor],
                     grad_scale: Tensor | None, found_inf: Tensor | None, dev: torch.device) -> Tensor:
@@ -531,7 +529,7 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         around it, as around ``step()``. Returns ``iterations`` when the inner optimizer counts them, else
         ``step_applied``."""
         pairs = _check_pairs(grads_and_vars, self._all_params())
-        self._with_grads(pairs, lambda: self._wrapped_step(*self._take_protocol()))
+        self._with_grads(pairs, lambda: self._wrapped_step(StepContext.from_attributes(self)))
         return self._result()
 
     def _with_grads(self, pairs: list[tuple[Tensor | None, Tensor]], fn: Callable[[], Any]) -> Any:

@@ -362,12 +362,13 @@ class LAMB(Optimizer):
 
     # ------------------------------------------------------------------------------------------------ rule
 
-    def _apply(self, grad_scale, found_inf, *args, **kwargs):
+    def _apply(self, context):
         """The base pipeline, with the skip flag kept for :meth:`_prepare` (which updates the moments)."""
+        found_inf = context.found_inf
         self._skip = None if found_inf is None else found_inf.detach().to(
             device=self._state_device, dtype=torch.float32).reshape(())
         try:
-            return super()._apply(grad_scale, found_inf, *args, **kwargs)
+            return super()._apply(context)
         finally:
             self._skip = None
 

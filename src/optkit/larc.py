@@ -50,6 +50,7 @@ from torch import Tensor
 
 from . import _multi_tensor as mt
 from ._compile import norm_sums
+from ._core.context import StepContext, StepResult
 from ._plan import FlatPart, RowMultipliers
 from ._validation import check_params, check_real
 from ._wrapper import OptimizerWrapper, grads_swapped, protocol_level
@@ -217,16 +218,15 @@ class LARC(OptimizerWrapper):
             return [], torch.ones(0, dtype=torch.float32, device=dev)
         return params, self._ratios(params, grads, torch.cat(lrs), grad_scale, multipliers, dev)
 
-    def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
+    def _wrapped_step(self, context: StepContext) -> StepResult:
+        grad_scale, multipliers = context.grad_scale, context.multipliers
         dev = self._device()
         found = None if multipliers else self._flat_parts()
         if found is not None:
-            self._flat_step(*found, grad_scale, found_inf, dev)
-            return
+            return self._flat_step(*found, context, dev)
         params, grads, lrs = self._select(dev)
         if not params:
-            self._delegate(grad_scale, found_inf, multipliers)
-            return
+            return self._delegate(context)
         ratios = self._ratios(params, grads, torch.cat(lrs), grad_scale, multipliers, dev)
         self.last_params, self.last_ratios = params, ratios
         ids = {id(p) for p in params}
@@ -253,7 +253,7 @@ class LARC(OptimizerWrapper):
         # other steps on multiplied copies: _delegate), never the caller's gradients
         mult = {**rest, **dict(zip((id(p) for p in params), factors.unbind()))}
         with grads_swapped(swapped):
-            self._delegate(grad_scale, found_inf, mult or None)
+            return self._delegate(context.inward(grad_scale=grad_scale, multipliers=mult or None))
 
     # -------------------------------------------------------------------------------------- flat buffers
 
@@ -294,11 +294,12 @@ class LARC(OptimizerWrapper):
         self._flat_cache[gi] = (key, entry, value)
         return value
 
-    def _flat_step(self, parts, seen, grad_scale, found_inf, dev) -> None:
+    def _flat_step(self, parts, seen, context: StepContext, dev) -> StepResult:
         """The step over flat buffers: per-parameter norms as row norms of the flat part's runs (one kernel
         per run), the ratios as one vector per group, handed to the inner optimizer as
         :class:`~optkit._plan.RowMultipliers` (it multiplies each cache-sized row chunk by its column just
         before its update)."""
+        grad_scale = context.grad_scale
         wd = self.wd_in_denominator
         self._exclusions()  # (rescanned here when the groups changed: _flat_keep reads _scan)
         # 1/grad_scale (float64 when a flat gradient is float64)
@@ -334,7 +335,8 @@ class LARC(OptimizerWrapper):
         self.last_params = kept
         self.last_ratios = torch.cat(ratios) if len(ratios) > 1 else ratios[0]
         self.last_clip_on = None if not clips else torch.cat(clips)
-        self._delegate(grad_scale, found_inf, RowMultipliers(vectors, seen))
+        rows = RowMultipliers(vectors, seen)
+        return self._delegate(context.inward(grad_scale=grad_scale, multipliers=rows))
 
     def _group_lr(self, group: dict, dev: torch.device) -> Tensor:
         """The learning rate the inner optimizer will use for ``group`` this step (0-d tensor; a Python

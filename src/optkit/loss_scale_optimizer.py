@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._core.context import StepContext, StepResult
 from ._gc import gc_paused
 from ._wrapper import (
     OptimizerWrapper,
@@ -49,8 +50,6 @@ from ._wrapper import (
     _autograd_pairs,
     _check_pairs,
     _innermost,
-    handed_over,
-    overflow_probe,
     protocol_level,
     refuse_inside_ema_weights,
 )
@@ -77,21 +76,20 @@ def loss_scaled_step(
     scaler: LossScale,
     check_grads: Sequence[Tensor],
     scale: Tensor | None,
-    outer_scale: Tensor | None,
-    outer_found: Tensor | None,
-    multipliers: dict | None,
+    context: StepContext,
     step_grads: Sequence[Tensor] | None = None,
     gathered: dict | None = None,
-) -> Tensor:
+) -> StepResult:
     """Check, update the scaler and step ``wrapper.optimizer`` (the algorithm of the module doc).
 
     ``check_grads``: the gradients to check (they carry ``scale·outer_scale``); ``scale``: the loss scale the
     gradients carry, ``None`` when they are already unscaled; ``step_grads``: the gradients the inner
     optimizer will read (default ``check_grads``; they differ for fp32 master gradients), unscaled in place
     when the inner optimizer cannot take ``grad_scale``; ``gathered``: what the innermost optimizer's
-    ``whole_grads`` read for ``check_grads``, handed to its step (:func:`handed_over`). Returns
-    ``wrapper.step_applied``.
+    ``whole_grads`` read for ``check_grads``, handed to its step (``StepContext.gathered``); ``context``: the
+    outer caller's (its loss scale multiplies the wrapper's). Returns the step's result.
     """
+    outer_scale, outer_found = context.grad_scale, context.found_inf
     step_grads = check_grads if step_grads is None else step_grads
     unscaled = False  # whether step_grads were unscaled in place (undone if the inner step raises)
     dev = wrapper._device()
@@ -123,22 +121,24 @@ def loss_scaled_step(
     if check:
         skip = _max(skip, (~scaler.would_apply(found, amax)).to(torch.float32).to(dev))
     # an innermost optkit optimizer may refuse the step by itself when a clip norm of the scaled gradients
-    # overflows float32 (the scale is too large): it reports that in the probe, counted here as an overflow
-    # so that a scale that can back off does (a fixed scale cannot: no probe, as before)
+    # overflows float32 (the scale is too large): it reports that as the result's overflow, counted here so
+    # that a scale that can back off does (a fixed scale cannot: not asked, as before)
     backs_off = check and not isinstance(scaler, FixedLossScale)
     try:
-        with overflow_probe(wrapper, backs_off) as probe, handed_over(wrapper.optimizer, gathered):
-            applied = wrapper._delegate(grad_scale, skip, multipliers)
+        inner = context.inward(grad_scale=grad_scale, found_inf=skip, gathered=gathered or None,
+                               report_overflow=backs_off or context.report_overflow)
+        result = wrapper._delegate(inner)
     except BaseException:
         if unscaled:  # the gradients carry the scale again, so a retried step unscales them once, as
             # GradScaler's does (exact for the power-of-two scales of a dynamic scaler)
             mt.scale_(list(step_grads), total.to(device=dev))
         raise
     if check:  # after the inner step: a step that raises (bad input) leaves the scale as it was
-        if probe:
-            found = torch.maximum(found, probe[0].to(found.device)) if found is not None else probe[0]
+        probe = result.overflow if backs_off else None
+        if probe is not None:
+            found = torch.maximum(found, probe.to(found.device)) if found is not None else probe
         scaler.update(found, amax)
-    return applied
+    return result
 
 
 _UNSCALED_HELP = (
@@ -178,18 +178,38 @@ def scaled_backward_step(wrapper: Any, closure: Callable[[], Any] | None) -> Any
                     f"{type(wrapper).__name__}.step(closure): the closure returned a loss that does not "
                     "require grad, so it back-propagated by itself, unscaled; dividing those gradients by "
                     f"the loss scale would stall training. {_UNSCALED_HELP}")
-    elif matters and (getattr(wrapper, "_unscaled_fold", False)
-                      or (not wrapper.grads_scaled and wrapper._unscaled_grads_present())):
+    else:
+        _check_scaled(wrapper, matters)
+    _scaled_step(wrapper, StepContext.from_attributes(wrapper))
+    return loss
+
+
+def scaled_apply_step(wrapper: Any, context: StepContext) -> StepResult:
+    """``apply_step(context)`` of a loss-scale wrapper: :func:`scaled_backward_step` without a closure, under
+    the caller's context."""
+    refuse_inside_ema_weights(wrapper)
+    scaler = wrapper.loss_scaler
+    _check_scaled(wrapper, not (isinstance(scaler, FixedLossScale) and scaler.loss_scale_value == 1))
+    return _scaled_step(wrapper, context)
+
+
+def _check_scaled(wrapper: Any, matters: bool) -> None:
+    """``RuntimeError`` when the loss scale ``matters`` and the gradients did not come from ``loss·S``."""
+    if matters and (getattr(wrapper, "_unscaled_fold", False)
+                    or (not wrapper.grads_scaled and wrapper._unscaled_grads_present())):
         # (_unscaled_fold: a micro-batch of the window was folded unscaled, whatever the later ones were)
         raise RuntimeError(
             f"{type(wrapper).__name__}.step(): the gradients did not come from scale_loss(loss) (loss·S); "
             f"dividing them by the loss scale would stall training. {_UNSCALED_HELP}")
+
+
+def _scaled_step(wrapper: Any, context: StepContext) -> StepResult:
     if getattr(_innermost(wrapper), "_any_dtensor", True):  # before the non-finite check reads them
         mt.reduce_partial_grads_(wrapper._all_params())
     with gc_paused(sum(len(g["params"]) for g in wrapper.param_groups)):
-        wrapper._wrapped_step(*wrapper._take_protocol())
+        result = wrapper._wrapped_step(context)
     wrapper.grads_scaled = False
-    return loss
+    return result
 
 
 def _max(a: Tensor | None, b: Tensor) -> Tensor:
@@ -249,7 +269,13 @@ class LossScaleOptimizer(ScaledGradsFlag, OptimizerWrapper):
         (which is not called) or the scale; ``step_applied`` is False."""
         return scaled_backward_step(self, closure)
 
-    def _wrapped_step(self, grad_scale, found_inf, multipliers, *, scaled: bool = True) -> None:
+    @torch.no_grad()
+    def apply_step(self, context: StepContext) -> StepResult:
+        """One loss-scaled step under ``context`` (the step protocol as a value); as :meth:`step` without a
+        closure."""
+        return scaled_apply_step(self, context)
+
+    def _wrapped_step(self, context: StepContext, *, scaled: bool = True) -> StepResult:
         whole = getattr(self.optimizer, "whole_grads", None)
         seen: dict = {}
         grads = whole(seen) if whole is not None else None  # flat buffers: one check over each flat gradient
@@ -257,10 +283,9 @@ class LossScaleOptimizer(ScaledGradsFlag, OptimizerWrapper):
             _, grads = self._params_with_grads()
         if not grads:  # no parameter has a gradient: a no-op (torch.optim), the scale is not updated either
             self.step_applied = torch.zeros((), dtype=torch.bool, device=self._device())
-            return
+            return StepResult(self.step_applied)
         scale = self.loss_scaler() if scaled else None
-        loss_scaled_step(self, self.loss_scaler, grads, scale, grad_scale, found_inf, multipliers,
-                         gathered=seen)
+        return loss_scaled_step(self, self.loss_scaler, grads, scale, context, gathered=seen)
 
     # ---- TF1 surface ---------------------------------------------------------------------------------------
 
@@ -288,7 +313,7 @@ class LossScaleOptimizer(ScaledGradsFlag, OptimizerWrapper):
         """Apply **unscaled** gradients if they are finite (dynamic scale); the scale is updated either way.
         Returns the inner ``iterations`` (optkit) or ``step_applied``."""
         pairs = _check_pairs(grads_and_vars, self._all_params())
-        self._with_grads(pairs, lambda: self._wrapped_step(*self._take_protocol(), scaled=False))
+        self._with_grads(pairs, lambda: self._wrapped_step(StepContext.from_attributes(self), scaled=False))
         return self._result()
 
     # ---- state ---------------------------------------------------------------------------------------------

@@ -47,10 +47,11 @@ import torch
 from torch import Tensor, nn
 
 from . import _multi_tensor as mt
+from ._core.context import StepContext, StepResult
 from ._validation import ParameterTypeError, check_real
 from ._wrapper import OptimizerWrapper, ScaledGradsFlag, _autograd_pairs, _check_pairs, _innermost
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
-from .loss_scale_optimizer import loss_scaled_step, scaled_backward_step
+from .loss_scale_optimizer import loss_scaled_step, scaled_apply_step, scaled_backward_step
 from .optimizer import Optimizer, record_field
 
 __all__ = ["MixedPrecisionOptimizerWrapper", "convert_model_to_half"]
@@ -294,6 +295,11 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
         return scaled_backward_step(self, closure)
 
     @torch.no_grad()
+    def apply_step(self, context: StepContext) -> StepResult:
+        """One step under ``context`` (the step protocol as a value); as :meth:`step` without a closure."""
+        return scaled_apply_step(self, context)
+
+    @torch.no_grad()
     def accumulate_grads(self, grads: Sequence[Tensor | None] | None = None) -> None:
         """Gradient accumulation in fp32 (OpenSeq2Seq accumulates the master-precision gradients).
 
@@ -341,20 +347,20 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
                 self._unscaled_fold = True
             self.grads_scaled = False
 
-    def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
+    def _wrapped_step(self, context: StepContext) -> StepResult:
         if self._accumulated:
             self.accumulate_grads()  # half gradients that arrived since the last fold
         pending, self._accumulated = self._accumulated, set()
         folds = (self._unscaled_fold, self._scaled_fold)
         self._unscaled_fold = self._scaled_fold = False
         try:
-            self._fold_and_step(pending, grad_scale, found_inf, multipliers)
+            return self._fold_and_step(pending, context)
         except BaseException:  # a step that raises keeps the window's fp32 sum for a retry
             self._accumulated |= pending
             self._unscaled_fold, self._scaled_fold = folds
             raise
 
-    def _fold_and_step(self, pending: set[int], grad_scale, found_inf, multipliers) -> None:
+    def _fold_and_step(self, pending: set[int], context: StepContext) -> StepResult:
         """The masters' gradients (the pending fp32 sums ``pending``, else the half gradients in fp32), the
         decay term, and the step; the decay term comes off again if the step raises."""
         src, dst, half_grads = [], [], []
@@ -375,13 +381,13 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
         fp32_grads = [p.grad for p in self._fp32_params if p.grad is not None]
         if not half_grads and not fp32_grads:  # no gradient at all: a no-op (torch.optim), scale included
             self.step_applied = torch.zeros((), dtype=torch.bool, device=self._device())
-            return
+            return StepResult(self.step_applied)
         for _, (_, (s, d)) in mt.group_by_device_dtype(src, dst).items():
             torch._foreach_copy_(d, s)
         scale = self.loss_scaler()
         self._add_regularization(scale)
         try:
-            self._step_masters(half_grads + fp32_grads, scale, grad_scale, found_inf, multipliers)
+            return self._step_masters(half_grads + fp32_grads, scale, context)
         except BaseException:
             self._add_regularization(scale, sign=-1.0)  # (the retry adds it again)
             raise
@@ -401,10 +407,11 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
             for (device, _), (_, (lg, lm)) in mt.group_by_device_dtype(gs, ms).items():
                 torch._foreach_add_(lg, torch._foreach_mul(lm, (scale * lam).to(device)))
 
-    def _step_masters(self, check_grads, scale, grad_scale, found_inf, multipliers) -> None:
-        loss_scaled_step(self, self.loss_scaler, check_grads, scale, grad_scale, found_inf, multipliers,
-                         step_grads=self._params_with_grads()[1])
+    def _step_masters(self, check_grads, scale, context: StepContext) -> StepResult:
+        result = loss_scaled_step(self, self.loss_scaler, check_grads, scale, context,
+                                  step_grads=self._params_with_grads()[1])
         self._copy_back()
+        return result
 
     # --------------------------------------------------------------------------------- TF surface
 
@@ -451,7 +458,7 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
 
         def run() -> None:
             _, grads = self._params_with_grads()
-            self._step_masters(grads, None, *self._take_protocol())
+            self._step_masters(grads, None, StepContext.from_attributes(self))
 
         self._with_grads(pairs, run)
         return self._result()

@@ -54,6 +54,7 @@ from ._amp import AmpProtocol
 from ._arguments import accepted_keywords, check_call, check_nesterov, unknown_arguments_error
 from ._core.checkpoint import CheckpointMixin
 from ._core.compiled import CompiledMixin
+from ._core.context import StepContext, StepResult
 from ._core.ema import EmaMixin
 from ._core.gradients import GradientsMixin
 from ._core.groups import GroupsMixin
@@ -236,11 +237,6 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         self._plan_version = 0
         self._fp64_cache: dict[int, tuple] = {}
         self._block = None  # the Block of the blocked pass being run (kernel-gate and grouping hints)
-        #: set by optimize_loss around its step, whose gradients it clears right after: the blocked pass then
-        #: zeroes flat gradient chunks while they are in cache and records the groups it zeroed (ids), which
-        #: optimize_loss takes and hands to _zero_grad to skip
-        self._zero_grads_in_pass = False
-        self._zeroed_groups: set[int] = set()
         self._step_inv: Tensor | None = None  # 1/S for the caller's gradients of the group being stepped
         self._grads_protected = False  # (_prepare: the gradients it gets are the caller's; see _guards)
         self._shadow_src: tuple | None = None  # (a keeps_values_in_grads rule's _prepare copies these)
@@ -345,19 +341,26 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        multipliers = getattr(self, "grad_multipliers", None)
-        with gc_paused(sum(map(len, map(_PARAMS, self.param_groups)))):
-            self._apply(grad_scale, found_inf, multipliers)
+        self.apply_step(StepContext.from_attributes(self))
         return loss
 
-    def _apply(
-        self, grad_scale: Tensor | None, found_inf: Tensor | None, multipliers: dict | None = None
-    ) -> None:
-        """The pipeline. ``multipliers`` maps ``id(param)`` to a 0-d tensor that multiplies that parameter's
-        gradient before clipping (used by wrappers such as LARC to fold a per-tensor factor into the blocked
-        pass instead of a separate sweep)."""
+    @torch.no_grad()
+    def apply_step(self, context: StepContext) -> StepResult:
+        """One update under ``context``: the step protocol as a value (:class:`~optkit._core.context.
+        StepContext`: loss scale, skip flag, per-parameter multipliers, what the caller already read, whether
+        it zeroes the gradients next), for optkit's wrappers and train op; returns what the step did. The
+        caller runs the step hooks (``step()`` is this, between them, with the context its attributes set)."""
+        self._refuse_inside_ema_weights()
+        with gc_paused(sum(map(len, map(_PARAMS, self.param_groups)))):
+            return self._apply(context)
+
+    def _apply(self, context: StepContext) -> StepResult:
+        """The pipeline of the module doc under ``context``. Its ``multipliers`` map ``id(param)`` to a 0-d
+        tensor that multiplies that parameter's gradient before clipping (LARC folds its per-tensor factor
+        into the blocked pass this way instead of a separate sweep)."""
+        grad_scale, found_inf, multipliers = context.grad_scale, context.found_inf, context.multipliers
+        overflow: list[Tensor] | None = [] if context.report_overflow else None
+        zeroed: set[int] = set()
         dev = self._state_device
         # every group's numeric hyperparameters are numbers before anything is written (a None momentum in
         # the second group raised from float() after the first was updated)
@@ -366,9 +369,9 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         self._ensure_slots()
         if self._any_dtensor:  # tensor + sequence parallel: Partial gradients are reduced before anything
             mt.reduce_partial_grads_(p for g in self.param_groups for p in g["params"])
-        # what a wrapper's _flat_part (or whole_grads, handed over as ``_gathered``) read this step
+        # what a wrapper's _flat_part (or whole_grads, handed over as ``context.gathered``) read this step
         probed = getattr(multipliers, "gathered", None)
-        seen = probed or self.__dict__.get("_gathered")
+        seen = probed or context.gathered
         fit_seen, self._fit_seen = self._fit_seen, {}  # this step's only
         hooks = self._optimizer_step_pre_hooks or _torch_optimizer._global_optimizer_pre_hooks
         if seen and not hooks:
@@ -380,7 +383,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
             self._host_exact = False
         if not any(gs for _, _, gs in gathered):
             self.step_applied = torch.zeros((), dtype=torch.bool, device=dev)
-            return
+            return StepResult(self.step_applied)
         # the caller's gradients (see ``scratch_grads``): the pass runs on copies when clipnorm/clipvalue (the
         # optimizer's math, Keras) transform them, and those the pass does not unscale in place itself (all
         # of them then, else the sparse ones) are unscaled at the end under a loss scale
@@ -442,7 +445,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
                 n_all = torch.stack(ns).to(device=dev)
             c = self.clipnorm
             if inv is not None and found_inf is not None:
-                found_inf = self._refuse_overflowed_norm(found_inf, n_all, inv)
+                found_inf = self._refuse_overflowed_norm(found_inf, n_all, inv, overflow)
             n_true = n_all if inv is None else n_all * inv
             coef = c / torch.clamp(n_true, min=c)  # g·c/max(‖g‖, c), per tensor
             if inv is not None:
@@ -457,7 +460,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         elif self.global_clipnorm is not None:
             n = mt.global_norm(whole_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
             if inv is not None and found_inf is not None:
-                found_inf = self._refuse_overflowed_norm(found_inf, n, inv)
+                found_inf = self._refuse_overflowed_norm(found_inf, n, inv, overflow)
             c = self.global_clipnorm
             if inv64 is not None:  # (n is float64: float64 gradients are among them)
                 n64 = n * inv64
@@ -480,12 +483,13 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
             # 1/grad_scale for the caller's dense gradients of this group (the pass unscales them in place)
             self._step_inv = None if own or self.scratch_grads else (inv64 if fp64 else inv)
             self._run_group(group, idx, params, grads, lr, kg, found_inf, applied, sparse_handled, mult,
-                            plan=fp, checked=pre)
+                            plan=fp, checked=pre, zero=context.zero_grads, zeroed=zeroed)
         self._step_inv = None
         if callers:  # g/S, as GradScaler.unscale_ leaves them (float64 ones with the float64 1/S)
             mt.scale_(callers, inv, scale64=inv64)
 
         self._after_update(found_inf, applied)
+        return StepResult(self.step_applied, frozenset(zeroed), overflow[0] if overflow else None)
 
 
 

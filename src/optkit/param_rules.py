@@ -347,10 +347,13 @@ def param_groups(
 
 def _clip_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Step pre-hook: every gradient of a group with ``clip = c`` becomes ``g·c/max(‖g‖/S, c)`` where ``S``
-    is the step protocol's ``grad_scale`` (1 without one), so the true gradient's norm is clipped. It writes
+    is the step's loss scale (1 without one: the ``grad_scale`` of the ``context`` an optkit wrapper steps
+    its inner optimizer with, or the attribute ``torch.amp.GradScaler`` sets), so the true gradient's norm
+    is clipped. It writes
     ``.grad`` in place, as ``torch.nn.utils.clip_grad_norm_`` in a torch loop does (it serves torch optimizers
     too); the optimizer-wide ``clipnorm``/``global_clipnorm`` leave ``.grad`` alone."""
-    scale = getattr(opt, "grad_scale", None)
+    context = kwargs.get("context")
+    scale = context.grad_scale if context is not None else getattr(opt, "grad_scale", None)
     with torch.no_grad():
         for group in opt.param_groups:
             c = group.get("clip")

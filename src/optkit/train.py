@@ -88,9 +88,10 @@ from torch import Tensor, nn
 
 from . import _multi_tensor as mt
 from ._compile import norm_check_sums
+from ._core.context import StepContext
 from ._tf_surface import is_schedule
 from ._validation import check_count, check_int, check_lr_value, check_params
-from ._wrapper import OptimizerWrapper, handed_over, overflow_probe, protocol_level, refuse_inside_ema_weights
+from ._wrapper import OptimizerWrapper, protocol_level, refuse_inside_ema_weights, step_inner
 from .clipping import clip_coefficient
 from .flat import flat_buffer_of
 from .larc import LARC
@@ -1010,29 +1011,29 @@ class TrainOp:
         gradients overflowed (:func:`optkit._wrapper.overflow_probe`; only with a scaler that backs off),
         else None."""
         opt = self.optimizer
-        if self._level != "none":
-            if grad_scale is not None:  # GradScaler's dtype (float64 for float64 parameters: optkit's own)
-                dtype = self._scale_dtype if self._level == "full" else torch.float32
-                opt.grad_scale = grad_scale.reshape(()).to(dtype)
+        if self._level == "full":  # an optkit optimizer or wrapper: the step protocol as a value
+            if grad_scale is not None:  # (float64 for float64 parameters)
+                grad_scale = grad_scale.reshape(()).to(self._scale_dtype)
+            backs_off = self._checks and not isinstance(self.scaler, FixedLossScale)
+            # _clear_grads follows: flat gradients may be zeroed in the update's pass
+            context = StepContext(grad_scale=grad_scale, found_inf=found, gathered=seen or None,
+                                  zero_grads=self._optkit_inst, report_overflow=backs_off)
+            result = step_inner(opt, context, global_hooks=True)
+            self._zeroed = result.zeroed_groups  # only when the step returned: _clear_grads takes it next
+            return result.overflow if backs_off else None
+        if self._level == "amp":  # a torch optimizer with GradScaler's protocol: its attributes
+            if grad_scale is not None:
+                opt.grad_scale = grad_scale.reshape(()).to(torch.float32)
             if found is not None:
                 opt.found_inf = found
-            base = self.base_optimizer if self._optkit_inst else None
-            if base is not None:  # _clear_grads follows: flat gradients may be zeroed in the update's pass
-                base._zero_grads_in_pass = True
-            zeroed: set[int] = set()
-            backs_off = self._checks and not isinstance(self.scaler, FixedLossScale)
             try:
-                with overflow_probe(opt, backs_off) as probe, handed_over(opt, seen):
-                    opt.step()
+                opt.step()
             finally:
-                if base is not None:
-                    base._zero_grads_in_pass = False
-                    zeroed, base._zeroed_groups = base._zeroed_groups, set()
                 for attr in ("grad_scale", "found_inf"):
                     if attr in opt.__dict__:
                         delattr(opt, attr)
-            self._zeroed = frozenset(zeroed)  # only when the step returned: _clear_grads takes it next
-            return probe[0] if probe else None
+            self._zeroed = frozenset()
+            return None
         # a bare optimizer without grad_scale/found_inf support: scale the gradients, skip on the host
         if grad_scale is not None:
             mt.scale_(grads, torch.reciprocal(grad_scale))

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
+from ._core.context import StepContext, StepResult
 from ._validation import check_real
 from ._wrapper import OptimizerWrapper
 
@@ -116,7 +117,7 @@ class VariableClippingOptimizer(OptimizerWrapper):
         self._clips = [(mapping.get(id(v), v), d) for v, d in self._clips]
         super()._remap_params(mapping)
 
-    def _wrapped_step(self, grad_scale, found_inf, multipliers) -> None:
+    def _wrapped_step(self, context: StepContext) -> StepResult:
         todo = []  # (param, dims, unique rows or None) for listed params with a gradient, before the update
         for v, dims in self._clips:
             g = v.grad
@@ -130,9 +131,10 @@ class VariableClippingOptimizer(OptimizerWrapper):
                 warnings.warn("VariableClippingOptimizer: clipping a parameter with a sparse gradient along "
                               "dims that include 0 clips the whole parameter (dense fallback)", stacklevel=3)
             todo.append((v, dims, rows))
-        applied = self._delegate(grad_scale, found_inf, multipliers)
+        result = self._delegate(context)
         if todo:
-            self._clip(todo, applied)
+            self._clip(todo, result.applied)
+        return result
 
     def _clip(self, todo: list, applied: Tensor) -> None:
         c = self.max_norm

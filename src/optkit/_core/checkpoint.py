@@ -80,7 +80,6 @@ class CheckpointMixin:
         for key in ("_plans", "_fold_cache", "_fp64_cache", "_fit_seen", "_slots_seen", "_flat_slots",
                     "_lr_written"):
             state[key] = {}
-        state["_zeroed_groups"] = set()
         # parameters excluded from decay by identity travel as the tensors themselves (a copy's are new)
         ids = state.pop("_wd_exclude_ids", set())
         state["_wd_exclude_params"] = [p for g in self.param_groups for p in g["params"] if id(p) in ids]
@@ -93,6 +92,8 @@ class CheckpointMixin:
             record.exact = state.pop("_host_exact", False)
             record.applied = state.pop("step_applied", None)
         excluded = state.pop("_wd_exclude_params", None)
+        for key in ("_zero_grads_in_pass", "_zeroed_groups", "_overflow_probe", "_gathered"):
+            state.pop(key, None)  # (the step protocol's attributes of an earlier optkit: now StepContext)
         super().__setstate__(state)
         if excluded is not None:
             self._wd_exclude_ids = {id(p) for p in excluded}

@@ -57,7 +57,7 @@ class GradientsMixin:
 
     def _zero_grad(self, set_to_none: bool, skip: Collection[int]) -> None:
         """:meth:`zero_grad` except for the groups whose ids are in ``skip`` (their flat gradients were zeroed
-        by the step that just ran, see ``_zero_grads_in_pass``)."""
+        by the step that just ran, see ``StepContext.zero_grads``)."""
         rest: list[list[Tensor]] = []
         for group in self.param_groups:
             plan = self._plans.get(id(group))
@@ -187,17 +187,18 @@ class GradientsMixin:
         transform every gradient (the optimizer's math, not the caller's; see ``scratch_grads``)."""
         return not self.scratch_grads and (self.clipvalue is not None or self.clipnorm is not None)
 
-    def _refuse_overflowed_norm(self, found_inf: Tensor, norms: Tensor, inv: Tensor) -> Tensor:
-        """Under an optkit loss-scale wrapper that backs off (it sets ``_overflow_probe``, a list): the skip
+    @staticmethod
+    def _refuse_overflowed_norm(found_inf: Tensor, norms: Tensor, inv: Tensor,
+                                overflow: list | None) -> Tensor:
+        """Under a loss scale that backs off (``StepContext.report_overflow``; ``overflow`` a list): the skip
         flag, also set when a clip norm of the *scaled* gradients is not finite and the scale is above 1.
         The elements are finite (else the flag is set already), so the scale is so large that ``‖S·g‖²``
         overflows float32 (S·|g| beyond about 1.8e19) and the clip would be NaN or 0: the step is skipped and
-        the flag goes into the probe, which the wrapper counts as an overflow (the scale backs off). Other
+        the flag goes into ``overflow``, which the caller counts as an overflow (the scale backs off). Other
         callers (``torch.amp.GradScaler``, which would not back off) get the flag unchanged."""
-        probe = self.__dict__.get("_overflow_probe")
-        if probe is None:
+        if overflow is None:
             return found_inf
         bad = ((~torch.isfinite(norms)).any() & (inv.to(found_inf.device) < 1)).to(
             device=found_inf.device, dtype=found_inf.dtype)
-        probe.append(bad)
+        overflow.append(bad)
         return torch.maximum(found_inf, bad)

@@ -139,14 +139,15 @@ class PassesMixin:
 
     def _run_group(
         self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None, plan=None,
-        checked=None,
+        checked=None, zero=False, zeroed=None,
     ) -> None:
         """``plan``: a flat plan checked this step; ``checked``: the per-tensor plan :meth:`_apply` built
         for these arguments before any group was updated (:meth:`_check_group_plan`)."""
         if isinstance(mult, list) and all(m is None for m in mult):
             mult = None
         if plan is not None:  # a flat plan, checked this step: no sparse gradients, nothing to re-plan
-            self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan)
+            self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan, zero=zero,
+                              zeroed=zeroed)
             return
         if sparse_handled and any(id(p) in sparse_handled for p in params):
             sp = self._sparse_part(group, idx, params, sparse_handled)
@@ -172,13 +173,16 @@ class PassesMixin:
         # a cached plan's flat part is this step's only while the gradients are still its views (after
         # model.zero_grad() the backward makes separate gradients: the flat gradient buffer is stale then)
         flat_ok = not tracing and plan.flat is not None and plan.flat.same_grads(grads)
-        self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan, tracing, flat_ok)
+        self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan, tracing, flat_ok,
+                          zero=zero, zeroed=zeroed)
 
     def _run_planned(self, group, idx, params, grads, lr, k, found_inf, applied, mult, plan, tracing=False,
-                     flat_ok=True):
+                     flat_ok=True, zero=False, zeroed=None):
         """Decay → update → EMA of one group with its plan: the flat blocks when the plan has a flat part
         whose gradients are this step's (``flat_ok``) and nothing per tensor differs (multipliers,
-        per-tensor ``_prepare`` values, a mixed decay mask), else the per-tensor blocks."""
+        per-tensor ``_prepare`` values, a mixed decay mask), else the per-tensor blocks. ``zero``: the caller
+        zeroes the gradients next (``StepContext.zero_grads``): the pass zeroes the flat gradient chunks as it
+        reads them, and adds the group's id to ``zeroed``."""
         wd = group.get("weight_decay", 0.0) if self.traits.decoupled_weight_decay else 0.0
         # the caller's gradients are copied chunk by chunk (in cache) for the update, and get 1/S there
         guard = self._guards(group, mult)
@@ -245,11 +249,11 @@ class PassesMixin:
             return
         # every gradient is a view of the flat gradient, cleared after this step: the pass zeroes it (each
         # chunk in cache, or in the compiled loop that reads it)
-        zero = self._zero_grads_in_pass and flat_ok and plan.flat is not None and shadow_rows is None
+        zero = zero and flat_ok and plan.flat is not None and shadow_rows is None
         if isinstance(aux, RunAux) and aux.per_run:  # jit_compile over a flat part's row runs
             self._run_compiled_rows(group, idx, flat, lr, k, found_inf, applied, aux, zero=zero)
             if zero:
-                self._zeroed_groups.add(id(group))
+                zeroed.add(id(group))
             if inv is not None:  # (the compiled rule only reads the gradients)
                 mt.scale_([flat.grad], inv)
             return
@@ -267,7 +271,7 @@ class PassesMixin:
                                           found_inf, applied, mult, aux, zero=zero)
             if done:
                 if zero:
-                    self._zeroed_groups.add(id(group))
+                    zeroed.add(id(group))
                 if inv is not None:  # (the compiled chain only reads the gradients)
                     mt.scale_([flat.grad] if flat is not None else grads, inv)
                 return
@@ -332,7 +336,7 @@ class PassesMixin:
             if zero:
                 torch._foreach_zero_(real)
         if zero:
-            self._zeroed_groups.add(id(group))
+            zeroed.add(id(group))
 
         if self.use_ema:
             self._ema_rest(group, idx, applied)
