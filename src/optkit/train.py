@@ -70,13 +70,17 @@ Deliberate differences from the original (also in ``docs/compatibility.md``):
 * ``clip_gradients`` together with ``larc_params`` raises ``ValueError`` (``AttributeError`` in the original).
 * LARC clip mode with ``lr == 0`` uses ``r = 1`` instead of the original's 0/0 = NaN for a zero-norm weight.
 * ``None`` gradients (unused parameters) are skipped everywhere instead of crashing.
+
+This module holds the public surface (:func:`optimize_loss`, :class:`TrainOp`, :class:`StepResult`) and the
+train op's micro-step and update; its construction (argument resolution, the optimizer stack, distribution) is
+in :mod:`optkit._train_build`, its accumulation window (token counts, the window's divisor) in
+:mod:`optkit._train_window`, its checkpoint (``state_dict``, the cross-rank gather, pickling) in
+:mod:`optkit._train_checkpoint`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
 import itertools
 import math
 import numbers
@@ -90,33 +94,29 @@ from . import _multi_tensor as mt
 from ._compile import norm_check_sums
 from ._core.context import StepContext
 from ._tf_surface import is_schedule
-from ._validation import check_count, check_int, check_lr_value, check_params
-from ._wrapper import OptimizerWrapper, protocol_level, refuse_inside_ema_weights, step_inner
+from ._train_build import (
+    TrainOpBuild,
+    build_scaler,
+    check_positive,
+    larc_settings,
+    named_params,
+    resolve_optimizer,
+)
+from ._train_checkpoint import TrainOpCheckpoint
+from ._train_window import TrainOpWindow
+from ._validation import check_lr_value
+from ._wrapper import OptimizerWrapper, refuse_inside_ema_weights, step_inner
 from .clipping import clip_coefficient
 from .flat import flat_buffer_of
-from .larc import LARC
-from .loss_scale import AutomaticLossScaler, DynamicLossScale, FixedLossScale, LossScale
-from .mixed_precision import MixedPrecisionOptimizerWrapper
+from .loss_scale import FixedLossScale, LossScale
 from .optimizer import Optimizer as _OptkitOptimizer
-from .regularization import _diverting, _entries, _registered
+from .regularization import _diverting, _registered
 from .summaries import SummaryLogger, validate_summaries
 
 __all__ = ["optimize_loss", "TrainOp", "StepResult"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, "mixed")
 _HALF = (torch.float16, torch.bfloat16)
-_LARC_REQUIRED = {"larc_eta": float}
-_LARC_OPTIONAL = {"larc_mode": ["clip", "scale"], "min_update": float, "epsilon": float}
-_DYNAMIC_OPTIONAL = {
-    "initial_loss_scale": (int, float),
-    "increment_period": int,
-    "multiplier": (int, float),
-    "hysteresis": int,
-    "min_loss_scale": (int, float),
-    "max_loss_scale": (int, float, type(None)),
-}
-_STATE_KEYS = ("optimizer", "scaler", "global_step", "host_step", "host_exact", "micro", "accumulators",
-               "summary_attempts")
 
 
 class StepResult(NamedTuple):
@@ -137,99 +137,6 @@ class StepResult(NamedTuple):
     lr: Tensor
     loss_scale: Tensor
     grad_norm: Tensor | None
-
-
-# ------------------------------------------------------------------------------------------------------------
-# argument resolution (all raise before anything is built)
-
-
-def _resolve_optimizer(optimizer: Any) -> Callable[..., torch.optim.Optimizer]:
-    if isinstance(optimizer, str):
-        from .registry import get_optimizer
-
-        return get_optimizer(optimizer)  # ValueError listing the valid names
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("`optimizer` must be a registry name or an optimizer class, not an instance")
-    if isinstance(optimizer, type) or callable(optimizer):
-        return optimizer
-    raise TypeError(f"`optimizer` must be a registry name or an optimizer class, got {optimizer!r}")
-
-
-def _build_scaler(loss_scaling: Any, params: Mapping[str, Any] | None) -> LossScale:
-    if params is not None and not isinstance(params, Mapping):
-        raise TypeError(f"`loss_scaling_params` must be a dict of the scaler's parameters or None, got "
-                        f"{type(params).__name__}")
-    if isinstance(loss_scaling, LossScale):
-        if params is not None:
-            raise ValueError("`loss_scaling_params` cannot be given with a LossScale object")
-        return loss_scaling
-    if isinstance(loss_scaling, bool):
-        raise TypeError(f"`loss_scaling` must be a number or an algorithm name, got {loss_scaling!r}")
-    if isinstance(loss_scaling, numbers.Real):
-        if params is not None:
-            raise ValueError("`loss_scaling_params` only applies to automatic loss scaling (a string)")
-        return FixedLossScale(float(loss_scaling))
-    if isinstance(loss_scaling, str):
-        name = loss_scaling.strip().lower()
-        if name == "dynamic":
-            check_params(params, None, _DYNAMIC_OPTIONAL, where="loss_scaling_params")
-            return DynamicLossScale(**dict(params or {}))
-        if name in AutomaticLossScaler.SUPPORTED_ALGOS:
-            return AutomaticLossScaler(name, None if params is None else dict(params))
-        raise ValueError(
-            f"`loss_scaling` must be a float, 'Backoff', 'LogMax' or 'dynamic', got {loss_scaling!r}"
-        )
-    raise TypeError(f"`loss_scaling` must be a number or an algorithm name, got {loss_scaling!r}")
-
-
-def _named_params(var_list: Any, model: Any, loss: Any) -> list[tuple[str, Tensor]]:
-    if var_list is not None:
-        if isinstance(var_list, Tensor):
-            raise TypeError("`var_list` must be a list of parameters, not a single Tensor")
-        items = list(var_list)
-        out = []
-        for i, item in enumerate(items):
-            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Tensor):
-                out.append((str(item[0]), item[1]))
-            elif isinstance(item, Tensor):
-                out.append((f"var_{i}", item))
-            else:
-                raise TypeError(f"`var_list` entries must be tensors or (name, tensor) pairs, got {item!r}")
-    else:
-        source = model if isinstance(model, nn.Module) else loss if isinstance(loss, nn.Module) else None
-        if source is None:
-            raise ValueError("`var_list` is required unless `model` (or `loss`) is an nn.Module")
-        if isinstance(source, nn.parallel.DistributedDataParallel):
-            source = source.module
-        out = [(n, p) for n, p in source.named_parameters() if p.requires_grad]
-    if not out:
-        raise ValueError("`var_list` is empty: nothing to optimize")
-    seen = set()
-    for name, p in out:
-        if not p.is_leaf:
-            raise ValueError(f"`var_list`: {name!r} is not a leaf tensor")
-        if not p.is_floating_point():
-            raise TypeError(f"`var_list`: {name!r} is not floating point ({p.dtype})")
-        if id(p) in seen:
-            raise ValueError(f"`var_list`: {name!r} is listed twice")
-        seen.add(id(p))
-    return out
-
-
-def _check_positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"`{name}` must be a positive float, got {value!r}")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def _accepts(cls: Any, kw: str) -> bool:
-    try:
-        sig = inspect.signature(cls)
-    except (TypeError, ValueError):
-        return False
-    return kw in sig.parameters or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -328,13 +235,8 @@ def optimize_loss(
     if optimizer_params is not None and not isinstance(optimizer_params, Mapping):
         raise TypeError(f"`optimizer_params` must be a dict, got {type(optimizer_params).__name__}")
     opt_kwargs = dict(optimizer_params or {})
-    clip = None if clip_gradients is None else _check_positive("clip_gradients", clip_gradients)
-    larc = None
-    if larc_params is not None:
-        check_params(larc_params, _LARC_REQUIRED, _LARC_OPTIONAL, where="larc_params")
-        larc = {"larc_eta": float(larc_params["larc_eta"]), "larc_mode": larc_params.get("larc_mode", "clip"),
-                "min_update": float(larc_params.get("min_update", 1e-7)),
-                "epsilon": float(larc_params.get("epsilon", 1e-7))}
+    clip = None if clip_gradients is None else check_positive("clip_gradients", clip_gradients)
+    larc = None if larc_params is None else larc_settings(larc_params)
     if isinstance(iter_size, bool) or not isinstance(iter_size, numbers.Integral) or iter_size < 1:
         raise ValueError(f"`iter_size` must be an int >= 1, got {iter_size!r}")
     if not isinstance(on_horovod, bool):
@@ -344,10 +246,10 @@ def optimize_loss(
     if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
         raise ValueError(f"`bucket_numel` must be an int >= 1, got {bucket_numel!r}")
     lr_fn = _lr_function(learning_rate_decay_fn, opt_kwargs)
-    cls = _resolve_optimizer(optimizer)
-    scaler = _build_scaler(loss_scaling, loss_scaling_params)
+    cls = resolve_optimizer(optimizer)
+    scaler = build_scaler(loss_scaling, loss_scaling_params)
     logger = SummaryLogger(summary_writer, summary_list, summary_every)
-    named = _named_params(var_list, model, loss)
+    named = named_params(var_list, model, loss)
     groups = None
     if rules is not None or layer_decay is not None:
         from .param_rules import DEFAULT_LAYER_REGEX, param_groups
@@ -396,7 +298,7 @@ def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
 
 
 class _ConstantLR:
-    """``step -> value`` (module level, so a train op copies and pickles)."""
+    """``step -> value`` (module level, so a train op copies and pickles; here, so that pickles find it)."""
 
     def __init__(self, value: float) -> None:
         self.value = value
@@ -425,7 +327,7 @@ class _CheckedLR:
 _Gathered = tuple[list[int], list[Tensor], list[Tensor], list[Tensor]]
 
 
-class TrainOp:
+class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
     """The train op built by :func:`optimize_loss`; call it once per micro-batch.
 
     Attributes: ``optimizer`` — the **outermost** optimizer, the one the train op steps:
@@ -486,84 +388,11 @@ class TrainOp:
         #: would make that update raises it, before anything changes)
         self._lr_error: Exception | None = None
 
-        # the optimizer stack: [MixedPrecisionOptimizerWrapper(] [LARC(] cls(...) [)] [)]
-        self._optkit = isinstance(cls, type) and issubclass(cls, _OptkitOptimizer)
-        key = "learning_rate" if self._optkit or _accepts(cls, "learning_rate") else "lr"
-        lr0 = self._current_lr if self._optkit else float(self._lr_now)
-        if self._optkit:  # this op clears the gradients after every update: the step may use them as scratch
-            opt_kwargs = {"scratch_grads": True, **opt_kwargs}
-
-        def build(ps: list) -> torch.optim.Optimizer:
-            if groups is not None:  # param groups by name (optkit.create_optimizer's construction)
-                from .param_rules import build_optimizer
-
-                opt = build_optimizer(cls, ps, lr0, **opt_kwargs)
-            else:
-                opt = cls(ps, **{key: lr0}, **opt_kwargs)
-            return opt if larc is None else LARC(opt, **larc)
-
-        opt_params: list = list(zip(self.names, self.params)) if self._optkit else list(self.params)
-        if groups is not None:
-            opt_params = list(groups)
-        if dtype == "mixed":
-            self.optimizer = MixedPrecisionOptimizerWrapper.wrap(build, opt_params, loss_scale=None)
-        else:
-            self.optimizer = build(opt_params)
-        self._mp = self.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizerWrapper) else None
-        self._larc = next((o for o in _chain(self.optimizer) if isinstance(o, LARC)), None)
-        self.base_optimizer = _chain(self.optimizer)[-1]
-        self._optkit_inst = isinstance(self.base_optimizer, _OptkitOptimizer)
-        self._zeroed: frozenset[int] = frozenset()  # groups whose flat gradients the last update zeroed
-        self._params_key: tuple[tuple[int, int], ...] | None = None  # (see _match_params)
-        self._masters_are_params = False
-        self._group_params: list[Tensor] = []
-        self._group_idx: list[int] = []
-        self._level = protocol_level(self.optimizer)
-
-        # masters ("mixed"): the wrapper's fp32 copies of the half parameters
-        master_of: dict[int, Tensor] = {}
-        if self._mp is not None:
-            master_of = {id(p): m for p, m in zip(self._mp.model_params, self._mp.master_params)}
-        self.masters = [master_of.get(id(p), p) for p in self.params]
-        self._half_idx = [i for i, p in enumerate(self.params) if id(p) in master_of]
-        self._name_of = {id(q): n for n, q in zip(self.names, self.masters)}
-        half_params = [self.params[i] for i in self._half_idx]
-        #: (half parameter, regularizer entry) registered now: their gradient is added on the masters
-        self._diverted = _entries(half_params)
-        self._diverted_masters = [master_of[id(p)] for p, _ in self._diverted]
-        self._diverted_ids = frozenset(id(e) for _, e in self._diverted)  # left out of its loss call
-
-        # distribution. DTensor (FSDP2) parameters: FSDP2's post-backward hooks reduce-scatter and average
-        # the gradients, so they need a plain backward() and no second reduction.
-        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
-        self._ddp = ddp
-        self._dtensor = any(mt.is_dtensor(p) for p in self.params)
-        self._plain_backward = ddp is not None or self._dtensor
-        self._frozen: list[Tensor] = []
-        # FSDP2's no_sync(): accumulate unsharded gradients, reduce-scatter once on the update micro-step
-        self._fsdp_sync = getattr(model, "set_requires_gradient_sync", None) if self._dtensor else None
-        if self._dtensor and isinstance(model, nn.Module):
-            ids = {id(p) for p in self.params}
-            self._frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
-        # DDP + "mixed" + accumulation: accumulate_grads moves every micro-batch's half gradients into the
-        # fp32 window sums, so DDP's reduction (of the last micro-batch's .grad) would miss the earlier ones.
-        # DDP then stays in no_sync() throughout and the fp32 sums are reduced once per update over its group.
-        self._ddp_own = (ddp is not None and self._mp is not None
-                         and (iter_size > 1 or skip_update_ph is not None))
-        self._group = ddp.process_group if self._ddp_own else process_group
-        self._world = 1
-        self._reduce = (on_horovod and ddp is None and not all(mt.is_dtensor(p) for p in self.params)) \
-            or self._ddp_own
-        if self._reduce:
-            import torch.distributed as dist
-
-            self._reduce = dist.get_world_size(self._group) > 1
-            if self._reduce and not self._dtensor:  # the 1/W of the average is folded into grad_scale
-                self._world = dist.get_world_size(self._group)
-        self._bucket_numel = bucket_numel
-        self._pp = mt._UNSET if pipeline_group is None else pipeline_group
-        # every rank must take the same summary decisions when they need collectives (writer on rank 0 only)
-        logger.collective = self._dtensor or (mt._pp(self._pp) is not None)
+        # the optimizer stack: [MixedPrecisionOptimizerWrapper(] [LARC(] cls(...) [)] [)], the masters, and
+        # how the gradients are reduced (optkit._train_build)
+        self._build_stack(cls, opt_kwargs, larc, dtype, groups)
+        self._build_distribution(model, on_horovod, process_group, bucket_numel, pipeline_group, iter_size,
+                                 skip_update_ph, logger)
         self._micro = 0
         self._token_weighted: bool | None = None  # decided by the first call's return value
         self._items = torch.zeros((), dtype=torch.float64, device=device)  # Σ num_items of the open window
@@ -693,46 +522,6 @@ class TrainOp:
                                  "train") from None
             torch.autograd.backward(target, inputs=live)
 
-    def _token_split(self, out: Any) -> Tensor:
-        """The loss to back-propagate: ``out`` itself, or ``loss_sum`` of a ``(loss_sum, num_items)`` pair
-        (``num_items`` is added to the window's count, on the device: no host sync)."""
-        pair = isinstance(out, tuple)
-        if self._token_weighted is not None and pair != self._token_weighted:
-            raise ValueError("`loss` returned (loss_sum, num_items) on some calls and a scalar on others; "
-                             "token-weighted accumulation needs the pair on every call")
-        items = None
-        if pair:
-            if len(out) != 2:
-                raise ValueError(f"`loss` must return a scalar tensor or (loss_sum, num_items), got a tuple "
-                                 f"of {len(out)}")
-            out, items = out
-            if isinstance(items, Tensor):
-                if items.numel() != 1:
-                    raise ValueError(f"num_items must be a number or a one-element tensor, got shape "
-                                     f"{tuple(items.shape)}")
-                items = items.detach().reshape(()).to(device=self._items.device, dtype=torch.float64)
-            elif isinstance(items, bool) or not isinstance(items, numbers.Real) or not items >= 0:
-                raise ValueError(f"num_items must be a number >= 0 or a tensor, got {items!r}")
-            else:
-                items = mt.scalar(items, torch.float64, self._items.device)
-        if not isinstance(out, Tensor) or out.numel() != 1:
-            raise ValueError("`loss` must return a scalar tensor" + (" as loss_sum" if pair else ""))
-        # all checked: the first call fixes the mode, the count joins the window
-        self._token_weighted = pair
-        if items is not None:
-            self._items.add_(items)
-            self._last_items = items
-        return out
-
-    def _is_update(self, skip_update: bool | None) -> bool:
-        flag = skip_update
-        if flag is None and self.skip_update_ph is not None:
-            ph = self.skip_update_ph
-            flag = ph() if callable(ph) else ph
-        if flag is None:
-            return self._micro + 1 >= self.iter_size
-        return not bool(flag)
-
     # ---- the update ---------------------------------------------------------------------------------------
 
     def _with_grads(self) -> tuple[list[int], list[Tensor], list[Tensor]]:
@@ -751,15 +540,6 @@ class TrainOp:
             if self._step._version == version:
                 self._drop_window()
             raise
-
-    def _drop_window(self) -> None:
-        """Clear the window's gradients and counts (after an update that raised)."""
-        self._micro = 0
-        self._items = torch.zeros_like(self._items)
-        self._zeroed = frozenset()
-        if self._mp is not None:
-            self._mp.zero_grad()  # the half gradients and the pending fp32 sum
-        self._clear_grads()
 
     def _apply_window(self, loss: Tensor, scale: Tensor) -> StepResult:
         if self._dtensor:  # Partial (tensor-parallel) gradients: reduced before any norm or update
@@ -783,15 +563,7 @@ class TrainOp:
             self._all_reduce_()
             grads = [q.grad for q in qs]
 
-        count = n * self._world
-        sdt = self._scale_dtype
-        denom: Tensor | None = None if self._unit_scale else scale.to(sdt)
-        if self._token_weighted:  # Σ loss_sum / Σ num_items over the window and the ranks
-            items = self._window_items()
-            denom = items.to(scale.device) if denom is None else denom * items.to(scale.device)
-        elif count != 1:
-            denom = torch.full((), float(count), dtype=sdt, device=scale.device) if denom is None \
-                else denom * count
+        denom = self._window_divisor(n, scale)
         if self._diverted:
             self._add_diverted_grads(denom)
             idx, qs, grads = self._with_grads()
@@ -935,50 +707,6 @@ class TrainOp:
             grads = list(itertools.chain.from_iterable(got[id(group)][2] for group in groups))
         return (self._group_idx, self._group_params, grads, whole), True
 
-    def _window_items(self) -> Tensor:
-        """The divisor of token-weighted accumulation, 0-d fp32 (fp64 when a parameter is fp64; the count is
-        kept and all-reduced in fp64, exact up to 2^53 items): ``Σ num_items`` over the window, summed over
-        the data-parallel ranks (one scalar all-reduce) and divided by the number of ranks whose gradients
-        DDP or FSDP2 averaged (their mean times W is the sum). A window without items divides by 1 (its
-        loss sum, and so its gradient, is 0). Resets the window's count."""
-        items, self._items = self._items, torch.zeros_like(self._items)
-        group, averaged = self._items_group()
-        if group is not False:
-            import torch.distributed as dist
-
-            dist.all_reduce(items, op=dist.ReduceOp.SUM, group=group)
-            if averaged:
-                items = items / dist.get_world_size(group)
-        return torch.where(items > 0, items, torch.ones_like(items)).to(self._scale_dtype)
-
-    def _items_group(self) -> tuple[Any, bool]:
-        """(process group for the count, whether that group's gradients arrive averaged); ``False`` as the
-        group when nothing is distributed."""
-        if self._reduce:  # our own SUM all-reduce (on_horovod, or DDP + "mixed" accumulation)
-            return self._group, self._dtensor
-        if self._ddp is not None:
-            return self._ddp.process_group, True
-        if self._dtensor:  # FSDP2 averages over its data-parallel group
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                return self._group, True
-        return False, False
-
-    def _clear_grads(self) -> None:
-        """The updated tensors' gradients after an update: None, except views into flat buffers
-        (``optkit.flat_parameters``), which the optimizer zeroes in place so that the next backward
-        accumulates into them (the groups whose blocked pass already zeroed them in cache are skipped)."""
-        inner = _chain(self.optimizer)[-1]
-        zeroed, self._zeroed = self._zeroed, frozenset()
-        if isinstance(inner, _OptkitOptimizer):  # its parameters are the masters
-            inner._zero_grad(True, zeroed)  # less the flat groups the update's pass zeroed in cache
-        else:
-            for q in self.masters:
-                q.grad = None
-        for i in self._half_idx:  # ("mixed": the half parameters' gradients were folded into the masters')
-            self.params[i].grad = None
-
     def _amax(self, qs: list[Tensor], inf_norms: Tensor, grad_scale: Tensor | None,
               factor: Tensor | None) -> tuple[Tensor, Tensor]:
         """(overflow flag, ``max|g|``) for LogMax from the per-tensor whole-tensor max-abs of the raw
@@ -1101,265 +829,3 @@ class TrainOp:
             return
         names = [self._name_of[id(p)] for p in larc.last_params]
         self.summaries.write_larc(names, larc.last_clip_on, larc.last_ratios, lr, step)
-
-    # ---- checkpointing ------------------------------------------------------------------------------------
-
-    def _window_group(self) -> tuple[bool, Any]:
-        """(whether the ranks accumulate different, still unreduced gradients in an open window, their
-        process group): ``on_horovod`` and DDP runs (``no_sync``) reduce only at the update."""
-        if self._reduce:
-            return True, self._group
-        if self._ddp is not None:
-            return True, self._ddp.process_group
-        return False, None
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Everything, and the open window's accumulated gradients with it: a parameter's copy or pickle
-        leaves its ``.grad`` behind (torch), so a copy taken inside a window would lose what it summed."""
-        state = dict(self.__dict__)
-        state["_window_grads"] = [(q, q.grad) for q in self.masters if q.grad is not None]
-        # the copy's count tensor has a version counter of its own: say whether the count was unwritten
-        state["_step_seen"] = self._step._version == getattr(self, "_step_seen", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        pairs = state.pop("_window_grads", ())
-        unwritten = state.pop("_step_seen", True) is True  # (absent from an earlier optkit's: it counted on)
-        self.__dict__.update(state)
-        self._step_seen = self._step._version if unwritten else None
-        for q, g in pairs:
-            if q.grad is None:
-                q.grad = g
-
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer stack (the wrappers' parts hold the fp32 masters), scaler, open-window accumulators,
-        step counters and summary counter.
-
-        Inside an accumulation window of a data-parallel run (``on_horovod`` or DDP) every rank holds its
-        own unreduced sums, so this is a collective then: **every rank must call it**. The group's first
-        rank (rank 0 of the world by default) gets every rank's accumulators stacked (``[world, *shape]``
-        per parameter, ``"accumulators_world_size"`` set) and is the one to save; the others get their own
-        part. Loading it on the same number of ranks restores each rank's sums, so the run continues exactly.
-        At a window boundary (``micro_steps == 0``) there is nothing to gather and no collective. FSDP2
-        models accumulate inside FSDP2 until the update micro-step: their state can be taken at a window
-        boundary only (``ValueError`` otherwise).
-        """
-        if self._micro and self._fsdp_sync is not None:
-            raise ValueError(
-                "TrainOp.state_dict(): an FSDP2 model holds the open accumulation window's gradients inside "
-                f"FSDP2 ({self._micro} micro-batch(es) so far); take the state at a window boundary "
-                "(micro_steps == 0)"
-            )
-        acc = [None if q.grad is None else q.grad.detach().clone() for q in self.masters]
-        out = {
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "global_step": self._step.clone(),
-            "host_step": self._host_step,
-            "host_exact": self._host_step_exact(),
-            "micro": self._micro,
-            "accumulators": acc,
-            "summary_attempts": self.summaries.attempts,
-            "items": self._items.clone(),
-        }
-        per_rank, group = self._window_group()
-        if self._micro and per_rank:
-            gathered = self._gather_accumulators(acc, group)
-            if gathered is not None:
-                out["accumulators"], out["accumulators_present"] = gathered
-                out["accumulators_world_size"] = int(gathered[1].shape[1])
-            rows = self._gather_items(group)
-            if rows is not None:
-                out["items"] = rows
-        return out
-
-    def _gather_accumulators(self, acc: list[Tensor | None], group: Any) -> tuple[list, Tensor] | None:
-        """Every rank's accumulators on the group's first rank: ([None or [W, *shape]], present [n, W]);
-        None on the other ranks. One gather for the presence mask and one per dtype for the values."""
-        import torch.distributed as dist
-
-        world, me = dist.get_world_size(group), dist.get_rank(group)
-        dst = dist.get_global_rank(group, 0) if group is not None else 0
-        device = mt.local(self.masters[0]).device
-        dense = [None if a is None else (a.to_dense() if a.is_sparse else a) for a in acc]
-        present = torch.tensor([a is not None for a in dense], dtype=torch.float32, device=device)
-        flags = [torch.empty_like(present) for _ in range(world)] if me == 0 else None
-        dist.gather(present, flags, dst=dst, group=group)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, q in enumerate(self.masters):
-            by_dtype.setdefault(q.dtype, []).append(i)
-        rows: dict[int, list[Tensor]] = {}
-        for dtype, ids in by_dtype.items():
-            flat = torch.cat([(mt.local(dense[i]) if dense[i] is not None else  # type: ignore[arg-type]
-                               torch.zeros(mt.local(self.masters[i]).shape, dtype=dtype, device=device)
-                               ).reshape(-1).to(device=device, dtype=dtype) for i in ids])
-            bufs = [torch.empty_like(flat) for _ in range(world)] if me == 0 else None
-            dist.gather(flat, bufs, dst=dst, group=group)
-            if me == 0:
-                sizes = [mt.local(self.masters[i]).numel() for i in ids]
-                per = [torch.split(b, sizes) for b in bufs]  # type: ignore[union-attr]
-                for k, i in enumerate(ids):
-                    shape = mt.local(self.masters[i]).shape
-                    rows[i] = [per[r][k].view(shape) for r in range(world)]
-        if me != 0:
-            return None
-        mask = torch.stack(flags, 1).bool().cpu()  # type: ignore[arg-type]
-        out = [torch.stack(rows[i]) if bool(mask[i].any()) else None for i in range(len(self.masters))]
-        return out, mask
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (validated before anything changes). Load the model's own state
-        (its half parameters) as well; the master copies come from here. A state holding every rank's
-        accumulators (taken inside a window of a data-parallel run) must be loaded on the same number of
-        ranks; each rank takes its own.
-
-        Every entry is checked first (``TypeError`` for a wrong type, ``ValueError`` otherwise, naming the
-        entry): the counters, the accumulators, the window count, and the optimizer's and scaler's states
-        (loaded into deep copies first). A bad state leaves the train op, its optimizer and scaler as they
-        were."""
-        where = "TrainOp.load_state_dict"
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        if missing:
-            raise ValueError(f"load_state_dict: missing keys {missing}")
-        # the train op's own entries
-        step = check_count("'global_step'", state_dict["global_step"], where=where)
-        host_step = check_count("'host_step'", state_dict["host_step"], where=where)
-        host_exact = state_dict["host_exact"]
-        if not isinstance(host_exact, bool):
-            raise TypeError(f"{where}: 'host_exact' must be a bool, got {type(host_exact).__name__} "
-                            f"({host_exact!r})")
-        if host_exact and self._checks:
-            raise ValueError(f"{where}: 'host_exact' is True, but this train op's loss scaler can skip "
-                             "updates (the host count cannot be exact)")
-        if host_exact and host_step != step:
-            raise ValueError(f"{where}: 'host_step' ({host_step}) must equal 'global_step' ({step}) when "
-                             "'host_exact' is True")
-        micro = check_int("'micro'", state_dict["micro"], where=where, minimum=0)
-        if self.skip_update_ph is None and micro >= self.iter_size:
-            raise ValueError(f"{where}: 'micro' must be < iter_size ({self.iter_size}) (micro-batches in the "
-                             f"open window), got {micro}")
-        attempts = check_int("'summary_attempts'", state_dict["summary_attempts"], where=where, minimum=0)
-        acc = state_dict["accumulators"]
-        if not isinstance(acc, (list, tuple)):
-            raise TypeError(f"{where}: 'accumulators' must be a list, got {type(acc).__name__}")
-        if len(acc) != len(self.masters):
-            raise ValueError("load_state_dict: the state was saved for a different set of parameters")
-        saved_world = state_dict.get("accumulators_world_size")
-        if saved_world is not None:
-            saved_world = check_int("'accumulators_world_size'", saved_world, where=where, minimum=1)
-            acc = self._own_accumulators(acc, saved_world, state_dict.get("accumulators_present"))
-        for i, (a, q) in enumerate(zip(acc, self.masters)):
-            if a is None:
-                continue
-            if not isinstance(a, Tensor):
-                raise TypeError(f"{where}: 'accumulators'[{i}] must be a tensor or None, "
-                                f"got {type(a).__name__}")
-            if tuple(a.shape) != tuple(q.shape):
-                raise ValueError(f"load_state_dict: accumulator shape {tuple(a.shape)} != {tuple(q.shape)} "
-                                 f"('accumulators'[{i}])")
-            if not a.is_floating_point():
-                raise ValueError(f"{where}: 'accumulators'[{i}] must be a floating-point tensor, "
-                                 f"got {a.dtype}")
-            if not self._checks:  # no loss scaler skips a non-finite window here: it would reach the update
-                values = a.coalesce().values() if a.is_sparse else a
-                if not bool(torch.isfinite(values).all()):
-                    raise ValueError(f"{where}: 'accumulators'[{i}] holds NaN or inf values")
-        items = self._saved_items(state_dict.get("items"), saved_world)
-        # the optimizer's and the scaler's states, on copies (their own load_state_dict checks them)
-        copy.deepcopy(self.scaler).load_state_dict(state_dict["scaler"])
-        try:
-            probe = copy.deepcopy(self.optimizer)
-        except Exception:  # noqa: BLE001 - an optimizer that cannot be copied is only checked by its own load
-            probe = None
-        if probe is not None:
-            probe.load_state_dict(state_dict["optimizer"])
-            del probe
-        # everything checked: assign
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self.scaler.load_state_dict(state_dict["scaler"])
-        self._step.fill_(step)
-        self._host_step = host_step
-        self._host_exact = host_exact
-        self._step_seen = self._step._version
-        self._micro = micro
-        self._items.copy_(items)
-        self.summaries.attempts = attempts
-        pos = {id(q): j for j, q in enumerate(self.masters)}
-        if self._mp is not None:
-            self._mp.zero_grad(set_to_none=True)  # drops the wrapper's pending accumulation
-            self._mp.accumulate_grads([acc[pos[id(m)]] for m in self._mp.master_params])
-        half = {id(self.masters[i]) for i in self._half_idx}
-        for a, q in zip(acc, self.masters):
-            if id(q) in half:
-                continue
-            q.grad = None if a is None else a.clone().to(q.dtype)
-        self._lr_error = None
-        try:
-            self._lr_now = self._lr_at_step()
-            self._lr_t = self._lr_tensor(self._lr_now, self._step.device)
-        except Exception as err:  # noqa: BLE001 - the state is loaded; the next update raises it first
-            self._lr_error = err
-
-    def _gather_items(self, group: Any) -> Tensor | None:
-        """Every rank's window count (token-weighted accumulation) on the group's first rank as a [W]
-        tensor; None on the other ranks."""
-        import torch.distributed as dist
-
-        world, me = dist.get_world_size(group), dist.get_rank(group)
-        dst = dist.get_global_rank(group, 0) if group is not None else 0
-        mine = self._items.reshape(1).clone()
-        rows = [torch.empty_like(mine) for _ in range(world)] if me == 0 else None
-        dist.gather(mine, rows, dst=dst, group=group)
-        return torch.cat(rows) if me == 0 else None
-
-    def _saved_items(self, saved: Any, world: int | None) -> Tensor:
-        """The window count to restore (checked): a 0-d tensor, or this rank's entry of a per-rank [W]
-        tensor; 0 for states saved before token-weighted accumulation."""
-        if saved is None:
-            return torch.zeros_like(self._items)
-        if not isinstance(saved, Tensor) or not saved.is_floating_point() or \
-                saved.numel() != (1 if world is None or saved.dim() == 0 else world):
-            raise ValueError("load_state_dict: 'items' must be a floating-point tensor (one entry per rank "
-                             "inside a data-parallel window)")
-        if not bool(torch.isfinite(saved).all()) or bool((saved < 0).any()):
-            raise ValueError("TrainOp.load_state_dict: 'items' (tokens in the open window) must be finite "
-                             "and >= 0")
-        if world is not None and saved.dim() == 1:
-            _, group = self._window_group()
-            import torch.distributed as dist
-
-            saved = saved[dist.get_rank(group)]
-        return saved.reshape(()).to(self._items.device, torch.float64)
-
-    def _own_accumulators(self, acc: Sequence[Any], world: int, present: Any) -> list[Tensor | None]:
-        """This rank's row of accumulators saved for ``world`` ranks (validated)."""
-        per_rank, group = self._window_group()
-        where = "load_state_dict"
-        if not per_rank:
-            raise ValueError(f"{where}: the state holds the accumulators of {world} data-parallel ranks; "
-                             "load it into a data-parallel train op (on_horovod or DDP) on as many ranks")
-        import torch.distributed as dist
-
-        if dist.get_world_size(group) != world:
-            raise ValueError(f"{where}: the state was taken inside an accumulation window on {world} ranks; "
-                             f"resume on {world} ranks (this run has {dist.get_world_size(group)})")
-        if not isinstance(present, Tensor) or tuple(present.shape) != (len(self.masters), world):
-            raise ValueError(f"{where}: 'accumulators_present' must be a [{len(self.masters)}, {world}] "
-                             "tensor")
-        me = dist.get_rank(group)
-        out: list[Tensor | None] = []
-        for i, (a, q) in enumerate(zip(acc, self.masters)):
-            if a is not None and (not isinstance(a, Tensor) or tuple(a.shape) != (world, *q.shape)):
-                raise ValueError(f"{where}: per-rank accumulator {i} must have shape {(world, *q.shape)}")
-            out.append(a[me] if a is not None and bool(present[i, me]) else None)
-        return out
-
-
-def _chain(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """``[opt, its inner optimizer, ...]`` down to the innermost one."""
-    out = [opt]
-    while isinstance(out[-1], OptimizerWrapper):
-        out.append(out[-1].optimizer)
-    return out
