@@ -27,7 +27,8 @@ _STATE_KEYS = ("optimizer", "scaler", "global_step", "host_step", "host_exact", 
 
 
 class TrainOpCheckpoint:
-    """``state_dict``/``load_state_dict`` and the copy/pickle state of a :class:`~optkit.train.TrainOp`."""
+    """The bodies of ``state_dict``/``load_state_dict`` and the copy/pickle state of a
+    :class:`~optkit.train.TrainOp`."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything, and the open window's accumulated gradients with it: a parameter's copy or pickle
@@ -47,19 +48,8 @@ class TrainOpCheckpoint:
             if q.grad is None:
                 q.grad = g
 
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer stack (the wrappers' parts hold the fp32 masters), scaler, open-window accumulators,
-        step counters and summary counter.
-
-        Inside an accumulation window of a data-parallel run (``on_horovod`` or DDP) every rank holds its
-        own unreduced sums, so this is a collective then: **every rank must call it**. The group's first
-        rank (rank 0 of the world by default) gets every rank's accumulators stacked (``[world, *shape]``
-        per parameter, ``"accumulators_world_size"`` set) and is the one to save; the others get their own
-        part. Loading it on the same number of ranks restores each rank's sums, so the run continues exactly.
-        At a window boundary (``micro_steps == 0``) there is nothing to gather and no collective. FSDP2
-        models accumulate inside FSDP2 until the update micro-step: their state can be taken at a window
-        boundary only (``ValueError`` otherwise).
-        """
+    def _state_dict(self) -> dict[str, Any]:
+        """:meth:`TrainOp.state_dict <optkit.train.TrainOp.state_dict>`."""
         if self._micro and self._fsdp_sync is not None:
             raise ValueError(
                 "TrainOp.state_dict(): an FSDP2 model holds the open accumulation window's gradients inside "
@@ -123,16 +113,8 @@ class TrainOpCheckpoint:
         out = [torch.stack(rows[i]) if bool(mask[i].any()) else None for i in range(len(self.masters))]
         return out, mask
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (validated before anything changes). Load the model's own state
-        (its half parameters) as well; the master copies come from here. A state holding every rank's
-        accumulators (taken inside a window of a data-parallel run) must be loaded on the same number of
-        ranks; each rank takes its own.
-
-        Every entry is checked first (``TypeError`` for a wrong type, ``ValueError`` otherwise, naming the
-        entry): the counters, the accumulators, the window count, and the optimizer's and scaler's states
-        (loaded into deep copies first). A bad state leaves the train op, its optimizer and scaler as they
-        were."""
+    def _load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """:meth:`TrainOp.load_state_dict <optkit.train.TrainOp.load_state_dict>`."""
         where = "TrainOp.load_state_dict"
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")

@@ -453,6 +453,35 @@ class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
                 scale = g.get("lr_scale", 1.0)  # torch optimizers do not apply a group's lr_scale
                 g["lr"] = value if scale == 1.0 else value * scale
 
+    # ---- checkpoint (its parts: optkit._train_checkpoint) ------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer stack (the wrappers' parts hold the fp32 masters), scaler, open-window accumulators,
+        step counters and summary counter.
+
+        Inside an accumulation window of a data-parallel run (``on_horovod`` or DDP) every rank holds its
+        own unreduced sums, so this is a collective then: **every rank must call it**. The group's first
+        rank (rank 0 of the world by default) gets every rank's accumulators stacked (``[world, *shape]``
+        per parameter, ``"accumulators_world_size"`` set) and is the one to save; the others get their own
+        part. Loading it on the same number of ranks restores each rank's sums, so the run continues exactly.
+        At a window boundary (``micro_steps == 0``) there is nothing to gather and no collective. FSDP2
+        models accumulate inside FSDP2 until the update micro-step: their state can be taken at a window
+        boundary only (``ValueError`` otherwise).
+        """
+        return self._state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (validated before anything changes). Load the model's own state
+        (its half parameters) as well; the master copies come from here. A state holding every rank's
+        accumulators (taken inside a window of a data-parallel run) must be loaded on the same number of
+        ranks; each rank takes its own.
+
+        Every entry is checked first (``TypeError`` for a wrong type, ``ValueError`` otherwise, naming the
+        entry): the counters, the accumulators, the window count, and the optimizer's and scaler's states
+        (loaded into deep copies first). A bad state leaves the train op, its optimizer and scaler as they
+        were."""
+        self._load_state_dict(state_dict)
+
     # ---- one micro-step -----------------------------------------------------------------------------------
 
     def __call__(self, *inputs: Any, skip_update: bool | None = None, **kw_inputs: Any) -> StepResult:
