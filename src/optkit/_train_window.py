@@ -143,7 +143,7 @@ class TrainOpWindow:
         inner = optimizer_chain(self.optimizer)[-1]
         zeroed, self._zeroed = self._zeroed, frozenset()
         if isinstance(inner, _OptkitOptimizer):  # its parameters are the masters
-            inner._zero_grad(True, zeroed)  # less the flat groups the update's pass zeroed in cache
+            inner.engine.zero_grad(True, zeroed)  # less the flat groups the update's pass zeroed in cache
         else:
             for q in self.masters:
                 q.grad = None

@@ -48,6 +48,7 @@ from . import _multi_tensor as mt
 from ._amp import AmpProtocol
 from ._arguments import accepted_keywords, check_call
 from ._core.context import StepContext, StepResult
+from ._core.interface import EngineInterface
 from ._gc import gc_paused
 from ._state_dict import validate_torch_state_dict
 from ._tf_surface import autograd_pairs as _autograd_pairs
@@ -58,6 +59,18 @@ from .schedules import applies_lr_scale
 
 __all__ = ["OptimizerWrapper", "protocol_level", "step_inner"]
 
+
+
+def _engine(opt: torch.optim.Optimizer) -> EngineInterface | None:
+    """The engine interface of an optkit optimizer (``opt.engine``); None for any other optimizer."""
+    return opt.engine if isinstance(opt, Optimizer) else None
+
+
+def may_hold_dtensors(opt: torch.optim.Optimizer) -> bool:
+    """Whether the innermost optimizer of ``opt`` may hold DTensor parameters (an optkit one knows; any other
+    may), whose ``Partial`` gradients are reduced before anything reads them."""
+    engine = _engine(_innermost(opt))
+    return True if engine is None else engine.any_dtensor
 
 
 def protocol_level(opt: torch.optim.Optimizer) -> str:
@@ -177,8 +190,9 @@ def refuse_inside_ema_weights(opt: torch.optim.Optimizer) -> torch.optim.Optimiz
     """``RuntimeError`` when the innermost optkit optimizer of ``opt`` is inside an ``ema_weights()`` block
     (asked at the top of a wrapper's step, before anything changes); returns that innermost optimizer."""
     inner = _innermost(opt)
-    if hasattr(inner, "_refuse_inside_ema_weights"):
-        inner._refuse_inside_ema_weights()
+    engine = _engine(inner)
+    if engine is not None:
+        engine.refuse_inside_ema_weights()
     return inner
 
 
@@ -363,8 +377,11 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
     def _current_lr(self, group: dict, commit: bool = False, found_inf: Tensor | None = None) -> Tensor:
         """This step's learning rate of ``group`` as a 0-d fp32 tensor (the inner optimizer's own rule)."""
         inner = self.optimizer
-        if hasattr(inner, "_current_lr"):
+        if isinstance(inner, OptimizerWrapper):
             return inner._current_lr(group, commit, found_inf)
+        engine = _engine(inner)
+        if engine is not None:
+            return engine.current_lr(group, commit, found_inf)
         lr = group["lr"]
         if isinstance(lr, Tensor):
             return lr.detach().to(device=self._device(), dtype=torch.float32).reshape(())
@@ -375,11 +392,8 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         inner = self.optimizer
         if isinstance(inner, OptimizerWrapper):
             inner._remap_params(mapping)
-        elif hasattr(inner, "_wd_exclude_ids"):
-            ids = inner._wd_exclude_ids
-            inner._wd_exclude_ids = {id(mapping[i]) if i in mapping else i for i in ids}
-            for g in inner.param_groups:  # (its record of the group's tensors, by which names follow them)
-                inner._record_group(g)
+        elif _engine(inner) is not None:  # its decay exclusions by identity and its records of names
+            _engine(inner).remap_params(mapping)
 
     # --------------------------------------------------------------------------------------- step
 
@@ -414,8 +428,8 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         """One step of this wrapper under ``context`` (the step protocol as a value, module doc); returns
         what the step did. The caller runs the step hooks (``step()`` is this, between them, with the
         context its attributes set)."""
-        inner = refuse_inside_ema_weights(self)
-        if getattr(inner, "_any_dtensor", True):  # before any wrapper reads a gradient
+        refuse_inside_ema_weights(self)
+        if may_hold_dtensors(self):  # before any wrapper reads a gradient
             mt.reduce_partial_grads_(self._all_params())
         with gc_paused(sum(len(g["params"]) for g in self.param_groups)):
             return self._wrapped_step(context)

@@ -263,11 +263,10 @@ def get_optimizer_state_dict(
 
 
 def _ema_buffer_state(inner: Any) -> dict[str, Tensor] | None:
-    """An optkit optimizer's buffer averages (``ema_buffers``) by name, copied; None without them."""
-    pairs = getattr(inner, "_ema_buffers", None)
-    if not pairs:
-        return None
-    return {n: a.detach().clone() for (n, _), a in zip(pairs, inner._ema_buffer_avgs)}
+    """An optkit optimizer's buffer averages (``ema_buffers``) by name, copied; None without them (and for
+    any other optimizer)."""
+    engine = getattr(inner, "engine", None)
+    return None if engine is None else engine.ema_buffer_state()
 
 
 def set_optimizer_state_dict(
@@ -299,7 +298,7 @@ def set_optimizer_state_dict(
         saved_buffers = _placed_like(saved_buffers, live_buffers)
     buffer_avgs = None
     if saved_buffers is not None or live_buffers is not None:  # checked before anything is loaded
-        buffer_avgs = inner._check_ema_buffers(saved_buffers)
+        buffer_avgs = inner.engine.check_ema_buffers(saved_buffers)
     broadcast = bool(chain and options is not None and options.broadcast_from_rank0)
     if broadcast:
         saved = _broadcast_placed(saved, [{"type": type(w).__name__, **w._own_state()} for w in chain])
@@ -317,9 +316,7 @@ def set_optimizer_state_dict(
         w._check_own_state(own)
     dsd.set_optimizer_state_dict(model, view, osd, options=options)
     if buffer_avgs is not None:
-        with torch.no_grad():
-            for a, v in zip(inner._ema_buffer_avgs, buffer_avgs):
-                a.copy_(v)
+        inner.engine.load_ema_buffers(buffer_avgs)
     for w, own in zip(chain, owns):
         w._load_own_state(own)
 

@@ -271,7 +271,7 @@ class LARC(OptimizerWrapper):
         for gi, group in enumerate(self.param_groups):
             if not group["params"]:
                 continue
-            fp = inner._flat_part(group, seen)
+            fp = inner.engine.flat_part(group, seen)
             if fp is None:
                 return None
             out.append((gi, group, fp))
@@ -390,7 +390,7 @@ class LARC(OptimizerWrapper):
         past ``COMPILE_WARN_TENSORS`` parameters), or when compiling fails (the inner optimizer warns once
         and is eager from then on)."""
         inner = self.optimizer
-        call = inner._compiled_pass(norm_sums, len(params)) if isinstance(inner, Optimizer) else None
+        call = inner.engine.compiled_pass(norm_sums, len(params)) if isinstance(inner, Optimizer) else None
         if call is None or any(t.device != dev for t in params):
             return None
         sums = call(params, grads)

@@ -49,7 +49,7 @@ from ._wrapper import (
     ScaledGradsFlag,
     _autograd_pairs,
     _check_pairs,
-    _innermost,
+    may_hold_dtensors,
     protocol_level,
     refuse_inside_ema_weights,
 )
@@ -204,7 +204,7 @@ def _check_scaled(wrapper: Any, matters: bool) -> None:
 
 
 def _scaled_step(wrapper: Any, context: StepContext) -> StepResult:
-    if getattr(_innermost(wrapper), "_any_dtensor", True):  # before the non-finite check reads them
+    if may_hold_dtensors(wrapper):  # before the non-finite check reads them
         mt.reduce_partial_grads_(wrapper._all_params())
     with gc_paused(sum(len(g["params"]) for g in wrapper.param_groups)):
         result = wrapper._wrapped_step(context)

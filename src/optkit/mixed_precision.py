@@ -128,7 +128,7 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
             # state the optimizer built on the half parameters and nothing has written since (no step, no
             # load) is built again on the masters, in fp32: the run then follows the one built on fp32
             # parameters (as ``wrap`` builds it), not one that started from half-rounded fills
-            inner._refill_initial_slots(replaced)
+            inner.engine.refill_initial_slots(replaced)
         if mapping:
             self._remap_params(mapping)
 

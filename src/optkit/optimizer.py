@@ -58,6 +58,7 @@ from ._core.context import StepContext, StepResult
 from ._core.ema import EmaMixin
 from ._core.gradients import GradientsMixin
 from ._core.groups import GroupsMixin
+from ._core.interface import EngineInterface
 from ._core.learning_rate import LearningRateMixin
 from ._core.passes import PassesMixin
 from ._core.slots import SlotsMixin
@@ -343,6 +344,12 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
                 loss = closure()
         self.apply_step(StepContext.from_attributes(self))
         return loss
+
+    @property
+    def engine(self) -> EngineInterface:
+        """What optkit's wrappers, train op and checkpoint helpers may ask of this optimizer beyond its torch
+        and Keras surface (:class:`~optkit._core.interface.EngineInterface`); not needed to train."""
+        return EngineInterface(self)
 
     @torch.no_grad()
     def apply_step(self, context: StepContext) -> StepResult:

@@ -678,10 +678,10 @@ class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
 
     def _compiled_check(self, whole: list[Tensor] | None, grads: list[Tensor]):
         """The compiled norm-and-check pass (:func:`optkit._compile.norm_check_sums`) under the optimizer's
-        ``jit_compile`` (:meth:`optkit.Optimizer._compiled_pass`), or None for the eager passes: also over
+        ``jit_compile`` (``engine.compiled_pass``), or None for the eager passes: also over
         flat parameters whose optimizer has no plan yet (the first update reads the per-tensor gradients;
         every later one the flat gradients, a graph of its own), so as not to compile for that one update."""
-        call = self.base_optimizer._compiled_pass(norm_check_sums, len(whole or grads)) \
+        call = self.base_optimizer.engine.compiled_pass(norm_check_sums, len(whole or grads)) \
             if self._optkit_inst else None
         if call is None or (whole is None and self.masters and flat_buffer_of(self.masters[0]) is not None):
             return None
