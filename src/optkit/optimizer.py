@@ -128,8 +128,8 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
     ``maximize``, ``trust_coefficient``, ...) is refused before anything is built, with the optkit spelling
     (``optkit._arguments.HINTS``); ``use_nesterov`` (TF1) is accepted for ``nesterov``.
 
-    Subclasses set ``slot_names``, implement :meth:`_update` and ``_pointwise`` (and optionally
-    :meth:`_prepare`, :meth:`_slot_fill`, :meth:`_sparse_update`).
+    Subclasses set ``slot_names`` and ``_pointwise`` with :meth:`_pointwise_hyper` (and optionally a faster
+    :meth:`_update`, :meth:`_prepare`, :meth:`_slot_fill`, :meth:`_sparse_update`).
     """
 
     slot_names: tuple[str, ...] = ()
@@ -597,8 +597,14 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         aux: list | None,
     ) -> None:
         """The update rule over (chunks of) local tensors. The true gradient is ``k·grads`` (``k`` None
-        means 1); when ``found_inf`` is 1 nothing may change. Subclasses implement this."""
-        raise TypeError(f"{type(self).__name__} must implement _update()")
+        means 1); when ``found_inf`` is 1 nothing may change. Default: the pointwise rule (``_pointwise``)
+        through :meth:`_pointwise_fallback`, which leaves ``k·g`` in the gradients."""
+        self._pointwise_fallback(group, params, grads, [slots[s] for s in self._active_slots(group)], lr, k,
+                                 found_inf, aux)
+
+    def _update_writes_grads(self, group: dict) -> bool:
+        """The class's ``traits.writes_grads``; False with the default :meth:`_update` (only ``k·g``)."""
+        return type(self)._update is not Optimizer._update and super()._update_writes_grads(group)
 
     def _update_one(self, group: dict, index: int, p: Tensor, g: Tensor, lr: Tensor) -> None:
         """The rule on one parameter with gradient ``g`` (Keras ``update_step``)."""
