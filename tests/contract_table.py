@@ -315,6 +315,9 @@ ROWS: list[Row] = [
         "lamb", {"beta1": 0.8, "weight_decay": 0.02, "lambc": True, "bias_correction": False,
                  "always_adapt": True}, {"use_ema": True, "ema_momentum": 0.9, "ema_warmup": True},
         per_tensor=_lamb_skip_bias),
+    Row("Lion-wd-exclude", lambda ps, lr: _excluding_bias(optkit.Lion(
+        _named(ps), lr, beta1=0.8, weight_decay=0.5)),
+        "lion", {"beta1": 0.8}, {"weight_decay": 0.5}, decay_mask=_bias_mask, uses_names=True),
     # ---- wrappers and stacks
     Row("LossScale(SGD,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
         optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), optkit.DynamicLossScale(256.0)),

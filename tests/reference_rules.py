@@ -156,9 +156,20 @@ def lamb(w, g, st, lr, t, hp):
     return w - lr * r * u
 
 
+def lion(w, g, st, lr, t, hp):
+    """Lion, Chen et al. 2023 (arXiv:2302.06675) Algorithm 2: ``c = β1·m + (1 − β1)·g``,
+    ``w ← w − lr·sign(c)``, ``m ← β2·m + (1 − β2)·g`` (its decoupled decay ``w ← w − lr·λ·w`` is the
+    pipeline's ``weight_decay``)."""
+    b1, b2 = hp.get("beta1", 0.9), hp.get("beta2", 0.99)
+    m = st.get("m", np.zeros_like(w))
+    c = b1 * m + (1 - b1) * g
+    st["m"] = b2 * m + (1 - b2) * g
+    return w - lr * np.sign(c)
+
+
 RULES: dict[str, Callable] = {
     "keras_sgd": keras_sgd, "momentum": tf_momentum, "adam": adam, "adagrad": adagrad,
-    "rmsprop": tf_rmsprop, "ftrl": ftrl, "lars": lars, "lamb": lamb,
+    "rmsprop": tf_rmsprop, "ftrl": ftrl, "lars": lars, "lamb": lamb, "lion": lion,
 }
 
 

@@ -11,7 +11,7 @@ import torch
 import optkit
 from optkit import OPTIMIZER_CLS_NAMES, Adagrad, Adam, AdamW, Momentum, RMSProp, get_optimizer
 
-NAMES = ["SGD", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp", "Ftrl", "LARS", "LAMB"]
+NAMES = ["SGD", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp", "Ftrl", "LARS", "LAMB", "Lion"]
 EXTRA = {"Momentum": {"momentum": 0.9}, "AdamW": {"weight_decay": 0.01}}
 
 

@@ -52,7 +52,9 @@ adagrad = optkit.Adagrad(model.parameters(), 0.1, initial_accumulator_value=0.1,
 assert_type(adagrad, optkit.Adagrad)
 ftrl = optkit.Ftrl(model.parameters(), 0.1, l1_regularization_strength=0.01)
 assert_type(ftrl, optkit.Ftrl)
-for opt in (sgd, adamw, adam, momentum, lars, lamb, rms, adagrad, ftrl):
+lion = optkit.Lion(model.parameters(), 1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1, clipnorm=1.0)
+assert_type(lion, optkit.Lion)
+for opt in (sgd, adamw, adam, momentum, lars, lamb, rms, adagrad, ftrl, lion):
     train(opt, steps=1)
 
 # a learning rate may be a schedule, a callable (of nothing, or of the step) or a 0-d tensor

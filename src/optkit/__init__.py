@@ -3,9 +3,9 @@
 Everything public is importable from here. The modules are small and named for what they hold:
 ``clipping`` (global-norm and per-tensor clipping), ``lr_policies`` / ``schedules`` (OpenSeq2Seq learning-rate
 policies), ``loss_scale`` (fixed, dynamic, Backoff and LogMax scalers), ``optimizer`` (the Keras-style base),
-``sgd`` / ``momentum`` / ``adam`` / ``adagrad`` / ``rmsprop`` / ``ftrl`` / ``lars`` (optimizers, one file
-each), ``registry`` (optimizers by name), ``param_rules`` (param groups by name, layer-wise decay,
-``create_optimizer``), the wrappers
+``sgd`` / ``momentum`` / ``adam`` / ``adagrad`` / ``rmsprop`` / ``ftrl`` / ``lars`` / ``lamb`` / ``lion``
+(optimizers, one file each), ``registry`` (optimizers by name), ``param_rules`` (param groups by name,
+layer-wise decay, ``create_optimizer``), the wrappers
 (``variable_clipping``, ``loss_scale_optimizer``, ``mixed_precision``, ``larc``) and ``train``
 (``optimize_loss``). All per-parameter arithmetic lives in the private ``_multi_tensor`` layer.
 """
@@ -32,7 +32,7 @@ __all__ = [
     "LossScale", "FixedLossScale", "DynamicLossScale", "BackoffScaler", "LogMaxScaler", "AutomaticLossScaler",
     "LossScaleAtMinimumWarning", "get_loss_scale",
     # optimizers
-    "Optimizer", "SGD", "LARS", "LAMB", "Ftrl", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp",
+    "Optimizer", "SGD", "LARS", "LAMB", "Ftrl", "Momentum", "Adam", "AdamW", "Adagrad", "RMSProp", "Lion",
     "OPTIMIZER_CLS_NAMES", "get_optimizer",
     # parameter rules by name, layer-wise decay, the optimizer front door
     "param_groups", "ParamGroups", "create_optimizer",
@@ -65,6 +65,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     ".lamb": ("LAMB",),
     ".larc": ("LARC",),
     ".lars": ("LARS",),
+    ".lion": ("Lion",),
     ".loss_scale": (
         "AutomaticLossScaler", "BackoffScaler", "DynamicLossScale", "FixedLossScale", "LogMaxScaler",
         "LossScale", "LossScaleAtMinimumWarning", "get_loss_scale",
@@ -128,6 +129,7 @@ if TYPE_CHECKING:  # the same names, imported eagerly, for type checkers and IDE
     from .lamb import LAMB
     from .larc import LARC
     from .lars import LARS
+    from .lion import Lion
     from .loss_scale import (
         AutomaticLossScaler,
         BackoffScaler,

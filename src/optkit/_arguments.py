@@ -67,7 +67,7 @@ _TRUST_OTHERWISE = "{cls} has no trust ratio (LARS, LAMB and optkit.LARC(opt, la
 HINTS: dict[str, Hint] = {
     "lr": Hint("torch's name", ((("learning_rate",), ""),), "{cls} has no learning rate"),
     "betas": Hint("torch's and timm's name", ((("beta1", "beta2"), "betas=(b1, b2) is beta1=b1, beta2=b2"),),
-                  "{cls} has no beta1/beta2 (Adam, AdamW and LAMB have)"),
+                  "{cls} has no beta1/beta2 (Adam, AdamW, LAMB and Lion have)"),
     "beta_1": Hint("Keras 3's name", ((("beta1",), ""),), "{cls} has no beta1"),
     "beta_2": Hint("Keras 3's name", ((("beta2",), ""),), "{cls} has no beta2"),
     "eps": Hint("torch's name", ((("epsilon",), ""),), "{cls} has no epsilon"),

@@ -15,6 +15,7 @@ exists from construction), called as ``cls(params, learning_rate=..., **optimize
 | Ftrl | :class:`optkit.Ftrl` | ``FtrlOptimizer`` |
 | LARS | :class:`optkit.LARS` | ``contrib.opt.LARSOptimizer`` |
 | LAMB | :class:`optkit.LAMB` (You et al. 2019, Algorithm 2) | — (TF Addons ``LAMB``, Keras 3 ``Lamb``) |
+| Lion | :class:`optkit.Lion` (Chen et al. 2023, Algorithm 2) | — (Keras 3 ``Lion``) |
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .adam import Adam, AdamW
 from .ftrl import Ftrl
 from .lamb import LAMB
 from .lars import LARS
+from .lion import Lion
 from .momentum import Momentum
 from .optimizer import Optimizer
 from .rmsprop import RMSProp
@@ -47,6 +49,7 @@ OPTIMIZER_CLS_NAMES: dict[str, type[Optimizer]] = {
     "Ftrl": Ftrl,
     "LARS": LARS,
     "LAMB": LAMB,
+    "Lion": Lion,
 }
 
 

@@ -101,7 +101,7 @@ class TrainConfig:
     optimizer: str = _opt(
         "LARS",
         "optimizer name from optkit's registry (OPTIMIZER_CLS_NAMES: SGD, Momentum, Adam, AdamW, Adagrad, "
-        "RMSProp, Ftrl, LARS, LAMB; any letter case)",
+        "RMSProp, Ftrl, LARS, LAMB, Lion; any letter case)",
         "optimize_loss",
     )
     optimizer_params: dict = _opt(
