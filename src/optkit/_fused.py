@@ -19,14 +19,17 @@ a kernel: the optimizer base coalesces or densifies sparse gradients and creates
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from . import _multi_tensor as mt
+
 __all__ = [
-    "KERNELS", "Part", "partition", "is_dense", "native_dtype_ok", "staged", "split_by_mask", "unscale_arg",
+    "KERNELS", "Call", "Part", "kernel_calls", "partition", "is_dense", "native_dtype_ok", "staged",
+    "split_by_mask", "unscale_arg",
 ]
 
 _FLOATS = (torch.float32, torch.float64)
@@ -190,3 +193,38 @@ def split_by_mask(
         sel = [j for j, f in enumerate(flags) if f == flag]
         out.append((flag, tuple([lst[j] for j in sel] for lst in lists)))
     return out
+
+
+class Call(NamedTuple):
+    """The arguments one fused-kernel call shares with every optimizer: ``lists`` (parameters, gradients,
+    slots), and the keywords ``lr``, ``weight_decay``, ``grad_scale`` and ``found_inf``; ``state_steps`` is
+    the kernel's per-tensor step list (None without a ``step``)."""
+
+    lists: tuple[list[Tensor], ...]
+    lr: Tensor
+    weight_decay: float
+    grad_scale: Tensor | None
+    found_inf: Tensor | None
+    state_steps: list[Tensor] | None
+
+
+def kernel_calls(
+    parts: Iterable[tuple[torch.device, torch.dtype, list[int], tuple[list[Tensor], ...], Tensor | None]],
+    lr: Tensor,
+    k: Tensor | None,
+    weight_decay: float = 0.0,
+    mask: Sequence[bool] | None = None,
+    step: Tensor | None = None,
+) -> Iterator[Call]:
+    """The kernel calls of ``parts`` (``(device, dtype, index, lists, found_inf)``, as the optimizer base's
+    fused-kernel loop yields them) for a kernel that takes the learning rate as a tensor: per part the
+    gradient multiplier ``k`` as ``grad_scale`` (:func:`unscale_arg`), ``lr`` in the part's accumulation
+    dtype on its device and ``step`` on its device; then one call per side of the weight-decay ``mask``
+    (:func:`split_by_mask`; ``weight_decay`` where True, 0 where False)."""
+    for device, dtype, index, lists, fi in parts:
+        scale = unscale_arg(k, lists[1], device, dtype)
+        lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
+        t = None if step is None else step.to(device)
+        for decayed, sub in split_by_mask(mask, index, lists):
+            yield Call(sub, lr_, weight_decay if decayed else 0.0, scale, fi,
+                       None if t is None else [t] * len(sub[0]))

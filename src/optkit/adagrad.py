@@ -24,7 +24,7 @@ from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
 from ._core.traits import Traits
-from ._fused import split_by_mask, unscale_arg
+from ._fused import kernel_calls
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["Adagrad"]
@@ -99,21 +99,13 @@ class Adagrad(Optimizer):
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         lr_decay, wd, eps = self._pointwise_hyper(group)
-        t = aux[0][0]
         mask = [d for _, d in aux] if wd and not all(d for _, d in aux) else None
-        for device, dtype, mode, ix, part in self._kernel_parts("adagrad", (params, grads, slots["sum"]),
-                                                                 (0, 2) if k is None else (0, 1, 2)):
-            fi = None if found_inf is None else found_inf.to(device)
-            if mode == "fallback":
-                self._pointwise_fallback(group, part[0], part[1], part[2:], lr, k, fi, [aux[i] for i in ix])
-                continue
-            scale = unscale_arg(k, part[1], device, dtype)
-            lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
-            t_ = t.to(device)
-            for decayed, (p, g, s) in split_by_mask(mask, ix, part):
-                torch._fused_adagrad_(p, g, s, [t_] * len(p), lr=lr_, lr_decay=lr_decay,
-                                      weight_decay=wd if decayed else 0.0, eps=eps, maximize=False,
-                                      grad_scale=scale, found_inf=fi)
+        parts = self._fused_parts("adagrad", group, (params, grads, slots["sum"]), lr, k, found_inf, aux)
+        for c in kernel_calls(parts, lr, k, wd, mask, step=aux[0][0]):
+            p, g, s = c.lists
+            torch._fused_adagrad_(p, g, s, c.state_steps, lr=c.lr, lr_decay=lr_decay,
+                                  weight_decay=c.weight_decay, eps=eps, maximize=False,
+                                  grad_scale=c.grad_scale, found_inf=c.found_inf)
 
     def _check_sparse(self, group: dict) -> None:
         if group["weight_decay"]:

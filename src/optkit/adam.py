@@ -30,9 +30,8 @@ from typing import Any
 import torch
 from typing_extensions import Unpack
 
-from . import _multi_tensor as mt
 from ._core.traits import Traits
-from ._fused import split_by_mask, unscale_arg
+from ._fused import kernel_calls
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["Adam", "AdamW"]
@@ -150,25 +149,15 @@ class Adam(Optimizer):
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         beta1, beta2, eps, amsgrad, wd, _ = self._pointwise_hyper(group)
-        t = aux[0][0]
         mask = [d for _, d in aux] if wd and not all(d for _, d in aux) else None
-        names = self._active_slots(group)
-        lists = (params, grads) + tuple(slots[s] for s in names)
+        lists = (params, grads) + tuple(slots[s] for s in self._active_slots(group))
         kernel = torch._fused_adamw_ if self._kernel_name == "adamw" else torch._fused_adam_
-        written = (0, *range(2, len(lists))) if k is None else tuple(range(len(lists)))  # (k·g: see base)
-        for device, dtype, mode, ix, part in self._kernel_parts("adam", lists, written):
-            fi = None if found_inf is None else found_inf.to(device)
-            if mode == "fallback":
-                self._pointwise_fallback(group, part[0], part[1], part[2:], lr, k, fi, [aux[i] for i in ix])
-                continue
-            scale = unscale_arg(k, part[1], device, dtype)
-            lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
-            t_ = t.to(device)
-            for decayed, sub in split_by_mask(mask, ix, part):
-                p, g, m, v = sub[:4]
-                kernel(p, g, m, v, sub[4] if amsgrad else [], [t_] * len(p),
-                       lr=lr_, beta1=beta1, beta2=beta2, weight_decay=wd if decayed else 0.0, eps=eps,
-                       amsgrad=amsgrad, maximize=False, grad_scale=scale, found_inf=fi)
+        parts = self._fused_parts("adam", group, lists, lr, k, found_inf, aux)
+        for c in kernel_calls(parts, lr, k, wd, mask, step=aux[0][0]):
+            p, g, m, v, *vmax = c.lists
+            kernel(p, g, m, v, vmax[0] if amsgrad else [], c.state_steps, lr=c.lr, beta1=beta1, beta2=beta2,
+                   weight_decay=c.weight_decay, eps=eps, amsgrad=amsgrad, maximize=False,
+                   grad_scale=c.grad_scale, found_inf=c.found_inf)
 
 
 class AdamW(Adam):

@@ -322,12 +322,9 @@ class LARS(Optimizer):
         nesterov = bool(group["nesterov"])
         b15 = group["variant"] == "tf1.15"
         lists = (params, grads, slots["momentum"])
-        for device, dtype, mode, ix, (p, g, a) in self._kernel_parts("sgd", lists, (0, 2)):
-            fi = None if found_inf is None else found_inf.to(device)
+        for device, dtype, ix, (p, g, a), fi in self._fused_parts("sgd", group, lists, lr, k, found_inf, aux,
+                                                                  (0, 2)):
             part_aux = aux if len(ix) == len(params) else [aux[i] for i in ix]
-            if mode == "fallback":
-                self._pointwise_fallback(group, p, g, [a], lr, k, fi, part_aux)
-                continue
             f1, f2 = (list(x) for x in zip(*part_aux))  # (s·k, s·wd) for TF 1.15, (s, s·m) for TF 1.14
             if b15 and len(p) <= _SCALE_IN_KERNEL and self._block is not None and dtype != torch.float64 \
                     and f1[0].dim() == 0:  # (not the (rows, 1) columns of a flat buffer's row runs)

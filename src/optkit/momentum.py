@@ -32,7 +32,7 @@ from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
 from ._core.traits import Traits
-from ._fused import split_by_mask, unscale_arg
+from ._fused import kernel_calls
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_nesterov, check_number
 
 __all__ = ["Momentum"]
@@ -101,23 +101,15 @@ class Momentum(Optimizer):
         return None
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
+        """``aux``: the weight-decay mask (see :meth:`_prepare`) or None."""
         m, nesterov, wd = self._pointwise_hyper(group)
         lists = (params, grads, slots["momentum_buffer"])
-        written = (0, 2) if k is None else (0, 1, 2)  # (k·g left in the gradients: see the base)
-        for device, dtype, mode, ix, part in self._kernel_parts("sgd", lists, written):
-            fi = None if found_inf is None else found_inf.to(device)
-            if mode == "fallback":
-                self._pointwise_fallback(group, *part[:2], [part[2]], lr, k, fi,
-                                         None if aux is None else [aux[i] for i in ix])
-                continue
-            scale = unscale_arg(k, part[1], device, dtype)
-            lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
-            for decayed, (p, g, b) in split_by_mask(aux, ix, part):
-                torch._fused_sgd_(
-                    p, g, b if m else [],
-                    weight_decay=wd if decayed else 0.0, momentum=m, lr=lr_, dampening=0.0,
-                    nesterov=nesterov, maximize=False, is_first_step=False, grad_scale=scale, found_inf=fi,
-                )
+        parts = self._fused_parts("sgd", group, lists, lr, k, found_inf, aux)
+        for c in kernel_calls(parts, lr, k, wd, aux):
+            p, g, b = c.lists
+            torch._fused_sgd_(p, g, b if m else [], weight_decay=c.weight_decay, momentum=m, lr=c.lr,
+                              dampening=0.0, nesterov=nesterov, maximize=False, is_first_step=False,
+                              grad_scale=c.grad_scale, found_inf=c.found_inf)
 
     def _check_sparse(self, group: dict) -> None:
         if group["weight_decay"]:

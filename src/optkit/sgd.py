@@ -55,6 +55,12 @@ def _keras_sgd_pointwise(hyper, w, g, slots, lr, k, aux):
     return w + v, [v]
 
 
+def _stacked(mult, device):
+    """Per-tensor multipliers (0-d tensors, None for 1) as one float32 vector on ``device``."""
+    one = torch.ones((), dtype=torch.float32, device=device)
+    return torch.stack([one if x is None else x.to(device).reshape(()) for x in mult])
+
+
 class SGD(Optimizer):
     """Gradient descent with optional (Nesterov) momentum, in the Keras form, plus every base option.
 
@@ -116,6 +122,14 @@ class SGD(Optimizer):
         damp64 = float(group["momentum"]) != 0.0 and self._has_fp64(group)  # (no dampening form: _update)
         return bool(group["nesterov"]) or not host or damp64
 
+    def _pointwise_fallback(self, group, params, grads, slot_lists, lr, k, found_inf, aux) -> None:
+        """The base's, after the per-tensor multipliers ``aux`` (see :meth:`_update`), when there are any,
+        went into the gradients."""
+        if aux is not None:
+            m = _stacked(aux, params[0].device)
+            torch._foreach_mul_(grads, list(m.to(params[0].dtype).unbind()))
+        super()._pointwise_fallback(group, params, grads, slot_lists, lr, k, found_inf, None)
+
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
         """``aux``: None, or per-tensor gradient multipliers ``m`` (0-d tensors or None for 1) from a wrapper
         such as LARC; the true gradient is then ``m·k·g`` and each tensor gets its own kernel call with
@@ -132,17 +146,9 @@ class SGD(Optimizer):
         lists, written = ((params, grads, bufs), (0, 2)) if bufs else ((params, grads), (0,))
         if host_lr is not None and k is not None:  # (the kernel leaves k·g in the gradients: see the base)
             written = (*written, 1)
-        for device, dtype, mode, ix, (p, g, *b) in self._kernel_parts("sgd", lists, written):
-            fi = None if found_inf is None else found_inf.to(device)
-            m = None
-            if mult is not None:
-                one = torch.ones((), dtype=torch.float32, device=device)
-                m = torch.stack([one if mult[i] is None else mult[i].to(device).reshape(()) for i in ix])
-            if mode == "fallback":
-                if m is not None:
-                    torch._foreach_mul_(g, list(m.to(dtype).unbind()))
-                self._pointwise_fallback(group, p, g, b, lr, k, fi, None)
-                continue
+        parts = self._fused_parts("sgd", group, lists, lr, k, found_inf, mult, written)
+        for device, dtype, ix, (p, g, *b), fi in parts:
+            m = None if mult is None else _stacked([mult[i] for i in ix], device)
             # (not for float64 with a buffer: 1 − fl(1 + lr) is −lr only to 1e-16 absolute, 1e-12 relative for
             # an lr of 1e-4, where float64 runs promise 1e-12)
             if host_lr is not None and not (b and dtype == torch.float64):

@@ -466,6 +466,26 @@ class PassesMixin:
         if k is not None:  # k·g left in the gradients, as the fused kernels' grad_scale leaves it
             mt.scale_(grads, k)
 
+    def _fused_parts(
+        self, kernel: str, group: dict, lists: Sequence[Sequence[Tensor]], lr: Tensor, k: Tensor | None,
+        found_inf: Tensor | None, aux: Sequence | None, written: Sequence[int] | None = None,
+    ) -> Iterator[tuple[torch.device, torch.dtype, list[int], tuple[list[Tensor], ...], Tensor | None]]:
+        """The fused-kernel loop of an :meth:`_update`: :meth:`_kernel_parts` over ``lists`` with the parts
+        that have no kernel on their device run by :meth:`_pointwise_fallback` (``aux`` cut to the part, the
+        slots ``lists[2:]``). Yields ``(device, dtype, index, lists, found_inf)`` for the parts a kernel runs
+        on, ``found_inf`` on the part's device (:func:`optkit._fused.kernel_calls` turns them into kernel
+        arguments). ``written`` defaults to what the kernels write: every list but the gradients, and the
+        gradients too when ``k`` is set (``grad_scale`` leaves ``k·g`` there)."""
+        if written is None:
+            written = (0, *range(2, len(lists))) if k is None else tuple(range(len(lists)))
+        for device, dtype, mode, ix, part in self._kernel_parts(kernel, lists, written):
+            fi = None if found_inf is None else found_inf.to(device)
+            if mode == "fallback":
+                self._pointwise_fallback(group, part[0], part[1], part[2:], lr, k, fi,
+                                         None if aux is None else [aux[i] for i in ix])
+            else:
+                yield device, dtype, ix, part, fi
+
     def _light_plan(self, group: dict, idx: list[int], params: list[Tensor]) -> PlanView:
         """What :meth:`_prepare` and the chain need of a plan, without storage pointers or blocks (for
         ``torch.compile`` tracing, where there is no storage)."""
