@@ -40,6 +40,7 @@ __all__ = [
     "max_abs",
     "scale_",
     "inverse_scale",
+    "clip_factor",
     "clamp_",
     "lerp_",
     "non_finite_check_and_unscale_",
@@ -947,6 +948,37 @@ def sum_of_squares_raw(ts: Sequence[Tensor]) -> Tensor:
         parts.append((s * s).sum())
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
     return torch.stack([p.to(dtype=dtype, device=parts[0].device) for p in parts]).sum()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the clip factor
+
+
+def clip_factor(norm: Tensor | Sequence[Tensor], c: float | Tensor, *, inv: Tensor | None = None,
+                nan_on_nonfinite: bool = False) -> Tensor | list[Tensor]:
+    """The factor ``c / max(N, c)`` that clips a gradient of norm ``N`` to norm ``c``: 1 for ``N <= c``,
+    ``c/N`` above (``tf.clip_by_norm``, ``tf.clip_by_global_norm``; Keras ``clipnorm``, ``global_clipnorm``).
+
+    ``norm``: a tensor of norms (one factor per element), or a list of 0-d norms on any devices and dtypes
+    (one foreach op each over the list; no ``inv`` and no NaN rule then). ``inv``: the norms are those of
+    scaled gradients ``S·g`` and ``inv = 1/S``; the factor is then ``inv · c / max(N·inv, c)``, unscaling and
+    clipping in one multiplier. ``nan_on_nonfinite`` adds ``N − N`` (0 for a finite N, NaN otherwise) to the
+    factor, so that a non-finite norm makes every clipped value NaN (``tf.clip_by_global_norm`` since TF
+    1.11, Keras 3 ``global_clipnorm``); without it ``N = inf`` gives 0 (``tf.clip_by_norm``).
+
+    With a Python ``c`` the quotient is torch's ``c / t``, which is ``reciprocal(t)·c``; with a tensor ``c``
+    it is the correctly rounded quotient. The two differ by at most a unit in the last place.
+    """
+    if not isinstance(norm, Tensor):
+        coefs = torch._foreach_clamp_min(list(norm), c)
+        torch._foreach_reciprocal_(coefs)
+        torch._foreach_mul_(coefs, c)
+        return coefs
+    n = norm if inv is None else norm * inv
+    coef = c / torch.clamp(n, min=c)
+    if nan_on_nonfinite:
+        coef = coef + (n - n)
+    return coef if inv is None else coef * inv
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -134,10 +134,7 @@ def clip_coefficient(
     n = norm.reshape(()).to(dtype)
     # (a tensor clip stays on the device: reading it would be a host sync)
     c_t = c.to(device=n.device, dtype=dtype) if isinstance(c, Tensor) else mt.scalar(c, dtype, n.device)
-    coef = c_t / torch.maximum(n, c_t)
-    if nan_on_nonfinite:
-        coef = coef + (n - n)
-    return coef
+    return mt.clip_factor(n, c_t, nan_on_nonfinite=nan_on_nonfinite)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -333,10 +330,7 @@ def clip_grads_by_norm_(tensors_or_params: _Grads, clip_norm: float) -> list[Ten
     if not grads:
         return []
     norms = mt.norms(grads)
-    coefs = torch._foreach_clamp_min(norms, c)
-    torch._foreach_reciprocal_(coefs)
-    torch._foreach_mul_(coefs, c)
-    mt.scale_(grads, coefs)
+    mt.scale_(grads, mt.clip_factor(norms, c))
     return norms
 
 

@@ -453,14 +453,9 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
             c = self.clipnorm
             if inv is not None and found_inf is not None:
                 found_inf = self._refuse_overflowed_norm(found_inf, n_all, inv, overflow)
-            n_true = n_all if inv is None else n_all * inv
-            coef = c / torch.clamp(n_true, min=c)  # g·c/max(‖g‖, c), per tensor
-            if inv is not None:
-                coef = coef * inv
-            coefs = list(coef.unbind())
+            coefs = list(mt.clip_factor(n_all, c, inv=inv).unbind())  # g·c/max(‖g‖, c), per tensor
             if inv64 is not None:  # float64 gradients: the factor with the float64 1/grad_scale
-                n64 = n_all.to(torch.float64) * inv64
-                c64 = (c / torch.clamp(n64, min=c) * inv64).unbind()
+                c64 = mt.clip_factor(n_all.to(torch.float64), c, inv=inv64).unbind()
                 coefs = [b if x.dtype == torch.float64 else a for a, b, x in zip(coefs, c64, ns)]
             mt.scale_(dense_grads, coefs)
             k = k64 = None
@@ -470,12 +465,8 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
                 found_inf = self._refuse_overflowed_norm(found_inf, n, inv, overflow)
             c = self.global_clipnorm
             if inv64 is not None:  # (n is float64: float64 gradients are among them)
-                n64 = n * inv64
-                k64 = (c / torch.clamp(n64, min=c) + (n64 - n64)) * inv64
-            if inv is not None:
-                n = n * inv
-            coef = c / torch.clamp(n, min=c) + (n - n)  # non-finite norm -> NaN everywhere (Keras)
-            k = coef if k is None else k * coef
+                k64 = mt.clip_factor(n, c, inv=inv64, nan_on_nonfinite=True)
+            k = mt.clip_factor(n, c, inv=inv, nan_on_nonfinite=True)  # (a non-finite norm: NaN, as Keras)
 
         applied = None if found_inf is None else (1.0 - found_inf)
         for group, (idx, params, grads), fp, mult, pre in zip(self.param_groups, gathered, flat_plans, mults,

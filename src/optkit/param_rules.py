@@ -367,7 +367,7 @@ def _clip_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             n = torch.stack([x.to(device=dev, dtype=torch.float64) for x in norms])
             if scale is not None:
                 n = n / scale.detach().to(device=dev, dtype=torch.float64).reshape(())
-            coef = float(c) / torch.clamp(n, min=float(c))
+            coef = mt.clip_factor(n, float(c))
             mt.scale_(grads, list(coef.unbind()))
 
 

@@ -165,7 +165,7 @@ class VariableClippingOptimizer(OptimizerWrapper):
     @staticmethod
     def _factor(n: Tensor, c: float, gate: Tensor) -> Tensor:
         """c / max(n, c), or 1 where the step was skipped."""
-        f = c / torch.clamp_min(n, c)
+        f = mt.clip_factor(n, c)
         return torch.where(gate.to(f.device), f, torch.ones_like(f))
 
     def _own_config(self) -> dict:
