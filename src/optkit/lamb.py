@@ -112,7 +112,7 @@ from . import _fused
 from . import _multi_tensor as mt
 from ._core.compiled import COMPILE_WARN_TENSORS
 from ._core.traits import Traits
-from ._plan import RunAux
+from ._plan import RunAux, scratch_view
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["LAMB"]
@@ -205,15 +205,6 @@ def _step_sizes(st: _Static, trust: Tensor | None, lr: Tensor, n: int) -> Tensor
 def _moments(g: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
     """The new moments, out of place (``m + (1−β1)(g − m)`` as torch's ``lerp``)."""
     return m + (g - m) * (1.0 - beta1), v * beta2 + g * g * (1.0 - beta2)
-
-
-def _scratch_view(pool: Tensor, offset: int, like: Tensor) -> Tensor:
-    """A view of ``pool`` from ``offset`` with ``like``'s shape and, when ``like`` is dense, its strides (so
-    the fused kernels see matching layouts)."""
-    n = like.numel()
-    if not like.is_contiguous() and _fused.is_dense(like):
-        return pool.as_strided(like.shape, like.stride(), offset)
-    return pool[offset:offset + n].view(like.shape)
 
 
 class _Static:
@@ -433,9 +424,9 @@ class LAMB(Optimizer):
             info.scratch, info.moments = [], ([], [])
             for c in blk.params:
                 key = (c.device, c.dtype)
-                info.scratch.append(_scratch_view(pools[key], offsets[key], c))
-                info.moments[0].append(_scratch_view(m_pools[key], offsets[key], c))
-                info.moments[1].append(_scratch_view(v_pools[key], offsets[key], c))
+                info.scratch.append(scratch_view(pools[key], offsets[key], c))
+                info.moments[0].append(scratch_view(m_pools[key], offsets[key], c))
+                info.moments[1].append(scratch_view(v_pools[key], offsets[key], c))
                 offsets[key] += c.numel()
             info.sel = [j for j, o in enumerate(blk.owners) if st.adapt_of[o] >= 0]
             info.own = [st.adapt_of[blk.owners[j]] for j in info.sel]
