@@ -167,6 +167,25 @@ def test_clip_coefficient_values():
         clip_coefficient(1.0, 1.0)
 
 
+def test_clip_factor_folds_the_unscale():
+    """The one clip factor every clip calls (``_multi_tensor.clip_factor``) against float64 NumPy: for norms
+    N of gradients scaled by S (``inv = 1/S``) it is ``inv·c/max(N·inv, c)``; the (N − N) term only when
+    asked; a list of 0-d norms gives the norm vector's factors bit for bit."""
+    from optkit import _multi_tensor as mt
+
+    rng = np.random.default_rng(31)
+    n = torch.tensor(rng.uniform(0.0, 40.0, 64), dtype=torch.float32)
+    c, s = 2.5, 8.0
+    got = mt.clip_factor(n, c, inv=torch.tensor(1.0 / s))
+    want = (1.0 / s) * c / np.maximum(np64(n) / s, c)
+    np.testing.assert_allclose(np64(got), want, rtol=3e-7, atol=0)
+    assert np.any(np64(got) < 1.0 / s) and np.any(np64(got) == 1.0 / s)  # (both sides of the clip)
+    assert torch.equal(torch.stack(mt.clip_factor(list(n.unbind()), c)), mt.clip_factor(n, c))
+    bad = torch.tensor([INF, NAN, 1.0])
+    assert np.isnan(np64(mt.clip_factor(bad, c, nan_on_nonfinite=True))[:2]).all()
+    assert np64(mt.clip_factor(bad, c))[0] == 0.0
+
+
 # ------------------------------------------------------------------------------------------------------------
 # OpenSeq2Seq _clip_gradients_by_norm
 
