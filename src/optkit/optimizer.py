@@ -238,7 +238,6 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         self._plan_version = 0
         self._fp64_cache: dict[int, tuple] = {}
         self._block = None  # the Block of the blocked pass being run (kernel-gate and grouping hints)
-        self._step_inv: Tensor | None = None  # 1/S for the caller's gradients of the group being stepped
         self._grads_protected = False  # (_prepare: the gradients it gets are the caller's; see _guards)
         self._shadow_src: tuple | None = None  # (a keeps_values_in_grads rule's _prepare copies these)
         #: plans whose parameter storages a wrapper's probe (_flat_part) just checked, by group id: the step
@@ -282,33 +281,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
 
     # ------------------------------------------------------------------------------------------------ set-up
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
     # ------------------------------------------------------------------------------------------------ lr
-
-
-
-
-
-
-
-
 
     @property
     def iterations(self) -> Tensor:
@@ -321,13 +294,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
 
     # ------------------------------------------------------------------------------------------------ decay
 
-
-
     # ------------------------------------------------------------------------------------------------ step
-
-
-
-
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -425,48 +392,9 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
                 if fp is None and params:
                     pre_plans[i] = self._check_group_plan(group, idx, params, grads, sparse_handled, mult)
 
-        # 1/grad_scale in the groups' precision: float32 (what the fused kernels take), and float64 for the
-        # groups holding float64 parameters (a float32 1/3 would be off by 3e-8 relative in a float64 run)
-        inv = inv64 = None
-        if grad_scale is not None:
-            s = grad_scale.detach().reshape(())
-            inv = torch.reciprocal(s.to(device=dev, dtype=torch.float32))
-            if any(map(self._has_fp64, self.param_groups)):
-                inv64 = torch.reciprocal(s.to(device=dev, dtype=torch.float64))
-        k = inv  # factor applied to raw gradients (unscale and global clip), folded into the kernels
-        k64 = inv64  # the same for float64 groups (None: k)
-
-        whole_grads = [t for (_, _, gs), fp in zip(gathered, flat_plans)
-                       for t in ([fp.flat.grad] if fp is not None else gs)]  # the same memory, fewer tensors
-        if self.clipvalue is not None:
-            if inv is not None:
-                mt.scale_(whole_grads, inv, scale64=inv64)
-                k = k64 = None
-            mt.clamp_(whole_grads, -self.clipvalue, self.clipvalue)
-        elif self.clipnorm is not None:
-            dense_grads = [g for (_, _, gs) in gathered for g in gs]
-            ns = mt.norms(dense_grads)
-            if len({(x.device, x.dtype) for x in ns}) > 1:
-                n_all = torch.stack([x.to(device=dev, dtype=torch.float64) for x in ns])
-            else:
-                n_all = torch.stack(ns).to(device=dev)
-            c = self.clipnorm
-            if inv is not None and found_inf is not None:
-                found_inf = self._refuse_overflowed_norm(found_inf, n_all, inv, overflow)
-            coefs = list(mt.clip_factor(n_all, c, inv=inv).unbind())  # g·c/max(‖g‖, c), per tensor
-            if inv64 is not None:  # float64 gradients: the factor with the float64 1/grad_scale
-                c64 = mt.clip_factor(n_all.to(torch.float64), c, inv=inv64).unbind()
-                coefs = [b if x.dtype == torch.float64 else a for a, b, x in zip(coefs, c64, ns)]
-            mt.scale_(dense_grads, coefs)
-            k = k64 = None
-        elif self.global_clipnorm is not None:
-            n = mt.global_norm(whole_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
-            if inv is not None and found_inf is not None:
-                found_inf = self._refuse_overflowed_norm(found_inf, n, inv, overflow)
-            c = self.global_clipnorm
-            if inv64 is not None:  # (n is float64: float64 gradients are among them)
-                k64 = mt.clip_factor(n, c, inv=inv64, nan_on_nonfinite=True)
-            k = mt.clip_factor(n, c, inv=inv, nan_on_nonfinite=True)  # (a non-finite norm: NaN, as Keras)
+        # unscale and clip: the factor k (k64 for float64 groups) folded into the kernels, or applied here
+        k, k64, inv, inv64, found_inf = self._unscale_and_clip(gathered, flat_plans, grad_scale, found_inf,
+                                                               overflow)
 
         applied = None if found_inf is None else (1.0 - found_inf)
         for group, (idx, params, grads), fp, mult, pre in zip(self.param_groups, gathered, flat_plans, mults,
@@ -479,30 +407,14 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
             fp64 = inv64 is not None and self._has_fp64(group)
             kg = k64 if k64 is not None and fp64 else k
             # 1/grad_scale for the caller's dense gradients of this group (the pass unscales them in place)
-            self._step_inv = None if own or self.scratch_grads else (inv64 if fp64 else inv)
+            unscale = None if own or self.scratch_grads else (inv64 if fp64 else inv)
             self._run_group(group, idx, params, grads, lr, kg, found_inf, applied, sparse_handled, mult,
-                            plan=fp, checked=pre, zero=context.zero_grads, zeroed=zeroed)
-        self._step_inv = None
+                            plan=fp, checked=pre, zero=context.zero_grads, zeroed=zeroed, unscale=unscale)
         if callers:  # g/S, as GradScaler.unscale_ leaves them (float64 ones with the float64 1/S)
             mt.scale_(callers, inv, scale64=inv64)
 
         self._after_update(found_inf, applied)
         return StepResult(self.step_applied, frozenset(zeroed), overflow[0] if overflow else None)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
     # ------------------------------------------------------------------------------------------------ jit
 
@@ -515,21 +427,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
     #: the true gradient is ``k·g``); None means the optimizer has no compilable form and runs eagerly.
     _pointwise: Callable | None = None
 
-
-
-
-
-
-
-
     # ------------------------------------------------------------------------------------------------ EMA
-
-
-
-
-
-
-
 
     def _after_update(self, found_inf: Tensor | None, applied: Tensor | None) -> None:
         if self._ema_buffers:
@@ -559,13 +457,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
             self._iterations.add_(applied.to(torch.int64))
             self.step_applied = applied > 0.5
 
-
     # ------------------------------------------------------------------------------------------------ hooks
-
-
-
-
-
 
     # ------------------------------------------------------------------------------------------------ hooks
 
@@ -607,10 +499,6 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
                      {s: [mt.local(t) for t in v] for s, v in slots.items()}, lr, None, None, aux)
 
     # --------------------------------------------------------------------------------------------- checkpoint
-
-
-
-
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, config={self.get_config()!r})"

@@ -92,7 +92,7 @@ class CheckpointMixin:
             record.exact = state.pop("_host_exact", False)
             record.applied = state.pop("step_applied", None)
         excluded = state.pop("_wd_exclude_params", None)
-        for key in ("_zero_grads_in_pass", "_zeroed_groups", "_overflow_probe", "_gathered"):
+        for key in ("_zero_grads_in_pass", "_zeroed_groups", "_overflow_probe", "_gathered", "_step_inv"):
             state.pop(key, None)  # (the step protocol's attributes of an earlier optkit: now StepContext)
         super().__setstate__(state)
         if excluded is not None:

@@ -202,3 +202,55 @@ class GradientsMixin:
             device=found_inf.device, dtype=found_inf.dtype)
         overflow.append(bad)
         return torch.maximum(found_inf, bad)
+
+    def _unscale_and_clip(self, gathered: list, flat_plans: list, grad_scale: Tensor | None,
+                          found_inf: Tensor | None, overflow: list | None) -> tuple:
+        """Steps 2 and 3 of the pipeline (module doc of :mod:`optkit.optimizer`): ``1/grad_scale`` and the
+        clip options. Returns ``(k, k64, inv, inv64, found_inf)``: the factor of the raw gradients folded
+        into the kernels (``k64`` for float64 groups; None when ``clipnorm``/``clipvalue`` applied it here),
+        ``1/grad_scale`` in float32 and float64 (None without a scale or float64 groups), and the skip flag
+        (also set when a clip norm of the scaled gradients overflowed, :meth:`_refuse_overflowed_norm`)."""
+        dev = self._state_device
+        # 1/grad_scale in the groups' precision: float32 (what the fused kernels take), and float64 for the
+        # groups holding float64 parameters (a float32 1/3 would be off by 3e-8 relative in a float64 run)
+        inv = inv64 = None
+        if grad_scale is not None:
+            s = grad_scale.detach().reshape(())
+            inv = torch.reciprocal(s.to(device=dev, dtype=torch.float32))
+            if any(map(self._has_fp64, self.param_groups)):
+                inv64 = torch.reciprocal(s.to(device=dev, dtype=torch.float64))
+        k = inv  # factor applied to raw gradients (unscale and global clip), folded into the kernels
+        k64 = inv64  # the same for float64 groups (None: k)
+
+        whole_grads = [t for (_, _, gs), fp in zip(gathered, flat_plans)
+                       for t in ([fp.flat.grad] if fp is not None else gs)]  # the same memory, fewer tensors
+        if self.clipvalue is not None:
+            if inv is not None:
+                mt.scale_(whole_grads, inv, scale64=inv64)
+                k = k64 = None
+            mt.clamp_(whole_grads, -self.clipvalue, self.clipvalue)
+        elif self.clipnorm is not None:
+            dense_grads = [g for (_, _, gs) in gathered for g in gs]
+            ns = mt.norms(dense_grads)
+            if len({(x.device, x.dtype) for x in ns}) > 1:
+                n_all = torch.stack([x.to(device=dev, dtype=torch.float64) for x in ns])
+            else:
+                n_all = torch.stack(ns).to(device=dev)
+            c = self.clipnorm
+            if inv is not None and found_inf is not None:
+                found_inf = self._refuse_overflowed_norm(found_inf, n_all, inv, overflow)
+            coefs = list(mt.clip_factor(n_all, c, inv=inv).unbind())  # g·c/max(‖g‖, c), per tensor
+            if inv64 is not None:  # float64 gradients: the factor with the float64 1/grad_scale
+                c64 = mt.clip_factor(n_all.to(torch.float64), c, inv=inv64).unbind()
+                coefs = [b if x.dtype == torch.float64 else a for a, b, x in zip(coefs, c64, ns)]
+            mt.scale_(dense_grads, coefs)
+            k = k64 = None
+        elif self.global_clipnorm is not None:
+            n = mt.global_norm(whole_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
+            if inv is not None and found_inf is not None:
+                found_inf = self._refuse_overflowed_norm(found_inf, n, inv, overflow)
+            c = self.global_clipnorm
+            if inv64 is not None:  # (n is float64: float64 gradients are among them)
+                k64 = mt.clip_factor(n, c, inv=inv64, nan_on_nonfinite=True)
+            k = mt.clip_factor(n, c, inv=inv, nan_on_nonfinite=True)  # (a non-finite norm: NaN, as Keras)
+        return k, k64, inv, inv64, found_inf

@@ -139,7 +139,7 @@ class PassesMixin:
 
     def _run_group(
         self, group, idx, params, grads, lr, k, found_inf, applied, sparse_handled, mult=None, plan=None,
-        checked=None, zero=False, zeroed=None,
+        checked=None, zero=False, zeroed=None, unscale=None,
     ) -> None:
         """``plan``: a flat plan checked this step; ``checked``: the per-tensor plan :meth:`_apply` built
         for these arguments before any group was updated (:meth:`_check_group_plan`)."""
@@ -147,7 +147,7 @@ class PassesMixin:
             mult = None
         if plan is not None:  # a flat plan, checked this step: no sparse gradients, nothing to re-plan
             self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan, zero=zero,
-                              zeroed=zeroed)
+                              zeroed=zeroed, unscale=unscale)
             return
         if sparse_handled and any(id(p) in sparse_handled for p in params):
             sp = self._sparse_part(group, idx, params, sparse_handled)
@@ -174,19 +174,20 @@ class PassesMixin:
         # model.zero_grad() the backward makes separate gradients: the flat gradient buffer is stale then)
         flat_ok = not tracing and plan.flat is not None and plan.flat.same_grads(grads)
         self._run_planned(group, idx, params, grads, lr, k, found_inf, applied, mult, plan, tracing, flat_ok,
-                          zero=zero, zeroed=zeroed)
+                          zero=zero, zeroed=zeroed, unscale=unscale)
 
     def _run_planned(self, group, idx, params, grads, lr, k, found_inf, applied, mult, plan, tracing=False,
-                     flat_ok=True, zero=False, zeroed=None):
+                     flat_ok=True, zero=False, zeroed=None, unscale=None):
         """Decay → update → EMA of one group with its plan: the flat blocks when the plan has a flat part
         whose gradients are this step's (``flat_ok``) and nothing per tensor differs (multipliers,
         per-tensor ``_prepare`` values, a mixed decay mask), else the per-tensor blocks. ``zero``: the caller
         zeroes the gradients next (``StepContext.zero_grads``): the pass zeroes the flat gradient chunks as it
-        reads them, and adds the group's id to ``zeroed``."""
+        reads them, and adds the group's id to ``zeroed``. ``unscale``: the 1/S the pass gives the caller's
+        gradients while it has them in cache (None: they are scratch, or copies)."""
         wd = group.get("weight_decay", 0.0) if self.traits.decoupled_weight_decay else 0.0
         # the caller's gradients are copied chunk by chunk (in cache) for the update, and get 1/S there
         guard = self._guards(group, mult)
-        inv = getattr(self, "_step_inv", None)
+        inv = unscale
         row_mult = None  # per-parameter multipliers over the flat part's row runs (RowMultipliers)
         if isinstance(mult, Tensor):
             row_mult, mult = mult, None
