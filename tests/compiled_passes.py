@@ -1,12 +1,12 @@
-"""Test helpers for the compiled read-only passes (:mod:`optkit._compile`): count or fail one of them, or run
-every compiled function as plain Python (under a dispatch mode, where compiled code cannot run)."""
+"""Test helpers for the compiled read-only passes (:mod:`optkit._core.chain`): count or fail one of them, or
+run every compiled function as plain Python (under a dispatch mode, where compiled code cannot run)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import optkit._core.compiled
-from optkit import _compile
+from optkit._core import chain as _compile
 
 #: the variants the tests cross: eager, compiled (counted), compiling fails, more tensors than allowed
 VARIANTS = ("eager", "jit", "jit-fails", "jit-capped")
@@ -35,7 +35,7 @@ def set_variant(monkeypatch, fn: Callable, variant: str, calls: list[int]) -> No
 
 
 def run_uncompiled(monkeypatch) -> None:
-    """Every compiled function of :mod:`optkit._compile` runs as plain Python (the same tensor math)."""
+    """Every compiled function of :mod:`optkit._core.chain` runs as plain Python (the same tensor math)."""
 
     class _Uncompiled(dict):
         def __contains__(self, fn: object) -> bool:

@@ -221,7 +221,7 @@ def test_float64_without_a_float64_kernel_takes_the_exact_fallback(row_id, monke
     parameters run the foreach fallback, exact in float64, rather than staged copies through the kernel
     (which refused them). Emulated on the CPU: float64 out of the kernels' table, and kernels that refuse
     float64 tensors as CUDA's do."""
-    from optkit import _fused
+    from optkit._core import fused as _fused
 
     table = {k: {dev: tuple(d for d in dts if d != torch.float64) for dev, dts in v.items()}
              for k, v in _fused.KERNELS.items() if k != "foreach"}

@@ -801,15 +801,15 @@ def test_jit_compile_over_flat_buffers_steps_the_buffer_and_matches_eager(name, 
 def test_optimize_loss_under_jit_compile_reads_each_gradient_once_for_norm_and_check(flat, monkeypatch):
     """``optimize_loss`` over an optimizer built with ``jit_compile=True`` (SGD, Nesterov, decay, EMA, a clip
     and a dynamic scale): the global norm and the overflow flag come from one compiled read per gradient
-    (:func:`optkit._compile.norm_check_sums`, counted) and, over flat buffers, the compiled update zeroes the
-    flat gradient in its own loop (the train op's clear skips that group) and the views stay. The weights,
+    (:func:`optkit._core.chain.norm_check_sums`, counted) and, over flat buffers, the compiled update zeroes
+    the flat gradient in its own loop (the train op's clear skips that group) and the views stay. The weights,
     EMA, norms, skip flags and loss scale equal the eager train op's in float64, through an overflowing
     update (a NaN gradient: skipped, the scale halves). If the pass fails to compile: one warning, then the
     eager passes with the same results; past ``COMPILE_WARN_TENSORS`` tensors, the eager passes."""
     import warnings
 
     from compiled_passes import VARIANTS, set_variant
-    from optkit import _compile
+    from optkit._core import chain as _compile
 
     calls: list[int] = []
     runs = []

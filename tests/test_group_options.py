@@ -358,7 +358,7 @@ def test_jit_compile_keeps_compiling_past_torchs_recompile_limit(monkeypatch):
     """Each param group is a graph of its own (its shapes): twelve groups (layer-wise decay of a small
     model) passed torch's limit of 8 graphs per function and fell back to eager; the limit is raised for
     the compiled update's calls. (The ``eager`` backend checks the tracing without a C++ build.)"""
-    from optkit import _compile
+    from optkit._core import chain as _compile
 
     torch._dynamo.reset()
     monkeypatch.setattr(_compile, "_COMPILED", [_compile._make_compiled("eager")])

@@ -590,7 +590,7 @@ def test_jit_compile_failure_in_either_pass_falls_back_to_the_eager_result(broke
     step (GradScaler-style ``found_inf``) and a loss-scale factor on the way; over flat buffers too (the
     compiled row sums, then the rule over the run matrices run eagerly)."""
     import optkit._core.compiled as base
-    from optkit import _compile
+    from optkit._core import chain as _compile
 
     def fail(*args, **kwargs):
         raise RuntimeError("simulated compiler failure")

@@ -518,14 +518,14 @@ def test_large_tensors_fold_the_ratios_into_the_sgd_kernel(rng, dtype):
 @pytest.mark.parametrize("mode,wd", [("clip", None), ("scale", None), ("clip", 0.01)])
 def test_jit_compile_inner_takes_the_compiled_norm_pass(rng, monkeypatch, mode, wd):
     """Over an optkit optimizer built with ``jit_compile=True``, LARC reads ``‖v‖`` and ``‖g‖`` with the
-    compiled norm pass (:func:`optkit._compile.norm_sums`, counted), also for :meth:`LARC.trust_ratios`; the
-    result is the float64 reference (a loss scale to divide out, a skipped attempt, an excluded parameter).
-    When the pass fails to compile: one warning, and the eager LARC's result exactly; past
+    compiled norm pass (:func:`optkit._core.chain.norm_sums`, counted), also for :meth:`LARC.trust_ratios`;
+    the result is the float64 reference (a loss scale to divide out, a skipped attempt, an excluded
+    parameter). When the pass fails to compile: one warning, and the eager LARC's result exactly; past
     ``COMPILE_WARN_TENSORS`` parameters, the eager norms."""
     import warnings
 
     from compiled_passes import VARIANTS, set_variant
-    from optkit import _compile
+    from optkit._core import chain as _compile
 
     shapes = [(70, 90), (5,), (4, 3, 2)]  # the first is longer than a row of the split (4,096)
     ws = [rng.normal(size=s) for s in shapes]

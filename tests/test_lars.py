@@ -479,12 +479,12 @@ def test_jit_compile_matches_eager(variant, nesterov, layout):
 
 
 def test_jit_compile_norm_pass_failure_falls_back_to_the_eager_result(monkeypatch):
-    """``jit_compile``'s compiled norm pass (:func:`optkit._compile.norm_sums`, row sums of squares) failing
-    to compile warns once and gives the eager result (the eager norms, then eager steps), with a skipped step
-    on the way; when it compiles, its norms are the float64 norms of the tensors."""
+    """``jit_compile``'s compiled norm pass (:func:`optkit._core.chain.norm_sums`, row sums of squares)
+    failing to compile warns once and gives the eager result (the eager norms, then eager steps), with a
+    skipped step on the way; when it compiles, its norms are the float64 norms of the tensors."""
     import warnings
 
-    from optkit import _compile
+    from optkit._core import chain as _compile
 
     torch.manual_seed(5)
     shapes = [(70, 90), (5,), (4, 3, 2)]  # the first is longer than a row of the split (4,096)

@@ -672,7 +672,7 @@ def test_scalar_rounds_as_torch_tensor_does(dtype):
 def test_foreach_chain_stages_half_dtypes_on_any_device():
     """The foreach pseudo-kernel runs anywhere: on a device it has no entry for, half tensors are staged in
     float32 (not handed to the caller's fallback); a real kernel with no entry falls back."""
-    from optkit import _fused
+    from optkit._core import fused as _fused
 
     lists = [[torch.zeros(4, dtype=torch.float16)], [torch.zeros(4, dtype=torch.float16)]]
     for dev in ("mps", "xpu"):
@@ -688,12 +688,13 @@ def test_foreach_chain_stages_half_dtypes_on_any_device():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_compiled_norm_and_check_pass_matches_the_eager_one(rng, dtype):
-    """``global_norm_and_found_inf(compiled=...)`` with the compiled :func:`optkit._compile.norm_check_sums`
-    (the train op's pass under ``jit_compile``: both sums per tensor from one read): the norm is the float64
-    reference and the eager result; the flag is set exactly when an element is NaN or ±inf (first, last,
-    inside a row, in the tail after the last full row, in a small or a transposed tensor), never by large
-    finite values whose squares overflow (the norm is then inf, as the eager one); nothing is written."""
-    from optkit import _compile
+    """``global_norm_and_found_inf(compiled=...)`` with the compiled
+    :func:`optkit._core.chain.norm_check_sums` (the train op's pass under ``jit_compile``: both sums per
+    tensor from one read): the norm is the float64 reference and the eager result; the flag is set exactly
+    when an element is NaN or ±inf (first, last, inside a row, in the tail after the last full row, in a
+    small or a transposed tensor), never by large finite values whose squares overflow (the norm is then inf,
+    as the eager one); nothing is written."""
+    from optkit._core import chain as _compile
 
     compiled = _compile.compiled_function(_compile.norm_check_sums)
     n = 3 * _compile.SUM_ROW + 37

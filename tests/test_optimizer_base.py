@@ -587,10 +587,10 @@ def test_closure_return_value():
 
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
 def test_pointwise_rules_used_by_jit_compile_match_eager(kind, monkeypatch):
-    """``jit_compile`` hands ``optkit._compile.chain`` (decay → each optimizer's pointwise rule → EMA) to
+    """``jit_compile`` hands ``optkit._core.chain.chain`` (decay → each optimizer's pointwise rule → EMA) to
     ``torch.compile``; running it uncompiled must reproduce the eager update, skipped steps included."""
     import optkit._core.compiled as base
-    from optkit._compile import chain
+    from optkit._core.chain import chain
 
     monkeypatch.setattr(base, "compiled_chain", lambda: chain)
     a, b = make_params(), make_params()
@@ -617,7 +617,7 @@ def test_jit_compile_warns_before_tracing_a_group_of_thousands_of_tensors(monkey
     """Compiling traces one graph input per tensor: over ``COMPILE_WARN_TENSORS`` tensors in a group the
     first compiled step warns once (naming the count and the flat-buffer alternative) and still runs."""
     import optkit._core.compiled as base
-    from optkit._compile import chain
+    from optkit._core.chain import chain
 
     monkeypatch.setattr(base, "compiled_chain", lambda: chain)
     monkeypatch.setattr(base, "COMPILE_WARN_TENSORS", 3)

@@ -413,7 +413,7 @@ def global_norm_and_found_inf(
     summing over the splitting mesh dims is enough for every rank to agree.
 
     ``compiled``: for plain dense tensors on one device, a callable giving both sums per tensor in one read
-    (:func:`optkit._compile.norm_check_sums` compiled), or None when it cannot (then the eager passes).
+    (:func:`optkit._core.chain.norm_check_sums` compiled), or None when it cannot (then the eager passes).
     """
     group = _pp(pipeline_group)
     ts = present(tensors)

@@ -49,11 +49,11 @@ from ._amp import AmpProtocol
 from ._arguments import accepted_keywords, check_call
 from ._core.context import StepContext, StepResult
 from ._core.interface import EngineInterface
+from ._core.state_dict import validate_torch_state_dict
+from ._core.tf_surface import autograd_pairs as _autograd_pairs
+from ._core.tf_surface import check_pairs as _check_pairs
+from ._core.tf_surface import gradients_installed
 from ._gc import gc_paused
-from ._state_dict import validate_torch_state_dict
-from ._tf_surface import autograd_pairs as _autograd_pairs
-from ._tf_surface import check_pairs as _check_pairs
-from ._tf_surface import gradients_installed
 from .optimizer import Optimizer, record_field
 from .schedules import applies_lr_scale
 

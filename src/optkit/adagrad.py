@@ -14,7 +14,7 @@ name ``sum``, so ``torch.optim.Adagrad`` checkpoints load. Sparse gradients upda
 touched
 rows (TF's ``SparseApplyAdagrad`` and torch's sparse rule agree). An optkit optimizer: every base option, a
 skipped step changes nothing. Implementation: torch's fused Adagrad kernel through the gate of
-:mod:`optkit._fused`.
+:mod:`optkit._core.fused`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
+from ._core.fused import kernel_calls
 from ._core.traits import Traits
-from ._fused import kernel_calls
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["Adagrad"]

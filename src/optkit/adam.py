@@ -19,8 +19,8 @@ per-group option, as in torch.
 
 Optkit optimizers with every base option; a skipped step changes nothing (no lazily created state, ``t`` does
 not advance). Implementation: torch's fused Adam/AdamW kernel per (device, dtype) group through the gate of
-:mod:`optkit._fused` (learning rate, unscale and global-clip factor, decay and ``found_inf`` in one pass).
-Sparse gradients are densified (duplicates summed): TF's dense-equivalent rule.
+:mod:`optkit._core.fused` (learning rate, unscale and global-clip factor, decay and ``found_inf`` in one
+pass). Sparse gradients are densified (duplicates summed): TF's dense-equivalent rule.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from typing_extensions import Unpack
 
+from ._core.fused import kernel_calls
 from ._core.traits import Traits
-from ._fused import kernel_calls
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["Adam", "AdamW"]

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _multi_tensor as mt
-from ._fused import is_dense
+from ._core.fused import is_dense
 
 __all__ = ["flat_parameters", "FlatParameters", "flat_buffer_of"]
 

@@ -108,11 +108,11 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack
 
-from . import _fused
 from . import _multi_tensor as mt
+from ._core import fused as _fused
 from ._core.compiled import COMPILE_WARN_TENSORS
+from ._core.plan import RunAux, scratch_view
 from ._core.traits import Traits
-from ._plan import RunAux, scratch_view
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_number
 
 __all__ = ["LAMB"]
@@ -636,7 +636,7 @@ class LAMB(Optimizer):
         """Whether a flat part takes the row-run path: float32/float64 on the CPU (half-precision buffers keep
         the per-tensor path, whose moments handling they need; the path is tested on the CPU only). This is
         the fused-kernel gate's check for these tensors: row matrices are contiguous views of the flat runs
-        (dense, equal strides in every list by construction), so :func:`optkit._fused.partition` would
+        (dense, equal strides in every list by construction), so :func:`optkit._core.fused.partition` would
         return them whole as ``native`` exactly when ``native_dtype_ok`` holds."""
         w = flat.row_blocks[0].params[0] if flat.row_blocks else None
         return (w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.float64)
@@ -647,8 +647,9 @@ class LAMB(Optimizer):
         return flat.rows_pay and self._rows_ok(flat)
 
     def _prepare_rows(self, group, flat, st, hyper, lr, dev, dtype) -> RunAux:
-        """Pass 1 over a flat buffer's row runs (:class:`optkit._plan.FlatPart`: consecutive parameters of one
-        size form a ``(count, size)`` matrix): the fused Adam kernel runs once per row chunk, ``‖w‖`` and
+        """Pass 1 over a flat buffer's row runs (:class:`optkit._core.plan.FlatPart`: consecutive parameters
+        of one size form a ``(count, size)`` matrix): the fused Adam kernel runs once per row chunk, ``‖w‖``
+        and
         ``‖u‖`` are row norms, and the factors are ``(rows, 1)`` columns, so a step costs O(#chunks) kernel
         calls instead of O(#parameters). Same rule and factors as :meth:`_prepare`. With the caller's
         gradients (``_shadow_src``) the rows hold ``u`` in the base's flat shadow (:meth:`_grad_shadow_rows`):

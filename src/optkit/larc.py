@@ -24,13 +24,13 @@ Options beyond the original (see docs/compatibility.md):
 Performance: one grouped norm pass over the parameters and one over the gradients, the ratios computed as one
 vector (no host sync, no per-parameter Python arithmetic). With an optkit inner optimizer built with
 ``jit_compile=True`` the norms come from one compiled read-only pass that reads each weight and its gradient
-in the same loop (:func:`optkit._compile.norm_sums`, as LARS's ``jit_compile``; the eager norms if it fails
+in the same loop (:func:`optkit._core.chain.norm_sums`, as LARS's ``jit_compile``; the eager norms if it fails
 to compile). optkit inner optimizers receive the ratios as ``grad_multipliers`` and fold them into their own
 pass (optkit ``SGD`` into its fused kernel's ``grad_scale``, one call per tensor; others as an in-cache
 multiply per block); other optimizers get the gradients scaled in place. Over flat buffers
 (:func:`optkit.flat_parameters`, an optkit inner optimizer whose groups all run over their flat part) the
 norms are row norms of the buffer's runs of equal-sized parameters and the ratios go in as one vector per
-group (:class:`optkit._plan.RowMultipliers`): O(#runs) kernels per step, not O(#params).
+group (:class:`optkit._core.plan.RowMultipliers`): O(#runs) kernels per step, not O(#params).
 A ``grad_scale`` from an outer loss-scale wrapper is taken into account (``‖g‖`` is the unscaled norm) and
 passed on; ``found_inf`` is passed on unchanged.
 
@@ -49,9 +49,9 @@ import torch
 from torch import Tensor
 
 from . import _multi_tensor as mt
-from ._compile import norm_sums
+from ._core.chain import norm_sums
 from ._core.context import StepContext, StepResult
-from ._plan import FlatPart, RowMultipliers
+from ._core.plan import FlatPart, RowMultipliers
 from ._validation import check_params, check_real
 from ._wrapper import OptimizerWrapper, grads_swapped, protocol_level
 from .optimizer import Optimizer
@@ -297,8 +297,8 @@ class LARC(OptimizerWrapper):
     def _flat_step(self, parts, seen, context: StepContext, dev) -> StepResult:
         """The step over flat buffers: per-parameter norms as row norms of the flat part's runs (one kernel
         per run), the ratios as one vector per group, handed to the inner optimizer as
-        :class:`~optkit._plan.RowMultipliers` (it multiplies each cache-sized row chunk by its column just
-        before its update)."""
+        :class:`~optkit._core.plan.RowMultipliers` (it multiplies each cache-sized row chunk by its column
+        just before its update)."""
         grad_scale = context.grad_scale
         wd = self.wd_in_denominator
         self._exclusions()  # (rescanned here when the groups changed: _flat_keep reads _scan)
@@ -385,7 +385,7 @@ class LARC(OptimizerWrapper):
     def _compiled_norms(self, params: list[Tensor], grads: list[Tensor], dev: torch.device) -> Tensor | None:
         """With an optkit inner optimizer built with ``jit_compile=True`` (plain tensors, outside a compiled
         region): the ``(n, 2)`` matrix of each parameter's ``(‖v‖, ‖g‖)`` from the compiled read-only pass
-        :func:`optkit._compile.norm_sums` (as LARS's ``jit_compile``: each weight and gradient read once in
+        :func:`optkit._core.chain.norm_sums` (as LARS's ``jit_compile``: each weight and gradient read once in
         one loop, row sums in registers), float64 for float64 parameters, else float32. None otherwise (also
         past ``COMPILE_WARN_TENSORS`` parameters), or when compiling fails (the inner optimizer warns once
         and is eager from then on)."""

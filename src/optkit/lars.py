@@ -40,10 +40,10 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
-from ._compile import norm_sums
+from ._core.chain import norm_sums
 from ._core.compiled import COMPILE_WARN_TENSORS
+from ._core.plan import RunAux
 from ._core.traits import Traits
-from ._plan import RunAux
 from .momentum import sparse_momentum_rows_
 from .optimizer import (
     LearningRate,
@@ -286,10 +286,10 @@ class LARS(Optimizer):
         return list(zip(s.unbind(), (s * float(group["momentum"])).unbind()))
 
     def _prepare_rows(self, group, flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask) -> RunAux:
-        """:meth:`_prepare` over a flat buffer's runs (:class:`optkit._plan.FlatPart`): per-parameter norms as
-        row norms of the run matrices (one kernel per run, no per-parameter work), the factors as ``(rows,
-        1)`` columns per row chunk, or per whole run under ``jit_compile`` (the compiled rule then steps
-        each run matrix in one loop)."""
+        """:meth:`_prepare` over a flat buffer's runs (:class:`optkit._core.plan.FlatPart`): per-parameter
+        norms as row norms of the run matrices (one kernel per run, no per-parameter work), the factors as
+        ``(rows, 1)`` columns per row chunk, or per whole run under ``jit_compile`` (the compiled rule then
+        steps each run matrix in one loop)."""
         dev = lr.device
         if adapt:
             w_n = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype) for m in flat.params_rows()])

@@ -13,8 +13,8 @@ so unlike Keras ``SGD`` it does not rescale past steps when the learning rate ch
 An optkit optimizer (every base option: clipping, EMA, schedules, ``grad_scale``/``found_inf``, the TF
 surface), so a skipped step changes nothing and all state exists from construction. Implementation: one call
 of
-torch's fused SGD kernel per (device, dtype) group, through the gate of :mod:`optkit._fused` (learning rate,
-unscale and global-clip factor and ``found_inf`` folded in). Sparse gradients take the TF rule on the
+torch's fused SGD kernel per (device, dtype) group, through the gate of :mod:`optkit._core.fused` (learning
+rate, unscale and global-clip factor and ``found_inf`` folded in). Sparse gradients take the TF rule on the
 de-duplicated touched rows only (``a[r] ← μ·a[r] + g[r]; w[r] ← w[r] − lr·a[r]``).
 
 With ``μ = 0`` both paths keep torch's rule: ``w ← w − lr·g`` and the accumulator is left as it is (torch's
@@ -31,8 +31,8 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from . import _multi_tensor as mt
+from ._core.fused import kernel_calls
 from ._core.traits import Traits
-from ._fused import kernel_calls
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_nesterov, check_number
 
 __all__ = ["Momentum"]

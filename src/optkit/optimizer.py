@@ -22,10 +22,14 @@ When ``found_inf`` (a 0-d tensor, 1.0 = skip) is set by a wrapper, the whole pip
 step changes no parameter, slot, average or counter. All state exists from construction, so nothing is
 created lazily on a skipped step. ``step_applied`` holds the outcome as a 0-d bool tensor.
 
-Layering: parameters are checked and normalised by :mod:`optkit._params`; the cached per-group structure of
-the dense pass is :mod:`optkit._plan`; every call of a torch fused kernel goes through the gate in
-:mod:`optkit._fused` (:meth:`Optimizer._kernel_parts`); ``jit_compile`` is :mod:`optkit._compile`; the
-TF/Keras methods are the :class:`optkit._tf_surface.TFSurface` mixin.
+Layering: this class is the torch- and Keras-facing surface and the pipeline above (:meth:`Optimizer._apply`);
+the engine it composes is the package :mod:`optkit._core`, one concern a module (its docstring maps them):
+param groups, slots, learning rate, gradients (unscale, clip), the eager passes over cached plans, the
+fused-kernel gate, ``jit_compile``, EMA, checkpoints, the TF/Keras methods. An optimizer subclass is its
+rule: ``_pointwise`` (with ``_pointwise_hyper`` and ``slot_names``), optionally a faster ``_update`` and
+a per-tensor ``_prepare``, and one ``traits`` declaration (:class:`optkit._core.traits.Traits`);
+:mod:`optkit.lion` is the shortest. Wrappers and the train op call :meth:`Optimizer.apply_step` with a
+:class:`~optkit._core.context.StepContext` and ask anything else through :attr:`Optimizer.engine`.
 
 Performance: unscaling and global clipping fold into the optimizer's fused kernel as one scalar factor, so the
 only extra traffic is one read-only norm pass; weight decay, the update and the EMA run block by block over
@@ -60,20 +64,20 @@ from ._core.gradients import GradientsMixin
 from ._core.groups import GroupsMixin
 from ._core.interface import EngineInterface
 from ._core.learning_rate import LearningRateMixin
+from ._core.params import normalize_param_groups
 from ._core.passes import PassesMixin
-from ._core.slots import SlotsMixin
-from ._core.state import _HostRecord, _NewSlots, _Slots, _StateVersion, _TrackedState, record_field  # noqa: F401 (pickles name them here)
-from ._core.traits import Traits
-from ._gc import gc_paused
-from ._params import normalize_param_groups
-from ._plan import (
+from ._core.plan import (
     Plan,
     PlanView,
 )
-from ._state_dict import (
+from ._core.slots import SlotsMixin
+from ._core.state import _HostRecord, _NewSlots, _Slots, _StateVersion, _TrackedState, record_field  # noqa: F401 (pickles name them here)
+from ._core.state_dict import (
     check_group_types,
 )
-from ._tf_surface import TFSurface, autograd_pairs
+from ._core.tf_surface import TFSurface, autograd_pairs
+from ._core.traits import Traits
+from ._gc import gc_paused
 from ._typing import LearningRate, OptimizerOptions, ParamsT
 from ._validation import check_number
 

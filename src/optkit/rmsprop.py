@@ -15,8 +15,9 @@ tiny, and TF then takes the root of a negative number (NaN weights). optkit clam
 
 Implementation: a chain of foreach kernels per (device, dtype) group over cache-sized blocks (the base's
 blocked
-pass); float16/bfloat16 tensors are computed on float32 copies (:mod:`optkit._fused`), so each stored value is
-rounded once. Sparse gradients update only the de-duplicated touched rows (weights and slots), as TF's
+pass); float16/bfloat16 tensors are computed on float32 copies (:mod:`optkit._core.fused`), so each stored
+value is rounded once. Sparse gradients update only the de-duplicated touched rows (weights and slots), as
+TF's
 ``SparseApplyRMSProp`` does; the base's decoupled ``weight_decay`` (``w ← w − lr·wd·w`` before the update)
 then decays the touched rows only (with every row touched, the dense result). Complex parameters are refused
 (``TypeError``) by the base.

@@ -23,7 +23,7 @@ only unscales: no copy, no gradient write-back without a loss scale (the minimal
 
 Exceptions: float64 groups fold ``−lr·k`` into the gradient in float64 (the kernel's ``grad_scale`` is
 float32), and with a momentum buffer never take the dampening form (``1 − fl(1 + lr)`` is ``−lr`` only to
-1.1e-16 absolute). The kernel runs only where the gate (:mod:`optkit._fused`) says it is exact:
+1.1e-16 absolute). The kernel runs only where the gate (:mod:`optkit._core.fused`) says it is exact:
 float16/bfloat16 tensors on CPU (torch 2.13's vectorised CPU kernel is wrong for them), non-dense tensors
 and gradients whose strides differ from the parameter's run it on contiguous float32 copies. With
 ``weight_decay`` or EMA the base runs decay → kernel → EMA block by block over cache-sized chunks.
@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 from typing_extensions import Unpack
 
+from ._core.fused import unscale_arg
 from ._core.traits import Traits
-from ._fused import unscale_arg
 from .optimizer import LearningRate, Optimizer, OptimizerOptions, ParamsT, check_nesterov, check_number
 
 __all__ = ["SGD"]

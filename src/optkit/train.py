@@ -22,7 +22,7 @@ One update (``n`` micro-batches, ``W`` ranks, loss scale ``S``) does, in the ori
 7. summaries of the learning rate, the norms and the variables (due steps only);
 8. non-finite check (any NaN/inf element in any gradient of the window, from a max-abs pass next to the norm
    pass, or in the same compiled read as the norm when the optimizer was built with ``jit_compile=True``
-   (:func:`optkit._compile.norm_check_sums`), so the decision is the same on any number of ranks; with
+   (:func:`optkit._core.chain.norm_check_sums`), so the decision is the same on any number of ranks; with
    ``clip_gradients`` and a scaler that backs off, also a non-finite ``‖Σ grads‖`` of finite elements under
    a scale above 1, which is then too large for a float32 norm) decides whether the scaler lets the update
    apply (the scaler itself advances after step 9, so an update that raises leaves the scale as it was);
@@ -91,9 +91,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _multi_tensor as mt
-from ._compile import norm_check_sums
+from ._core.chain import norm_check_sums
 from ._core.context import StepContext
-from ._tf_surface import is_schedule
+from ._core.tf_surface import is_schedule
 from ._train_build import (
     TrainOpBuild,
     build_scaler,
@@ -677,7 +677,7 @@ class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
         return StepResult(loss, applied, self._step.clone(), lr_t, scale, norm)
 
     def _compiled_check(self, whole: list[Tensor] | None, grads: list[Tensor]):
-        """The compiled norm-and-check pass (:func:`optkit._compile.norm_check_sums`) under the optimizer's
+        """The compiled norm-and-check pass (:func:`optkit._core.chain.norm_check_sums`) under the optimizer's
         ``jit_compile`` (``engine.compiled_pass``), or None for the eager passes: also over
         flat parameters whose optimizer has no plan yet (the first update reads the per-tensor gradients;
         every later one the flat gradients, a graph of its own), so as not to compile for that one update."""

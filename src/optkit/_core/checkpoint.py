@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 
 from .. import _multi_tensor as mt
-from .._state_dict import (
+from ..flat import flat_buffer_of
+from .state import _HostRecord, _Slots
+from .state_dict import (
     adopt_torch_groups,
     validate_state_dict,
 )
-from ..flat import flat_buffer_of
-from .state import _HostRecord, _Slots
 
 
 class CheckpointMixin:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _multi_tensor as mt
-from .._compile import chain, compiled_chain, compiled_function, warn_compile_fallback
+from .chain import chain, compiled_chain, compiled_function, warn_compile_fallback
 
 #: ``jit_compile=True`` warns before compiling a group of more tensors than this: torch.compile traces one
 #: graph input per tensor (minutes at 10,000 tensors on this project's 2-core CPU)
@@ -69,7 +69,7 @@ class CompiledMixin:
         return functools.partial(self._call_compiled, fn)
 
     def _call_compiled(self, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` compiled as the chain is (:func:`optkit._compile.compiled_function`), for an
+        """``fn(*args)`` compiled as the chain is (:func:`optkit._core.chain.compiled_function`), for an
         optimizer's own read-only compiled pass; None, after one ``RuntimeWarning`` and eager from then on,
         when compiling fails (such a pass writes nothing, so the eager step can follow)."""
         compiled = compiled_function(fn)
@@ -103,7 +103,7 @@ class CompiledMixin:
 
     def _run_chain(self, fn, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
                    mult, aux, avgs=None, upcast=False, zero=False) -> None:
-        """decay → rule → EMA of one group through :func:`optkit._compile.chain` (``fn``: it, or its
+        """decay → rule → EMA of one group through :func:`optkit._core.chain.chain` (``fn``: it, or its
         ``torch.compile``-d form), with every changing hyperparameter as a tensor input. ``avgs``: the
         averages when ``params`` are not the group's tensors (a flat part's run matrices); ``zero``: the
         chain zeroes the gradients after reading them (flat gradients that the train op clears next)."""

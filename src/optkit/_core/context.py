@@ -26,7 +26,7 @@ class StepContext:
         grad_scale: the loss scale ``S`` (0-d tensor): the true gradient is ``g/S``.
         found_inf: 0-d float tensor; 1 skips the step on device (nothing changes).
         multipliers: per-parameter factors of the gradient (``{id(param): 0-d tensor}``, LARC's trust
-            ratios), or :class:`optkit._plan.RowMultipliers` over flat buffers.
+            ratios), or :class:`optkit._core.plan.RowMultipliers` over flat buffers.
         gathered: what the caller already read of the innermost optimizer's gradients this step (its
             ``whole_grads(seen)``), by param group id, so that the step does not read ``.grad`` again. Only
             valid when nothing replaced a gradient since: a step pre-hook drops it.

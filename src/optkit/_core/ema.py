@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import _multi_tensor as mt
-from .._state_dict import (
+from .state_dict import (
     check_loaded_slot,
 )
 

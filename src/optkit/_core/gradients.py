@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from .. import _multi_tensor as mt
-from .._plan import (
+from ..flat import _VIEWS_RESTORED, flat_buffer_of
+from .plan import (
     check_slot_fits,
 )
-from ..flat import _VIEWS_RESTORED, flat_buffer_of
 
 _GRAD = operator.attrgetter("grad")
 

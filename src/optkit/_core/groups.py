@@ -14,12 +14,12 @@ from torch import Tensor
 
 from .. import _multi_tensor as mt
 from .._arguments import GROUP_ALIASES
-from .._params import normalize_param_groups
-from .._state_dict import (
-    torch_required,
-)
 from .._validation import check_number
 from ..flat import flat_buffer_of
+from .params import normalize_param_groups
+from .state_dict import (
+    torch_required,
+)
 
 #: constructor arguments that are not optimizer-wide options (``name`` is also a common user label of a group)
 _GROUP_KEYS_ANYWHERE = frozenset({"self", "params", "learning_rate", "lr", "kwargs", "hyper", "name",

@@ -48,7 +48,7 @@ class EngineInterface:
         self._opt._zero_grad(set_to_none, skip)
 
     def flat_part(self, group: dict, seen: dict | None = None) -> Any:
-        """The group's flat part (:class:`optkit._plan.FlatPart`) when this step will run over it, else
+        """The group's flat part (:class:`optkit._core.plan.FlatPart`) when this step will run over it, else
         None; what it read of the gradients goes into ``seen`` for the step (``StepContext.gathered``)."""
         return self._opt._flat_part(group, seen)
 

@@ -13,11 +13,11 @@ import torch
 from torch import Tensor
 
 from .. import _multi_tensor as mt
-from .._plan import (
+from .._validation import check_number, is_number
+from .plan import (
     _outside_stacklevel,
 )
-from .._tf_surface import is_schedule
-from .._validation import check_number, is_number
+from .tf_surface import is_schedule
 
 
 def _callable_arity(fn: Callable) -> int:

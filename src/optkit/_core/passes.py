@@ -1,7 +1,7 @@
-"""The eager passes that apply the update: each group's cached plan (:mod:`optkit._plan`), the blocked
+"""The eager passes that apply the update: each group's cached plan (:mod:`optkit._core.plan`), the blocked
 pass over cache-sized chunks (decoupled decay → the rule's ``_update`` → EMA, chunk by chunk, so the chain
 costs about one sweep over memory), the flat buffers and their row runs, in-cache scratch copies that keep
-the caller's ``.grad`` untouched, and the fused-kernel gate (:mod:`optkit._fused`) with its pointwise
+the caller's ``.grad`` untouched, and the fused-kernel gate (:mod:`optkit._core.fused`) with its pointwise
 fallback."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import _fused
 from .. import _multi_tensor as mt
-from .._compile import chain
-from .._plan import (
+from ..flat import _VIEWS_RESTORED, flat_buffer_of
+from . import fused as _fused
+from .chain import chain
+from .plan import (
     FlatPart,
     Plan,
     PlanView,
@@ -23,7 +24,6 @@ from .._plan import (
     RunAux,
     scratch_view,
 )
-from ..flat import _VIEWS_RESTORED, flat_buffer_of
 
 #: per-tensor multipliers fold into the kernel (one call per tensor) only for groups with at least this many
 #: elements per tensor on average: below it a call per tensor costs more than the blocked pass's in-cache
@@ -93,8 +93,8 @@ class PassesMixin:
                    multipliers: Any, fit_checked: Plan | None = None) -> Plan | None:
         """The group's cached plan when it has a flat part whose gradients are this step's (O(1) checks plus
         one identity scan of the gradients); None otherwise (then :meth:`_run_group` plans per tensor).
-        With multipliers only for a :class:`~optkit._plan.RowMultipliers` that has a vector for this group,
-        and only when the flat part's row runs pay."""
+        With multipliers only for a :class:`~optkit._core.plan.RowMultipliers` that has a vector for this
+        group, and only when the flat part's row runs pay."""
         plan = self._plans.get(id(group))
         rows = isinstance(multipliers, RowMultipliers) and id(group) in multipliers.rows
         if plan is None or plan.flat is None or (multipliers is not None and not rows) \
@@ -112,7 +112,7 @@ class PassesMixin:
         return plan
 
     def _flat_part(self, group: dict, seen: dict | None = None) -> FlatPart | None:
-        """For a wrapper about to pass per-parameter multipliers as :class:`~optkit._plan.RowMultipliers`
+        """For a wrapper about to pass per-parameter multipliers as :class:`~optkit._core.plan.RowMultipliers`
         (LARC): the group's flat part when this step will run over it (every parameter has its flat gradient
         view, the plan is current, the row runs pay), else None. O(1) checks plus one identity scan. The
         gathered lists go into ``seen`` (keyed by the group's id) for the step to reuse, and a plan found
@@ -345,7 +345,7 @@ class PassesMixin:
     def _shadow_rows(self, flat: FlatPart) -> bool:
         """Whether this ``keeps_values_in_grads`` rule runs over ``flat``'s row runs (its :meth:`_prepare`
         then
-        returns a :class:`~optkit._plan.RunAux` for them): the base gives it one flat shadow of the flat
+        returns a :class:`~optkit._core.plan.RunAux` for them): the base gives it one flat shadow of the flat
         gradient instead of per-tensor copies (:meth:`_grad_shadow_rows`), and :attr:`_shadow_src` holds the
         caller's row chunks (``flat.row_grads``) and the 1/S for them. Its row pass must copy each caller's
         chunk into the shadow's chunk, then scale the caller's chunk by 1/S, while it is in cache."""
@@ -404,7 +404,7 @@ class PassesMixin:
 
     def _plan_for(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor],
                   blocked: bool) -> Plan:
-        """The cached :class:`~optkit._plan.Plan` of this group for this set of parameters with gradients
+        """The cached :class:`~optkit._core.plan.Plan` of this group for this set of parameters with gradients
         (rebuilt when the set, the optimizer state or the exclusions change, a parameter's storage moves, or a
         gradient no longer fits a chunking)."""
         key = (tuple(idx), self._plan_version, blocked, self.block_numel)
@@ -435,8 +435,8 @@ class PassesMixin:
     def _kernel_parts(
         self, kernel: str, lists: Sequence[Sequence[Tensor]], written: Sequence[int]
     ) -> Iterator[tuple[torch.device, torch.dtype, str, list[int], tuple[list[Tensor], ...]]]:
-        """The fused-kernel gate (:func:`optkit._fused.partition`) over ``lists`` (parameters first, gradients
-        second, then slots), grouped by (device, dtype).
+        """The fused-kernel gate (:func:`optkit._core.fused.partition`) over ``lists`` (parameters first,
+        gradients second, then slots), grouped by (device, dtype).
 
         Yields ``(device, dtype, mode, index, lists)``: ``index`` are positions in the input lists; ``mode``
         ``"native"`` (run the kernel on ``lists`` as they are), ``"staged"`` (``lists`` are contiguous
@@ -474,7 +474,7 @@ class PassesMixin:
         """The fused-kernel loop of an :meth:`_update`: :meth:`_kernel_parts` over ``lists`` with the parts
         that have no kernel on their device run by :meth:`_pointwise_fallback` (``aux`` cut to the part, the
         slots ``lists[2:]``). Yields ``(device, dtype, index, lists, found_inf)`` for the parts a kernel runs
-        on, ``found_inf`` on the part's device (:func:`optkit._fused.kernel_calls` turns them into kernel
+        on, ``found_inf`` on the part's device (:func:`optkit._core.fused.kernel_calls` turns them into kernel
         arguments). ``written`` defaults to what the kernels write: every list but the gradients, and the
         gradients too when ``k`` is set (``grad_scale`` leaves ``k·g`` there)."""
         if written is None:

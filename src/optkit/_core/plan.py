@@ -17,17 +17,14 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import _fused
-from . import _multi_tensor as mt
-from .flat import _VIEWS_RESTORED, flat_buffer_of
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import Optimizer
+from .. import _multi_tensor as mt
+from ..flat import _VIEWS_RESTORED, flat_buffer_of
+from . import fused as _fused
 
 __all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "RowMultipliers", "check_slot_fits",
            "scratch_view"]
@@ -63,7 +60,7 @@ def _outside_stacklevel() -> int:
     return level
 
 
-def _warn_interleaved(opt: Optimizer, group: dict, params: list[Tensor]) -> None:
+def _warn_interleaved(opt: Any, group: dict, params: list[Tensor]) -> None:
     """Warn once per optimizer when a group's parameters all lie in one flat buffer
     (:func:`optkit.flat_parameters`) but not back to back in the group's order, so that the group steps
     tensor by tensor: typically a module flattened in its own order, then split into groups by rules."""
@@ -382,7 +379,7 @@ class FlatPart:
 class Plan:
     """Per-group structure of the dense pass, cached across steps (module doc)."""
 
-    def __init__(self, opt: Optimizer, group: dict, idx, params, grads, blocked: bool, key) -> None:
+    def __init__(self, opt: Any, group: dict, idx, params, grads, blocked: bool, key) -> None:
         self.key = key
         self.views_restored = _VIEWS_RESTORED[0]  # (see Optimizer._plan_for)
         self.names = [group["param_names"][i] for i in idx]

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ._state_dict import check_group_hyperparameters
+from .state_dict import check_group_hyperparameters
 
 __all__ = ["normalize_param_groups", "auto_name"]
 

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 from typing_extensions import Self
 
-from . import _multi_tensor as mt
-from .schedules import LearningRateSchedule
+from .. import _multi_tensor as mt
+from ..schedules import LearningRateSchedule
 
 __all__ = ["TFSurface", "autograd_pairs", "check_pairs", "gradients_installed", "is_schedule"]
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _multi_tensor as mt
-from ._arguments import GROUP_ALIASES
-from ._validation import check_count, is_number
+from .. import _multi_tensor as mt
+from .._arguments import GROUP_ALIASES
+from .._validation import check_count, is_number
 
 __all__ = ["TORCH_PARAM_SHAPED", "adopt_torch_groups", "check_group_hyperparameters", "check_loaded_slot",
            "torch_required", "validate_state_dict", "validate_torch_state_dict"]

@@ -12,7 +12,8 @@ to 1 every result is replaced by its old value with ``torch.where``, so non-fini
   flag and EMA weight are tensor inputs, so changing them never recompiles. Each param group's shapes and
   its other hyperparameters (momentum, betas, ...: Python numbers) make one graph; a new value of those is a
   new compile (:data:`RECOMPILE_LIMIT` graphs in all, then eager with a warning).
-* The fused-kernel gate (:mod:`optkit._fused`) sends tensors on devices that have no fused kernel here, with
+* The fused-kernel gate (:mod:`optkit._core.fused`) sends tensors on devices that have no fused kernel here,
+with
   half-precision inputs upcast to float32 so that each stored value is rounded once.
 """
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _multi_tensor as mt
+from .. import _multi_tensor as mt
 
 __all__ = [
     "KERNELS", "Call", "Part", "kernel_calls", "partition", "is_dense", "native_dtype_ok", "staged",
