@@ -59,6 +59,7 @@ from ._arguments import accepted_keywords, check_call, check_nesterov, unknown_a
 from ._core.checkpoint import CheckpointMixin
 from ._core.compiled import CompiledMixin
 from ._core.context import StepContext, StepResult
+from ._core.derived import run_rule
 from ._core.ema import EmaMixin
 from ._core.gradients import GradientsMixin
 from ._core.groups import GroupsMixin
@@ -484,10 +485,14 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         aux: list | None,
     ) -> None:
         """The update rule over (chunks of) local tensors. The true gradient is ``k·grads`` (``k`` None
-        means 1); when ``found_inf`` is 1 nothing may change. Default: the pointwise rule (``_pointwise``)
-        through :meth:`_pointwise_fallback`, which leaves ``k·g`` in the gradients."""
-        self._pointwise_fallback(group, params, grads, [slots[s] for s in self._active_slots(group)], lr, k,
-                                 found_inf, aux)
+        means 1); when ``found_inf`` is 1 nothing may change. Default: the class's ``_pointwise`` rule run
+        as multi-tensor ops (:func:`optkit._core.derived.run_rule`), which leave ``k·g`` in the gradients; a
+        subclass may implement a faster form."""
+        if type(self)._pointwise is None:
+            raise TypeError(f"{type(self).__name__} must implement _update() or _pointwise")
+        run_rule(type(self)._pointwise, self._pointwise_hyper(group), params, grads,
+                 [slots[s] for s in self._active_slots(group)], lr, k, found_inf, aux,
+                 group_by=self._by_device_dtype)
 
     def _update_writes_grads(self, group: dict) -> bool:
         """The class's ``traits.writes_grads``; False with the default :meth:`_update` (only ``k·g``)."""
