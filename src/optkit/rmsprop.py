@@ -13,11 +13,10 @@ gradient variance and is never negative in exact arithmetic; rounding can make i
 tiny, and TF then takes the root of a negative number (NaN weights). optkit clamps it at 0 first
 (``docs/compatibility.md``).
 
-Implementation: a chain of foreach kernels per (device, dtype) group over cache-sized blocks (the base's
-blocked
-pass); float16/bfloat16 tensors are computed on float32 copies (:mod:`optkit._core.fused`), so each stored
-value is rounded once. Sparse gradients update only the de-duplicated touched rows (weights and slots), as
-TF's
+Implementation: the rule (:func:`_rmsprop_pointwise`) is the whole optimizer; the base runs it as a chain of
+foreach kernels per (device, dtype) group over cache-sized blocks (its blocked pass,
+:mod:`optkit._core.derived`); float16/bfloat16 tensors are computed on float32 copies, so each stored value
+is rounded once. Sparse gradients update only the de-duplicated touched rows (weights and slots), as TF's
 ``SparseApplyRMSProp`` does; the base's decoupled ``weight_decay`` (``w ← w − lr·wd·w`` before the update)
 then decays the touched rows only (with every row touched, the dense result). Complex parameters are refused
 (``TypeError``) by the base.
@@ -36,7 +35,11 @@ __all__ = ["RMSProp"]
 
 
 def _rmsprop_pointwise(hyper, w, g, slots, lr, k, aux):
-    """Out-of-place TF RMSProp step (``slots = (rms, momentum[, mg])``)."""
+    """Out-of-place TF RMSProp step (``slots = (rms, momentum[, mg])``): the rule of every dense path (run
+    over tensor lists by the base, compiled by ``jit_compile``) and of the sparse rows.
+
+    Centered: ``ms − mg²`` is ``addcmul(ms, mg, mg, value=−1)``, which torch's CPU kernel computes as one
+    fused multiply-add where the CPU has one (inductor lowers it as ``ms − mg·mg``)."""
     decay, momentum, epsilon, centered = hyper
     if k is not None:
         g = g * k
@@ -44,10 +47,11 @@ def _rmsprop_pointwise(hyper, w, g, slots, lr, k, aux):
     new = [ms]
     if centered:
         mg = slots[2] + (g - slots[2]) * (1.0 - decay)
-        denom = (ms - mg * mg).clamp_min(0.0) + epsilon
+        # the variance ms − mg² is >= 0 exactly; rounding must not make its root NaN
+        root = (ms.addcmul(mg, mg, value=-1.0).clamp_min(0.0) + epsilon).sqrt()
     else:
-        denom = ms + epsilon
-    mom = slots[1] * momentum + lr * g / denom.sqrt()
+        root = (ms + epsilon).sqrt()
+    mom = slots[1] * momentum + lr * g / root
     new.append(mom)
     if centered:
         new.append(mg)
@@ -95,46 +99,6 @@ class RMSProp(Optimizer):
         return (group["decay"], group["momentum"], group["epsilon"], group["centered"])
 
     _pointwise = staticmethod(_rmsprop_pointwise)
-
-    def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
-        decay, momentum, epsilon, centered = self._pointwise_hyper(group)
-        lists = [params, grads] + [slots[s] for s in self._active_slots(group)]
-        written = (0, *range(2, len(lists))) if k is None else tuple(range(len(lists)))  # (k·g: see base)
-        for device, dtype, _, _, grouped in self._kernel_parts("foreach", lists, written):
-            w, g, ms, mom = grouped[:4]
-            lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
-            if k is not None:
-                torch._foreach_mul_(g, k.to(device))
-            ms_new = torch._foreach_mul(g, g)
-            torch._foreach_sub_(ms_new, ms)
-            torch._foreach_mul_(ms_new, 1.0 - decay)
-            torch._foreach_add_(ms_new, ms)
-            new_lists, olds = [ms_new], [ms]
-            if centered:
-                mg = grouped[4]
-                mg_new = torch._foreach_sub(g, mg)
-                torch._foreach_mul_(mg_new, 1.0 - decay)
-                torch._foreach_add_(mg_new, mg)
-                # the variance ms − mg² is >= 0 exactly; rounding must not make its root NaN
-                denom = torch._foreach_addcmul(ms_new, mg_new, mg_new, value=-1.0)
-                torch._foreach_clamp_min_(denom, 0.0)
-                torch._foreach_add_(denom, epsilon)
-            else:
-                denom = torch._foreach_add(ms_new, epsilon)
-            torch._foreach_sqrt_(denom)
-            step = torch._foreach_mul(g, lr_)
-            torch._foreach_div_(step, denom)
-            mom_new = torch._foreach_mul(mom, momentum)
-            torch._foreach_add_(mom_new, step)
-            w_new = torch._foreach_sub(w, mom_new)
-            new_lists.append(mom_new)
-            olds.append(mom)
-            if centered:
-                new_lists.append(mg_new)
-                olds.append(mg)
-            skip = None if found_inf is None else found_inf.to(device) > 0.5
-            targets = list(w) + [t for o in olds for t in o]
-            mt.commit_(targets, list(w_new) + [t for n in new_lists for t in n], skip)
 
     def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
         """TF's ``SparseApplyRMSProp`` / ``SparseApplyCenteredRMSProp``: the rule on the touched rows of
