@@ -16,8 +16,9 @@ learning rate (the first step of a warm-up) leaves weights and slots unchanged; 
 ``σ``). TF 1 defaults: ``learning_rate_power=-0.5``, ``initial_accumulator_value=0.1``, all regularisation
 0. Sparse gradients update only their (de-duplicated) rows, as TF's ``SparseApplyFtrlV2`` does.
 
-The dense rule runs as grouped foreach kernels over cache-sized blocks (the base's blocked pass); the
-soft threshold is written ``−sign(z)·max(|z| − l1, 0) / quadratic``, which equals the TF form exactly.
+The rule (:func:`_ftrl_pointwise`) runs as grouped foreach kernels over cache-sized blocks (the base's
+blocked pass, :mod:`optkit._derived`); the soft threshold is written ``−sign(z)·max(|z| − l1, 0) /
+quadratic``, which equals the TF form exactly.
 """
 
 from __future__ import annotations
@@ -33,18 +34,21 @@ __all__ = ["Ftrl"]
 
 
 def _ftrl_pointwise(hyper, w, g, slots, lr, k, aux):
-    """Out-of-place FTRL-proximal step (``jit_compile`` and the sparse rows)."""
+    """Out-of-place FTRL-proximal step: the rule of every dense path (run over tensor lists by the base,
+    compiled by ``jit_compile``) and of the sparse rows. ``n + g²`` and ``z + g_s − σ·w`` are written with
+    ``addcmul`` and ``g + 2·l2_shrinkage·w`` with ``add(..., alpha=)``, which torch's CPU kernels compute
+    with fused multiply-adds where the CPU has them (inductor lowers them as plain products and sums)."""
     lr_power, l1, l2, l2_shrinkage, beta = hyper
     accum, linear = slots
     if k is not None:
         g = g * k
-    g_s = g + w * (2.0 * l2_shrinkage) if l2_shrinkage else g
-    accum_new = accum + g * g
+    g_s = g.add(w, alpha=2.0 * l2_shrinkage) if l2_shrinkage else g
+    accum_new = accum.addcmul(g, g)
     if lr_power == -0.5:
         p_new, p_old = accum_new.sqrt(), accum.sqrt()
     else:
         p_new, p_old = accum_new.pow(-lr_power), accum.pow(-lr_power)
-    linear_new = linear + g_s - (p_new - p_old) / lr * w
+    linear_new = (linear + g_s).addcmul((p_new - p_old) / lr, w, value=-1.0)
     quadratic = p_new / lr + (2.0 * l2 + beta / lr)
     shrunk = (linear_new.abs() - l1).clamp_min(0.0)
     w_new = -(linear_new.sign() * shrunk) / quadratic
@@ -122,39 +126,6 @@ class Ftrl(Optimizer):
                 group["beta"])
 
     _pointwise = staticmethod(_ftrl_pointwise)
-
-    def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
-        lr_power, l1, l2, l2s, beta = self._pointwise_hyper(group)
-        lists = (params, grads, slots["accum"], slots["linear"])
-        written = (0, 2, 3) if k is None else (0, 1, 2, 3)  # (k·g left in the gradients: see the base)
-        for device, dtype, _, _, (w, g, n, z) in self._kernel_parts("foreach", lists, written):
-            lr_ = lr.to(device=device, dtype=mt.acc_dtype(dtype))
-            if k is not None:
-                torch._foreach_mul_(g, k.to(device))
-            n_new = torch._foreach_addcmul(n, g, g)
-            g_s = torch._foreach_add(g, w, alpha=2.0 * l2s) if l2s else g
-            if lr_power == -0.5:
-                p_new, p_old = torch._foreach_sqrt(n_new), torch._foreach_sqrt(n)
-            else:
-                p_new, p_old = torch._foreach_pow(n_new, -lr_power), torch._foreach_pow(n, -lr_power)
-            sigma = torch._foreach_sub(p_new, p_old)
-            torch._foreach_div_(sigma, lr_)
-            z_new = torch._foreach_add(z, g_s)
-            torch._foreach_addcmul_(z_new, sigma, w, value=-1.0)
-            quad = torch._foreach_div(p_new, lr_)
-            mt.add_tensor_(quad, 2.0 * l2 + beta / lr_)
-            shrunk = torch._foreach_abs(z_new)
-            torch._foreach_sub_(shrunk, l1)
-            torch._foreach_clamp_min_(shrunk, 0.0)
-            w_new = torch._foreach_sign(z_new)
-            torch._foreach_mul_(w_new, shrunk)
-            torch._foreach_div_(w_new, quad)
-            torch._foreach_neg_(w_new)
-            # nothing changes on a skipped step, nor with a zero learning rate (warm-up step 0: 0/0 otherwise)
-            skip = lr_ == 0
-            if found_inf is not None:
-                skip = skip | (found_inf.to(device) > 0.5)
-            mt.commit_(w + n + z, w_new + n_new + z_new, skip)
 
     def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
         """The same rule on the touched rows of coalesced sparse gradients; other rows are left alone."""
