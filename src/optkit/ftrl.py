@@ -17,7 +17,7 @@ learning rate (the first step of a warm-up) leaves weights and slots unchanged; 
 0. Sparse gradients update only their (de-duplicated) rows, as TF's ``SparseApplyFtrlV2`` does.
 
 The rule (:func:`_ftrl_pointwise`) runs as grouped foreach kernels over cache-sized blocks (the base's
-blocked pass, :mod:`optkit._derived`); the soft threshold is written ``−sign(z)·max(|z| − l1, 0) /
+blocked pass, :mod:`optkit._core.derived`); the soft threshold is written ``−sign(z)·max(|z| − l1, 0) /
 quadratic``, which equals the TF form exactly.
 """
 
