@@ -52,8 +52,8 @@ needs the norm of ``u`` over the whole tensor before any weight changes, so a st
 
 A block of whole float32/float64 CPU tensors (every block but the pieces of tensors larger than a block)
 takes both passes at once, while it is in cache (:meth:`LAMB._fused_block`): pass 1 writes ``u`` into the
-block's in-cache scratch (the fused AdamW kernel with the zeroed scratch chunk as its "parameter":
-``0·(1 − 1) + direction``, the same ``u``), the block's trust ratios come from its own norms (the tensors
+block's in-cache scratch (the fused Adam kernel on the zeroed scratch chunk: ``0 + direction``, the same
+``u``), the block's trust ratios come from its own norms (the tensors
 are whole), and pass 2 applies ``w ← w − s·u`` from the scratch; the gradients are only read (under an
 unscaling factor with the caller's gradients, the kernel's write-back of ``k·g`` goes into a copy in the
 scratch). The pieces of larger tensors keep ``u`` in their gradient chunks from pass 1 to pass 2: with
@@ -72,7 +72,7 @@ Over flat buffers (:func:`optkit.flat_parameters`, float32/float64 on the CPU) b
 buffer's row runs instead (consecutive parameters of one size are the rows of a ``(count, size)`` matrix,
 cut into cache-sized row chunks): one fused AdamW call, two row norms and an in-cache multiply per chunk,
 with ``s`` as a ``(rows, 1)`` column, so the host work no longer grows with the number of parameters
-(:meth:`LAMB._prepare_rows`, :meth:`LAMB._update_rows`).
+(:meth:`LAMB._prepare_rows`, then :func:`_step_along_` as for the tensors' chunks).
 
 With ``jit_compile=True`` both passes are compiled (``torch.compile``, one loop per tensor each) and pass 1
 writes nothing: :func:`_lamb_sums` forms the new moments and ``u`` from ``k·g`` and returns only ``Σu²``
@@ -84,6 +84,15 @@ are left as they were. Over flat buffers whose row runs are in use, both compile
 matrices whole (:func:`_lamb_row_sums`, row reductions; the rule with ``(count, 1)`` columns): a few graph
 inputs per run of consecutive equal-size parameters, not per parameter (past
 :data:`optkit.optimizer.COMPILE_WARN_TENSORS` runs, the eager row pass).
+
+Each formula is written once, as a function of tensors: :func:`_moments` (:func:`_new_moments` with the
+true gradient ``k·g``, half precision in float32), :func:`_corrections` (the bias corrections),
+:func:`_direction` (``u``), :meth:`LAMB._trust_ratio` and :func:`_step_sizes` (``s = lr·r``). The pointwise
+rule (:func:`_lamb_pointwise`: ``jit_compile``, tracing, devices without a fused kernel), the compiled pass 1
+(:func:`_lamb_sums`, :func:`_lamb_row_sums`) and the eager out-of-place pass 1 (:meth:`LAMB._pass1_math`)
+are built from them; the eager fast path runs the same rule through two torch kernels,
+:func:`_adam_direction_` (the moments and ``m̂/(√v̂ + ε)``) and :func:`_sgd_` (``w ← w − s·u``,
+:func:`_step_along_`).
 
 Main memory sees: read ``w, g, m, v`` and write ``m, v, g`` (pass 1, 28 B/param in fp32), read ``w, g``
 and write ``w`` (pass 2, 12 B/param): 40 B/param, the floor of any two-pass LAMB (+4 in pass 2 for blocks of
@@ -120,47 +129,74 @@ __all__ = ["LAMB"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
+# ------------------------------------------------------------------------------- the rule, out of place
+# (each formula once: the pointwise rule, the compiled pass 1 and the eager out-of-place pass 1 are built
+# from these; the fused-kernel forms are _adam_direction_ and _sgd_ below)
+
+
+def _moments(g: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
+    """The new moments, out of place (``m + (1−β1)(g − m)`` as torch's ``lerp``)."""
+    return m + (g - m) * (1.0 - beta1), v * beta2 + g * g * (1.0 - beta2)
+
+
+def _new_moments(hyper: tuple, w: Tensor, g: Tensor, m: Tensor, v: Tensor,
+                 k: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(w, m', v')``: the moments after the true gradient ``k·g`` (``k`` None: ``g``), out of place, for
+    ``hyper = (β1, β2)``; half-precision tensors are computed in float32 (``w`` too)."""
+    if w.dtype in _HALF:
+        w, g, m, v = w.float(), g.float(), m.float(), v.float()
+    if k is not None:
+        g = g * k
+    return (w, *_moments(g, m, v, *hyper))
+
+
+def _corrections(beta1: float, beta2: float, t: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The bias corrections as ``(ratio, e) = (√(1−β2^t)/(1−β1^t), ε·√(1−β2^t))`` in ``t``'s dtype and
+    device, so that ``m/(√v + e)·ratio = m̂/(√v̂ + ε)`` (``t = inf``: no bias correction)."""
+    bc2 = (1.0 - torch.pow(beta2, t)).sqrt()
+    return bc2 / (1.0 - torch.pow(beta1, t)), eps * bc2
+
+
+def _direction(m: Tensor, v: Tensor, ratio: Any, e: Any, w: Tensor | None = None, wd: Any = None) -> Tensor:
+    """``m/(√v + e)·ratio``, plus ``wd·w`` unless ``wd`` is None: the direction ``u = m̂/(√v̂ + ε) + wd·w``
+    (with ``ratio``, ``e`` of :func:`_corrections`), or pass 2's ``c·m/(√v + e)`` with ``ratio = c``."""
+    u = m / (v.sqrt() + e) * ratio
+    return u if wd is None else u + w * wd
+
+
 def _lamb_pointwise(hyper, w, g, slots, lr, k, aux):
-    """Out-of-place pass 2 (``jit_compile``, ``torch.compile`` tracing, devices without a fused kernel):
-    ``w ← w − c·m/(√v + e) − s·wd·w`` with the moments :meth:`LAMB._prepare` already updated, or, for a
-    ``fresh`` (half-precision) tensor, with the moments updated here from ``g`` (unscaled in pass 1, so
-    ``k`` is not applied again), or, ``fresh == "raw"`` (the compiled pass 1, :func:`_lamb_sums`, left
-    everything as it was), from the true gradient ``k·g`` in float32 or float64 exactly as pass 1 formed
-    the direction whose norm set ``s``; ``aux = (c, s·wd, e, s, fresh, direct)`` (``direct`` is the eager
-    CPU pass 2's, unused here; for ``"raw"``, ``c``, ``s·wd`` and ``s`` are the group's whole vectors and
-    the last field is the tensor's position in them)."""
-    beta1, beta2 = hyper
+    """The rule as out-of-place pointwise math (``jit_compile``, ``torch.compile`` tracing, devices without a
+    fused kernel), pass 2: ``w ← w − c·m/(√v + e) − s·wd·w`` with the moments :meth:`LAMB._prepare` already
+    updated, or, for a ``fresh`` (half-precision) tensor, with the moments updated here from ``g`` (unscaled
+    in pass 1, so ``k`` is not applied again), or, ``fresh == "raw"`` (the compiled pass 1,
+    :func:`_lamb_sums`, left everything as it was), from the true gradient ``k·g`` in float32 or float64
+    exactly as pass 1 formed the direction whose norm set ``s``; ``aux = (c, s·wd, e, s, fresh, direct)``
+    (``direct`` is the eager CPU pass 2's, unused here; for ``"raw"``, ``c``, ``s·wd`` and ``s`` are the
+    group's whole vectors and the last field is the tensor's position in them)."""
     m, v = slots
-    c, swd, e, _, fresh, _ = aux
+    c, swd, e, _, fresh, i = aux
     if fresh == "raw":
-        i = aux[5]
         if i is not None:  # (None: a run matrix of a flat buffer, c and s·wd are its (count, 1) columns)
             c, swd = c[i], swd[i]
-        if w.dtype in _HALF:
-            w, g, m, v = w.float(), g.float(), m.float(), v.float()
-        if k is not None:
-            g = g * k
-        m, v = _moments(g, m, v, beta1, beta2)
+        w, m, v = _new_moments(hyper, w, g, m, v, k)
     elif fresh:
-        m, v = _moments(g, m, v, beta1, beta2)
-    return w - m / (v.sqrt() + e) * c - w * swd, [m, v]
+        m, v = _moments(g, m, v, *hyper)
+    return w - _direction(m, v, c, e) - w * swd, [m, v]
 
 
 def _lamb_sums(hyper, ws, gs, ms, vs, k, ratio, e, decayed):
     """Pass 1 of ``jit_compile`` as one compiled function (read only, one loop per tensor): per tensor the
-    sums of squares ``Σu²`` and ``Σw²`` of ``u = m'/(√v' + e)·ratio + wd·w``, with the moments ``m'``,
-    ``v'`` formed from the true gradient ``k·g`` as :func:`_lamb_pointwise` forms them in pass 2 (which
-    writes them), ``ratio = √(1−β2^t)/(1−β1^t)``, ``e = ε·√(1−β2^t)``, ``decayed[i]`` = ``wd`` or None.
+    sums of squares ``Σu²`` and ``Σw²`` of the direction ``u`` (:func:`_direction`) with the moments formed
+    from the true gradient ``k·g`` (:func:`_new_moments`) as :func:`_lamb_pointwise` forms them in pass 2
+    (which writes them), ``ratio``, ``e`` of :func:`_corrections`, ``decayed[i]`` = ``wd`` or None.
     Half-precision tensors are computed in float32. Returns an ``(n, 2)`` matrix in the sums' dtype: row
     ``i`` is ``(Σu², Σw²)`` of tensor ``i``. (Stacking the two sums of each tensor together keeps them in
     one loop: with two separate stacks, inductor's horizontal fusion grouped the ``Σw²`` of all tensors into
     a second kernel that read every weight again, 20-25% of the pass on ResNet-50 shapes.)"""
     rows = []
     for i in range(len(ws)):
-        w, g, m, v = ws[i], gs[i], ms[i], vs[i]
-        if w.dtype in _HALF:
-            w, g, m, v = w.float(), g.float(), m.float(), v.float()
-        u = _direction(hyper, w, g, m, v, k, ratio, e, decayed[i])
+        w, m, v = _new_moments(hyper, ws[i], gs[i], ms[i], vs[i], k)
+        u = _direction(m, v, ratio, e, w, decayed[i])
         rows.append(torch.stack(((u * u).sum(), (w * w).sum())))
     return torch.stack(rows)
 
@@ -171,53 +207,101 @@ def _lamb_row_sums(hyper, ws, gs, ms, vs, k, ratio, e, wds):
     column of weight decays (0 for the tensors without), or None when no tensor is decayed."""
     out = []
     for i in range(len(ws)):
-        w = ws[i]
-        u = _direction(hyper, w, gs[i], ms[i], vs[i], k, ratio, e, None if wds is None else wds[i])
+        w, m, v = _new_moments(hyper, ws[i], gs[i], ms[i], vs[i], k)
+        u = _direction(m, v, ratio, e, w, None if wds is None else wds[i])
         out.append(torch.stack(((u * u).sum(1), (w * w).sum(1)), 1))
     return torch.cat(out)
 
 
-def _direction(hyper, w, g, m, v, k, ratio, e, wd):
-    """The direction of the compiled pass 1, out of place: ``u = m'/(√v' + e)·ratio (+ wd·w)`` with the
-    moments ``m'``, ``v'`` formed from the true gradient ``k·g`` (``wd`` None: no decay term)."""
-    if k is not None:
-        g = g * k
-    m2, v2 = _moments(g, m, v, *hyper)
-    u = m2 / (v2.sqrt() + e) * ratio
-    return u if wd is None else u + w * wd
+def _step_sizes(r: Tensor | None, lr: Tensor, n: int, at: Tensor | None = None,
+                skip: Tensor | None = None) -> Tensor:
+    """``s = lr·r`` for ``n`` tensors: ``r`` holds the trust ratios of the tensors at the positions ``at``
+    (None: of all ``n``; a boolean mask: ``r`` holds all ``n`` and the others' are dropped), the others take
+    ``r = 1`` (``r`` None: none adapts); ``s = 1`` exactly (NaN included) on a skipped step (``skip``, the
+    ``found_inf`` flag), so that pass 2 then leaves the gradient as it is."""
+    if r is None:
+        s = lr.expand(n)
+    elif at is None:
+        s = lr * r
+    elif at.dtype == torch.bool:
+        s = lr * torch.where(at, r, torch.ones_like(r))
+    else:
+        s = torch.ones(n, dtype=lr.dtype, device=lr.device).index_copy_(0, at, r) * lr
+    if skip is not None:
+        s = torch.where(skip.to(s.device) > 0, torch.ones_like(s), s)
+    return s
 
 
-def _corrections(beta1: float, beta2: float, t: Tensor) -> tuple[Tensor, Tensor]:
-    """``(1 − β1^t, √(1 − β2^t))`` in ``t``'s dtype and device."""
-    return 1.0 - torch.pow(beta1, t), (1.0 - torch.pow(beta2, t)).sqrt()
+# ------------------------------------------------------------------------------- the rule, fused kernels
 
 
-def _step_sizes(st: _Static, trust: Tensor | None, lr: Tensor, n: int) -> Tensor:
-    """``s = lr·r`` per tensor: the trust ratio of the adapting tensors (``trust``, None when none adapts),
-    1 for the others."""
-    if trust is None:
-        return lr.expand(n)
-    if st.n_adapt == n:
-        return lr * trust
-    return torch.ones(n, dtype=lr.dtype, device=lr.device).index_copy_(0, st.index, trust) * lr
+def _adam_direction_(u: list[Tensor], g: list[Tensor], m: list[Tensor], v: list[Tensor], t: Tensor,
+                     hyper: tuple, scale: Tensor | None, found_inf: Tensor | None) -> None:
+    """Torch's fused Adam kernel: ``m``, ``v`` updated in place from ``scale·g`` (skipped with
+    ``found_inf``) and ``u ← m̂/(√v̂ + ε)``, ``hyper = (β1, β2, ε)``. ``u`` is the gradient list itself (AdamW
+    with ``lr = wd = −1`` on the gradient as its own "parameter" gives ``g·(1 − 1) + direction``: the kernel
+    loads both operands before it stores, bit-identical to the direction written into a zeroed buffer) or
+    scratch chunks (zeroed, then ``0 + direction``)."""
+    beta1, beta2, eps = hyper
+    ts = [t] * len(g)
+    if u is g:
+        torch._fused_adamw_(g, g, m, v, [], ts, lr=-1.0, beta1=beta1, beta2=beta2, weight_decay=-1.0, eps=eps,
+                            amsgrad=False, maximize=False, grad_scale=scale, found_inf=found_inf)
+        return
+    torch._foreach_zero_(u)
+    torch._fused_adam_(u, g, m, v, [], ts, lr=-1.0, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps,
+                       amsgrad=False, maximize=False, grad_scale=scale, found_inf=found_inf)
 
 
-def _moments(g: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
-    """The new moments, out of place (``m + (1−β1)(g − m)`` as torch's ``lerp``)."""
-    return m + (g - m) * (1.0 - beta1), v * beta2 + g * g * (1.0 - beta2)
+def _sgd_(w: list[Tensor], d: list[Tensor], lr: Any, found_inf: Tensor | None) -> None:
+    """``w ← w − lr·d`` by torch's fused SGD kernel (skipped with ``found_inf``)."""
+    torch._fused_sgd_(w, d, [], weight_decay=0.0, momentum=0.0, lr=lr, dampening=0.0, nesterov=False,
+                      maximize=False, is_first_step=False, grad_scale=None, found_inf=found_inf)
+
+
+def _step_along_(w: list[Tensor], u: list[Tensor], s: list[Tensor], found_inf: Tensor | None) -> None:
+    """``w ← w − s·u`` with the direction ``u`` that pass 1 left in the gradient chunks and ``s = lr·r`` per
+    chunk (0-d tensors, or ``(rows, 1)`` columns over a flat buffer's row chunk): for up to four chunks ``s``
+    is the fused SGD kernel's tensor learning rate (one call per chunk: ``u`` is not written), else it is
+    multiplied into ``u`` first (one in-cache multiply, one call; ``s`` is 1 on a skipped step, see
+    :func:`_step_sizes`: the gradient is then left as it was)."""
+    if len(w) <= 4 and s[0].dim() == 0:
+        for wi, ui, si in zip(w, u, s):
+            _sgd_([wi], [ui], si, found_inf)
+    else:
+        torch._foreach_mul_(u, s)
+        _sgd_(w, u, 1.0, found_inf)
 
 
 class _Static:
     """Per-group facts that change only with the parameter set and the options (cached)."""
 
-    __slots__ = ("adapt_of", "n_adapt", "index", "mask", "decayed", "wd_vec", "any_decayed", "wd")
+    __slots__ = ("adapt_of", "n_adapt", "index", "at", "mask", "decayed", "wd_vec", "any_decayed", "wd",
+                 "wd_scalars")
+
+    def wd_scalar(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``wd`` as a 0-d tensor in ``dtype``'s accumulation dtype on ``device`` (made once)."""
+        key = (device, mt.acc_dtype(dtype))
+        hit = self.wd_scalars.get(key)
+        if hit is None:
+            hit = self.wd_scalars[key] = mt.scalar(self.wd, key[1], device)
+        return hit
+
+
+def _select(st: _Static, owners: list[int], chunks: list[Tensor]) -> tuple[list[int], ...]:
+    """Of a chunk list (chunk ``j`` is a piece of tensor ``owners[j]``): the positions of the adapting chunks,
+    their tensors' positions among the adapting tensors, the positions of the adapting decayed chunks, of the
+    half-precision chunks and of every decayed chunk."""
+    sel = [j for j, o in enumerate(owners) if st.adapt_of[o] >= 0]
+    return (sel, [st.adapt_of[owners[j]] for j in sel], [j for j in sel if st.decayed[owners[j]]],
+            [j for j, c in enumerate(chunks) if c.dtype in _HALF],
+            [j for j, o in enumerate(owners) if st.decayed[o]])
 
 
 class _BlockInfo:
-    """Per block of a plan: the scratch chunks, and which chunks adapt (positions, their tensors' positions
-    among the adapting tensors, the decayed ones and their weight decay as 0-d tensors)."""
+    """Per block of a plan: the scratch chunks, copies of the moments, and :func:`_select`'s positions."""
 
-    __slots__ = ("scratch", "sel", "own", "dec", "wd_t", "halves", "dec_all", "moments", "sel_t")
+    __slots__ = ("scratch", "sel", "own", "dec", "halves", "dec_all", "moments", "sel_t")
 
 
 class LAMB(Optimizer):
@@ -392,10 +476,12 @@ class LAMB(Optimizer):
             n_adapt += a
         st.n_adapt = n_adapt
         st.index = torch.tensor([i for i, a in enumerate(adapt) if a], dtype=torch.long, device=dev)
+        st.at = None if n_adapt == len(adapt) else st.index
         st.mask = torch.tensor(adapt, dtype=torch.bool, device=dev)
         st.wd_vec = torch.tensor([wd if d else 0.0 for d in st.decayed], dtype=dtype, device=dev)
         st.any_decayed = any(st.decayed)
         st.wd = wd
+        st.wd_scalars = {}
         self._static_cache[id(group)] = (key, st)
         return st
 
@@ -428,12 +514,7 @@ class LAMB(Optimizer):
                 info.moments[0].append(scratch_view(m_pools[key], offsets[key], c))
                 info.moments[1].append(scratch_view(v_pools[key], offsets[key], c))
                 offsets[key] += c.numel()
-            info.sel = [j for j, o in enumerate(blk.owners) if st.adapt_of[o] >= 0]
-            info.own = [st.adapt_of[blk.owners[j]] for j in info.sel]
-            info.dec = [j for j in info.sel if st.decayed[blk.owners[j]]]
-            info.wd_t = [torch.tensor(st.wd, dtype=mt.acc_dtype(blk.params[j].dtype)) for j in info.dec]
-            info.halves = [j for j, c in enumerate(blk.params) if c.dtype in _HALF]
-            info.dec_all = [j for j, o in enumerate(blk.owners) if st.decayed[o]]
+            info.sel, info.own, info.dec, info.halves, info.dec_all = _select(st, blk.owners, blk.params)
             info.sel_t = torch.tensor(info.sel, dtype=torch.long, device=st.index.device)
             infos[id(blk)] = info
         self._block_cache[id(group)] = (plan, st, infos)
@@ -457,12 +538,20 @@ class LAMB(Optimizer):
                       for o, rng in zip(blk.owners, blk.split)]
             yield blk, blk.owners, blk.params, bg, blk.slots["exp_avg"], blk.slots["exp_avg_sq"]
 
+    def _t(self, group: dict) -> Tensor:
+        """The number ``t`` of this update as a float32 0-d tensor, or ``inf`` without bias correction
+        (``β^inf = 0``: the corrections become 1)."""
+        if group["bias_correction"]:
+            return (self._iterations + 1).to(torch.float32)
+        return torch.full((), float("inf"), dtype=torch.float32, device=self._state_device)
+
     def _prepare(self, group, plan, params, grads, lr, k) -> list:
         """Pass 1 (module doc): update the moments (skipped with ``found_inf``), take ``‖w‖`` and ``‖u‖`` of
         the adapting tensors, and return per tensor ``(c, s·wd, e, s, fresh, direct)`` with ``s = lr·r``,
         ``c = s·√(1−β2^t)/(1−β1^t)`` and ``e = ε·√(1−β2^t)`` (0-d tensors); ``fresh`` (half-precision
         tensors) means the moments are left for pass 2 (see :meth:`_pass1`), ``direct`` that the gradient
-        chunks hold ``u`` (module doc)."""
+        chunks hold ``u`` (module doc; when every tensor's do, pass 2 reads only ``s``: ``(None, None, e or
+        None, s, False, True)``)."""
         n = len(params)
         self._fused_blocks = set()
         dev = mt.local(params[0]).device
@@ -472,10 +561,7 @@ class LAMB(Optimizer):
             dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         st = self._static(group, plan, params, dev, dtype)
         beta1, beta2, eps = float(group["beta1"]), float(group["beta2"]), float(group["epsilon"])
-        if group["bias_correction"]:
-            t = (self._iterations + 1).to(torch.float32)
-        else:  # β^inf = 0: the fused kernel's bias corrections become 1
-            t = torch.full((), float("inf"), dtype=torch.float32, device=self._state_device)
+        t = self._t(group)
         hyper = (beta1, beta2, eps, t, k, self._skip)
         jit = self.jit_compile and self._compile_state != "failed"
         # the caller's gradients (Optimizer._guards; the eager passes run on the base's copy instead): pass 1
@@ -484,6 +570,7 @@ class LAMB(Optimizer):
         # is bit for bit the one whose norm set the ratio)
         protected = self._grads_protected
         self._halves_unscaled = not protected
+        lr = lr.to(device=dev, dtype=dtype)
         if plan.flat_active and self._shadow_rows(plan.flat):
             if jit and len(plan.flat.runs) <= COMPILE_WARN_TENSORS:  # (more runs: minutes of compiling)
                 aux = self._prepare_rows_compiled(group, plan.flat, st, hyper, lr, dev, dtype)
@@ -492,8 +579,14 @@ class LAMB(Optimizer):
             if not protected:  # (the row runs keep u in the gradient rows; else the per-tensor chunks)
                 return self._prepare_rows(group, plan.flat, st, hyper, lr, dev, dtype)
         tracing = torch.compiler.is_compiling()
+        direct = None  # per tensor: whether pass 2 finds u in the gradient chunk, and whether all do
+        if self._cpu_direct and not tracing and not protected:
+            direct = self._direct_flags(group, plan, params)
+        ratio = e = None  # (the bias corrections: pass 2 of the direct form reads only s)
+        if jit or direct is None or not direct[1]:
+            ratio, e = _corrections(beta1, beta2, t.to(device=dev, dtype=dtype), eps)
         if jit and not tracing:
-            aux = self._prepare_compiled(group, params, grads, plan, st, hyper, lr, dev, dtype)
+            aux = self._prepare_compiled(group, params, grads, plan, st, hyper, lr, ratio, e, dev, dtype)
             if aux is not None:
                 return aux
         infos = None if tracing else self._block_infos(group, plan, st)
@@ -502,12 +595,8 @@ class LAMB(Optimizer):
         src = getattr(self, "_shadow_src", None)
         callers = (itertools.repeat(None) if src is None
                    else (c[3] for c in self._chunks(plan, params, src[0])))
-        bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=dev, dtype=dtype))
-        lr = lr.to(device=dev, dtype=dtype)
-        e = eps * bc2_sqrt
         # blocks of whole float32/float64 tensors on the CPU take both passes at once (module doc)
-        fuse = (infos is not None and self._cpu_direct and not protected and not plan.any_dtensor
-                and self._direct_flags(group, plan, params)[1])
+        fuse = infos is not None and direct is not None and direct[1] and not plan.any_dtensor
         for (blk, own, ws, gs, ms, vs), cgs in zip(self._chunks(plan, params, grads), callers):
             info = None if infos is None else infos[id(blk)]
             if fuse and blk.split is None:
@@ -523,17 +612,12 @@ class LAMB(Optimizer):
                     mt.scale_(cgs, src[1])
             self._pass1(blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc)
         trust = self._trust(group, st, *acc, params, dev, dtype) if st.n_adapt and acc[0] else None
-        s = _step_sizes(st, trust, lr, n)
+        s = _step_sizes(trust, lr, n, st.at, self._skip)  # (s = 1 on a skipped step: g is left as it is)
         # (a compiled pass 2 reads c and s·wd: the jit_compile rule, _lamb_pointwise)
         compiled = self.jit_compile and self._compile_state != "failed"
-        direct = None
-        if self._cpu_direct and not tracing and not protected:
-            direct = self._direct_flags(group, plan, params)
-        if self._skip is not None:  # s = 1 on a skipped step: pass 2 then leaves the gradient as it is
-            s = torch.where(self._skip.to(dev) > 0, torch.ones_like(s), s)  # (exactly 1 where s is NaN too)
         if direct is not None and direct[1] and not compiled:  # pass 2 reads only s (no c, s·wd lists)
             return [(None, None, e, si, False, True) for si in s.unbind()]
-        c = (s * (bc2_sqrt / bc1)).unbind()
+        c = (s * ratio).unbind()
         swd = (s * st.wd_vec).unbind()
         flags = direct[0] if direct is not None else [False] * n
         return [(ci, wi, e, si, protected or p.dtype in _HALF, d)
@@ -542,11 +626,11 @@ class LAMB(Optimizer):
     def _fused_block(self, group, blk, info, ws, gs, callers, ms, vs, st, hyper, lr, e, dev, dtype) -> None:
         """Both passes on one block of whole float32/float64 CPU tensors while it is in cache: pass 1
         (:meth:`_pass1`, the direct form) writes ``u`` into the block's in-cache scratch and takes the norms,
-        the block's trust ratios and ``s = lr·r`` (1 on a skipped step) are formed from them as :meth:`_trust`
-        and :func:`_step_sizes` form them, and pass 2 (:meth:`_update`) applies ``w ← w − s·u`` from the
-        scratch. The gradients are only read (the caller's, ``callers``, under an unscaling factor ``k``: a
-        copy in the scratch takes it, since the fused kernel writes ``k·g`` back). :meth:`_update` then skips
-        the block."""
+        the block's trust ratios and ``s = lr·r`` (1 on a skipped step) are formed from them (:meth:`_trust`,
+        :func:`_step_sizes`), and pass 2 (:meth:`_update`) applies ``w ← w − s·u`` from the scratch. The
+        gradients are only read (the caller's, ``callers``, under an unscaling factor ``k``: a copy in the
+        scratch takes it, since the fused kernel writes ``k·g`` back). :meth:`_update` then skips the
+        block."""
         d = info.scratch
         into = hyper[4] is None or not callers
         if not into:
@@ -554,66 +638,80 @@ class LAMB(Optimizer):
         acc: tuple[list, list, list] = ([], [], [])
         self._pass1(blk, info, blk.owners, ws, gs if into else d, ms, vs, st, hyper, False, acc, into)
         n = len(ws)
-        if acc[0]:
-            if len({(x.device, x.dtype) for x in acc[0]}) == 1:
-                wv = torch.stack(acc[0]).to(device=dev, dtype=dtype)
-                uv = torch.stack(acc[1]).to(device=dev, dtype=dtype)
-            else:
-                wv = torch.stack([x.to(device=dev, dtype=dtype) for x in acc[0]])
-                uv = torch.stack([x.to(device=dev, dtype=dtype) for x in acc[1]])
-            r = self._trust_ratio(group, (wv * wv).sqrt(), (uv * uv).sqrt())
+        r = at = None
+        if acc[0]:  # (whole tensors: one norm each)
+            r = self._trust(group, st, acc[0], acc[1], None, (), dev, dtype)
             if acc[2] == info.own:  # (the chunks in block order; the kernel gate may have split the block)
-                pos = info.sel_t
+                at = None if len(acc[0]) == n else info.sel_t
             else:
-                at = dict(zip(info.own, info.sel))
-                pos = torch.tensor([at[a] for a in acc[2]], dtype=torch.long, device=dev)
-            if len(acc[0]) == n and pos is info.sel_t:
-                s = lr * r
-            else:
-                s = torch.ones(n, dtype=dtype, device=dev).index_copy_(0, pos, r) * lr
-        else:
-            s = lr.expand(n)
-        skip = hyper[5]
-        if skip is not None:
-            s = torch.where(skip.to(dev) > 0, torch.ones_like(s), s)
+                pos = dict(zip(info.own, info.sel))
+                at = torch.tensor([pos[a] for a in acc[2]], dtype=torch.long, device=dev)
+        s = _step_sizes(r, lr, n, at, hyper[5])
         aux = [(None, None, e, si, False, True) for si in s.unbind()]
         slots = {"exp_avg": ms, "exp_avg_sq": vs}
         self._block = blk
         try:
-            self._update(group, ws, d, slots, lr, hyper[4], skip, aux)
+            self._update(group, ws, d, slots, lr, hyper[4], hyper[5], aux)
         finally:
             self._block = None
         self._fused_blocks.add(id(blk))
 
-    def _prepare_compiled(self, group, params, grads, plan, st, hyper, lr, dev, dtype) -> list | None:
+    def _prepare_compiled(self, group, params, grads, plan, st, hyper, lr, ratio, e, dev,
+                          dtype) -> list | None:
         """Pass 1 for ``jit_compile``: the sums of squares of the adapting tensors by the compiled
         :func:`_lamb_sums`, which writes nothing (the compiled pass 2 updates the moments and the weights
         in one loop per tensor: 16 + 28 B/param in fp32, against the eager passes' separate norm and decay
         kernels). Returns the per-tensor ``aux`` with ``fresh == "raw"``, or None (after one
         ``RuntimeWarning``, eager from then on) when compiling fails."""
-        beta1, beta2, eps, t, k, skip = hyper
-        n = len(params)
-        bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=dev, dtype=dtype))
-        ratio, e = bc2_sqrt / bc1, eps * bc2_sqrt
-        lr = lr.to(device=dev, dtype=dtype)
-        trust = None
+        lists = decays = None
         if st.n_adapt:
             sel = [i for i, a in enumerate(st.adapt_of) if a >= 0]
-            loc = mt.local
             m_l, v_l = plan.slots["exp_avg"], plan.slots["exp_avg_sq"]
-            lists = [[loc(x[i]) for i in sel] for x in (params, grads, m_l, v_l)]
-            tdev = lists[0][0].device
-            decayed = tuple(st.wd if st.decayed[i] else None for i in sel)
-            sums = self._call_compiled(_lamb_sums, (beta1, beta2), *lists, None if k is None else k.to(tdev),
-                                       ratio.to(tdev), e.to(tdev), decayed)
+            lists = [[mt.local(x[i]) for i in sel] for x in (params, grads, m_l, v_l)]
+            decays = tuple(st.wd if st.decayed[i] else None for i in sel)
+        out = self._compiled_factors(group, st, _lamb_sums, lists, decays, hyper, lr, ratio, e, params, dev,
+                                     dtype, st.at)
+        # whole vectors and each tensor's position: three graph inputs instead of three per tensor
+        return None if out is None else [(*out, "raw", i) for i in range(len(params))]
+
+    def _prepare_rows_compiled(self, group, flat, st, hyper, lr, dev, dtype) -> RunAux | None:
+        """Pass 1 for ``jit_compile`` over a flat buffer's run matrices: the compiled :func:`_lamb_row_sums`
+        (read only, row reductions), then per run the ``(count, 1)`` columns of ``c``, ``s·wd`` and ``s``
+        for the compiled rule over the whole runs (``fresh == "raw"``: it forms the moments again and
+        writes them with the weights). None (after one ``RuntimeWarning``, eager from then on) when
+        compiling fails."""
+        ratio, e = _corrections(hyper[0], hyper[1], hyper[3].to(device=dev, dtype=dtype), hyper[2])
+        segs = flat.run_segments()
+        lists = wds = None
+        if st.n_adapt:
+            w_r, g_r, slots, _ = flat.run_lists()
+            wd = st.wd_vec.to(device=w_r[0].device, dtype=w_r[0].dtype)
+            wds = [wd[a:a + c].unsqueeze(1) for a, c in segs] if st.any_decayed else None
+            lists = [w_r, g_r, slots["exp_avg"], slots["exp_avg_sq"]]
+        # (every row's ratio, the others' then dropped by the mask; no DTensor here)
+        at = None if st.n_adapt == len(st.decayed) else st.mask
+        out = self._compiled_factors(group, st, _lamb_row_sums, lists, wds, hyper, lr, ratio, e, [], dev,
+                                     dtype, at)
+        if out is None:
+            return None
+        c, swd, s = (x.unsqueeze(1) for x in (out[0], out[1], out[3]))
+        return RunAux([(c[a:a + m], swd[a:a + m], e, s[a:a + m], "raw", None) for a, m in segs], per_run=True)
+
+    def _compiled_factors(self, group, st, fn, lists, decays, hyper, lr, ratio, e, params, dev, dtype, at):
+        """``(c, s·wd, e, s)`` vectors for the compiled rule, from the sums of squares ``(Σu², Σw²)`` that
+        ``fn`` (:func:`_lamb_sums` or :func:`_lamb_row_sums`), compiled, gives on ``lists`` (w, g, m, v; None:
+        no tensor adapts); ``at``: see :func:`_step_sizes`. None when compiling failed."""
+        trust = None
+        if lists is not None:
+            k, tdev = hyper[4], lists[0][0].device
+            sums = self._call_compiled(fn, hyper[:2], *lists, None if k is None else k.to(tdev),
+                                       ratio.to(tdev), e.to(tdev), decays)
             if sums is None:
                 return None
             u_sq, w_sq = sums.to(device=dev, dtype=dtype).unbind(1)
             trust = self._trust_from_squares(group, st, w_sq, u_sq, params, dev, dtype)
-        s = _step_sizes(st, trust, lr, n)
-        # whole vectors and each tensor's position: three graph inputs instead of three per tensor
-        c, swd = s * ratio, s * st.wd_vec
-        return [(c, swd, e, s, "raw", i) for i in range(n)]
+        s = _step_sizes(trust, lr, len(st.decayed), at)
+        return s * ratio, s * st.wd_vec, e, s
 
     def _direct_flags(self, group: dict, plan: Any, params: list[Tensor]) -> tuple[list[bool], bool]:
         """Per tensor: whether pass 2 finds ``u`` in the gradient chunk (float32/float64 on the CPU, where the
@@ -654,7 +752,7 @@ class LAMB(Optimizer):
         calls instead of O(#parameters). Same rule and factors as :meth:`_prepare`. With the caller's
         gradients (``_shadow_src``) the rows hold ``u`` in the base's flat shadow (:meth:`_grad_shadow_rows`):
         each caller's chunk is copied into it, and scaled by 1/S, just before the kernel reads it."""
-        beta1, beta2, eps, t, k, skip = hyper
+        t, k, skip = hyper[3:]
         wd_col = st.wd_vec.unsqueeze(1) if st.any_decayed else None
         w_parts, u_parts = [], []
         if wd_col is not None and skip is not None:  # times 0 on a skipped step: g is left as it was
@@ -670,70 +768,20 @@ class LAMB(Optimizer):
                 g.copy_(cg)
                 if src[1] is not None:
                     mt.scale_([cg], src[1])
-            scale = _fused.unscale_arg(k, [g], w.device, w.dtype)
-            # g ← m̂/(√v̂ + ε) in place (as the per-tensor pass: AdamW with lr = wd = −1 on the gradient)
-            torch._fused_adamw_([g], [g], [m], [v], [], [t.to(w.device)], lr=-1.0, beta1=beta1, beta2=beta2,
-                                weight_decay=-1.0, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
-                                found_inf=None if skip is None else skip.to(w.device))
-            if wd_col is not None:  # u = m̂/(√v̂ + ε) + wd·w
+            gl = [g]  # g ← m̂/(√v̂ + ε) in place (as the per-tensor pass), then u = that + wd·w
+            scale = _fused.unscale_arg(k, gl, w.device, w.dtype)
+            _adam_direction_(gl, gl, [m], [v], t.to(w.device), hyper[:3], scale,
+                             None if skip is None else skip.to(w.device))
+            if wd_col is not None:
                 g.addcmul_(w, wd_col[lo:hi].to(w.dtype))
             w_parts.append(torch.linalg.vector_norm(w, dim=1, dtype=dtype))
             u_parts.append(torch.linalg.vector_norm(g, dim=1, dtype=dtype))
         n = len(st.decayed)
-        lr = lr.to(device=dev, dtype=dtype)
-        if st.n_adapt:
-            w_n, u_n = torch.cat(w_parts), torch.cat(u_parts)
-            r = self._trust_ratio(group, w_n, u_n)
-            if st.n_adapt != n:
-                r = torch.where(st.mask, r, torch.ones_like(r))
-            s = lr * r
-        else:
-            s = lr.expand(n)
-        if skip is not None:  # s = 1 on a skipped step: pass 2 then leaves g as it is
-            s = torch.where(skip.to(dev) > 0, torch.ones_like(s), s)  # (exactly 1 even where s is NaN)
+        r = self._trust_ratio(group, torch.cat(w_parts), torch.cat(u_parts)) if st.n_adapt else None
+        # (every row's ratio, the others' then dropped by the mask; s = 1 on a skipped step: g is left)
+        s = _step_sizes(r, lr, n, None if st.n_adapt == n else st.mask, skip)
         col = s.unsqueeze(1)
-        return RunAux([(col[lo:hi], None, None, None, False, False) for lo, hi in flat.chunk_segments])
-
-    def _prepare_rows_compiled(self, group, flat, st, hyper, lr, dev, dtype) -> RunAux | None:
-        """Pass 1 for ``jit_compile`` over a flat buffer's run matrices: the compiled :func:`_lamb_row_sums`
-        (read only, row reductions), then per run the ``(count, 1)`` columns of ``c``, ``s·wd`` and ``s``
-        for the compiled rule over the whole runs (``fresh == "raw"``: it forms the moments again and
-        writes them with the weights). None (after one ``RuntimeWarning``, eager from then on) when
-        compiling fails."""
-        beta1, beta2, eps, t, k, skip = hyper
-        n = len(st.decayed)
-        bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=dev, dtype=dtype))
-        ratio, e = bc2_sqrt / bc1, eps * bc2_sqrt
-        lr = lr.to(device=dev, dtype=dtype)
-        segs = flat.run_segments()
-        trust = None
-        if st.n_adapt:
-            w_r, g_r, slots, _ = flat.run_lists()
-            tdev = w_r[0].device
-            wd = st.wd_vec.to(device=tdev, dtype=w_r[0].dtype)
-            wds = [wd[a:a + c].unsqueeze(1) for a, c in segs] if st.any_decayed else None
-            sums = self._call_compiled(_lamb_row_sums, (beta1, beta2), w_r, g_r, slots["exp_avg"],
-                                       slots["exp_avg_sq"], None if k is None else k.to(tdev), ratio.to(tdev),
-                                       e.to(tdev), wds)
-            if sums is None:
-                return None
-            u_sq, w_sq = sums.to(device=dev, dtype=dtype).unbind(1)
-            if st.n_adapt != n:
-                u_sq, w_sq = u_sq[st.index], w_sq[st.index]
-            trust = self._trust_from_squares(group, st, w_sq, u_sq, [], dev, dtype)  # (no DTensor here)
-        s = _step_sizes(st, trust, lr, n)
-        c, swd = s * ratio, s * st.wd_vec
-        return RunAux([(c[a:a + m].unsqueeze(1), swd[a:a + m].unsqueeze(1), e, s[a:a + m].unsqueeze(1), "raw",
-                        None) for a, m in segs], per_run=True)
-
-    @staticmethod
-    def _update_rows(params, grads, found_inf, col) -> None:
-        """Pass 2 on one row chunk whose gradient rows hold ``u`` (pass 1): ``g ← s·u`` with the ``(rows, 1)``
-        column of ``s = lr·r`` (in cache), then ``w ← w − g`` by the fused SGD kernel with ``found_inf``."""
-        w, g = params[0], grads[0]
-        g.mul_(col.to(w.dtype))
-        torch._fused_sgd_([w], [g], [], weight_decay=0.0, momentum=0.0, lr=1.0, dampening=0.0, nesterov=False,
-                          maximize=False, is_first_step=False, grad_scale=None, found_inf=found_inf)
+        return RunAux([(None, None, None, col[lo:hi], False, True) for lo, hi in flat.chunk_segments])
 
     def _pass1(self, blk, info, own, ws, gs, ms, vs, st, hyper, tracing, acc, into=False) -> None:
         """Pass 1 on one chunk list. float32/float64 chunks: the fused Adam kernel updates ``m, v`` in place
@@ -743,18 +791,12 @@ class LAMB(Optimizer):
         0 in half precision would blow the update up); their gradients are unscaled here, once."""
         n = len(ws)
         if info is not None:
-            scratch, sel, own_pos, dec, wd_t, halves = (info.scratch, info.sel, info.own, info.dec, info.wd_t,
-                                                        info.halves)
-            dec_all = info.dec_all
+            scratch, sel, own_pos, dec, halves, dec_all = (info.scratch, info.sel, info.own, info.dec,
+                                                           info.halves, info.dec_all)
         else:
             scratch = None if tracing else [torch.empty_like(w, memory_format=torch.preserve_format)
                                             for w in ws]
-            sel = [j for j, o in enumerate(own) if st.adapt_of[o] >= 0]
-            own_pos = [st.adapt_of[own[j]] for j in sel]
-            dec = [j for j in sel if st.decayed[own[j]]]
-            wd_t = [mt.scalar(st.wd, mt.acc_dtype(ws[j].dtype), ws[j].device) for j in dec]
-            halves = [j for j, w in enumerate(ws) if w.dtype in _HALF]
-            dec_all = [j for j, o in enumerate(own) if st.decayed[o]]
+            sel, own_pos, dec, halves, dec_all = _select(st, own, ws)
         k = hyper[4]
         protected = self._grads_protected
         if k is not None and protected:  # unscaled copies (pass 2 unscales its copies of the gradients alike)
@@ -764,8 +806,7 @@ class LAMB(Optimizer):
             for (device, _), (_, (grp,)) in mt.group_by_device_dtype(hg).items():
                 torch._foreach_mul_(grp, k.to(device=device, dtype=torch.float32))
         sel_of = dict(zip(sel, own_pos))
-        wd_of = dict(zip(dec, wd_t))
-        dec_set = set(dec_all)
+        dec_set, dec_all_set = set(dec), set(dec_all)
         if protected:  # the caller's gradients: every chunk as the half ones (module doc)
             subsets = [(list(range(n)), True)]
         elif len(halves) == n or not halves:
@@ -778,11 +819,11 @@ class LAMB(Optimizer):
             sub = [ws, gs, ms, vs] if whole else [[x[j] for j in pos] for x in (ws, gs, ms, vs)]
             p_sel = [q for q, j in enumerate(pos) if j in sel_of]
             p_own = [sel_of[pos[q]] for q in p_sel]
-            p_dec = {q: wd_of[pos[q]] for q in p_sel if pos[q] in wd_of}
-            p_dec_all = [q for q in range(len(pos)) if pos[q] in dec_set] if not fresh else []
+            p_dec = [q for q in p_sel if pos[q] in dec_set]
             if tracing:
                 self._pass1_math(*sub, range(len(pos)), st, hyper, fresh, p_sel, p_own, p_dec, acc)
                 continue
+            p_dec_all = [q for q in range(len(pos)) if pos[q] in dec_all_set] if not fresh else []
             d = scratch if whole else [scratch[j] for j in pos]
             copies = info.moments if protected and info is not None else None  # (protected: pos is whole)
             self._block = blk  # the gate's per-block fast path (layouts and dtype known)
@@ -794,50 +835,24 @@ class LAMB(Optimizer):
 
     def _pass1_fused(self, scratch, ws, gs, ms, vs, st, hyper, fresh, sel, own_pos, dec, acc,
                      dec_all=(), copies=None, into=False) -> None:
-        """:meth:`_pass1` through the fused-kernel gate (``dec``: chunk position -> weight decay tensor of
-        the adapting decayed chunks; ``dec_all``: the positions of every decayed chunk). float32/float64 on
-        the CPU (``direct``): the direction ``u`` goes into the gradient chunk itself (module doc)."""
-        beta1, beta2, eps, t, k, skip = hyper
+        """:meth:`_pass1` through the fused-kernel gate (``sel``: the positions of the adapting chunks, at
+        ``own_pos`` among the adapting tensors; ``dec``: of the adapting decayed chunks; ``dec_all``: of every
+        decayed chunk). The fused Adam kernel gives ``m̂/(√v̂ + ε)`` (:func:`_adam_direction_`) and ``u`` is
+        that plus ``wd·w``: on the CPU, float32/float64 (``direct``), ``u`` goes into the gradient chunk
+        itself (or, ``into``, the block's zeroed scratch) for every chunk, since pass 2 reads it (module doc);
+        elsewhere into the scratch, for the norms only (pass 2 forms it again from the moments)."""
+        t, k, skip = hyper[3:]
         n = len(ws)
         lists = (scratch, gs, ms, vs, ws) + (() if copies is None else copies)  # (copies: for m and v)
         direct_ok = not fresh and self._cpu_direct
         written = (0,) if fresh else ((0, 1, 2, 3) if direct_ok and not into else (0, 2, 3))
-        sel_set = set(sel)
+        own_of = dict(zip(sel, own_pos))
         for device, dtype, mode, ix, (d, g, m, v, w, *mv) in self._kernel_parts("adam", lists, written):
             if mode == "fallback":
                 self._pass1_math(w, g, m, v, ix, st, hyper, fresh, sel, own_pos, dec, acc)
                 continue
-            fi = None if skip is None else skip.to(device)
-            scale = None if fresh else _fused.unscale_arg(k, g, device, dtype)
-            t_ = t.to(device)
-            src = ix if len(ix) != n else None
-            if direct_ok and device.type == "cpu":
-                # g ← m̂/(√v̂ + ε): AdamW with lr = wd = −1 on the gradient as its own "parameter" computes
-                # g·(1 − 1) + direction (the kernel loads both operands before it stores; bit-identical to
-                # the direction written into a zeroed buffer), then u = g + wd·w for every decayed chunk;
-                # ``into``: u goes into the zeroed scratch chunks instead (the gradient is only read)
-                if into:
-                    torch._foreach_zero_(d)
-                u = d if into else g
-                torch._fused_adamw_(u, g, m, v, [], [t_] * len(g), lr=-1.0, beta1=beta1, beta2=beta2,
-                                    weight_decay=-1.0, eps=eps, amsgrad=False, maximize=False,
-                                    grad_scale=scale, found_inf=fi)
-                if dec_all:  # (times 0 on a skipped step: the gradient is then left as it was)
-                    q_all = dec_all if src is None else [q for q, i in enumerate(ix) if i in set(dec_all)]
-                    if q_all:
-                        wd_a = mt.scalar(st.wd, mt.acc_dtype(dtype), device)
-                        if fi is not None:
-                            wd_a = wd_a * (1.0 - fi)
-                        torch._foreach_addcmul_([u[q] for q in q_all], [w[q] for q in q_all],
-                                                [wd_a] * len(q_all))
-                q_sel = sel if src is None else [q for q, i in enumerate(ix) if i in sel_set]
-                if q_sel:
-                    a = mt.acc_dtype(dtype)
-                    acc[1].extend(mt._foreach_norm([u[q] for q in q_sel], 2.0, a))
-                    acc[0].extend(mt._foreach_norm([w[q] for q in q_sel], 2.0, a))
-                    own_of = dict(zip(sel, own_pos))
-                    acc[2].extend(own_of[q if src is None else src[q]] for q in q_sel)
-                continue
+            fi = None if skip is None or fresh else skip.to(device)
+            direct = direct_ok and device.type == "cpu"
             if mv and mode == "native":  # the moments into the block's copies (kept for pass 2)
                 torch._foreach_copy_(mv[0], m)
                 torch._foreach_copy_(mv[1], v)
@@ -845,62 +860,56 @@ class LAMB(Optimizer):
             elif fresh and (m[0].dtype in _HALF or self._grads_protected) and mode == "native":
                 # native lists are the moments themselves (kept for pass 2): use copies
                 m, v = [x.clone() for x in m], [x.clone() for x in v]
-            torch._foreach_zero_(d)
-            torch._fused_adam_(d, g, m, v, [], [t_] * len(d), lr=-1.0, beta1=beta1, beta2=beta2,
-                               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
-                               found_inf=None if fresh else fi)  # d = m̂/(√v̂ + ε) with the new moments
-            if len(ix) == n:
-                q_sel = sel
-            else:
-                q_sel = [q for q, i in enumerate(ix) if i in sel_set]
-            if not q_sel:
-                continue
-            q_dec = [q for q in q_sel if (q if src is None else src[q]) in dec]
-            if q_dec:  # u = d + wd·w
-                torch._foreach_addcmul_([d[q] for q in q_dec], [w[q] for q in q_dec],
-                                        [dec[q if src is None else src[q]].to(device=device,
-                                                                              dtype=mt.acc_dtype(dtype))
-                                         for q in q_dec])
-            a = mt.acc_dtype(dtype)
-            u_sel = [d[q] for q in q_sel]
-            w_sel = [w[q] for q in q_sel]
-            acc[1].extend(mt._foreach_norm(u_sel, 2.0, a))
-            acc[0].extend(mt._foreach_norm(w_sel, 2.0, a))
-            own_of = dict(zip(sel, own_pos))
-            acc[2].extend(own_of[q if src is None else src[q]] for q in q_sel)
+            u = g if direct and not into else d
+            _adam_direction_(u, g, m, v, t.to(device), hyper[:3],
+                             None if fresh else _fused.unscale_arg(k, g, device, dtype), fi)
+            # u += wd·w: for every decayed chunk where pass 2 reads u (times 0 on a skipped step: the gradient
+            # is then left as it was), else for the adapting ones (their norms)
+            wanted = dec_all if direct else dec
+            if len(ix) != n:
+                wanted = set(wanted)
+                wanted = [q for q, i in enumerate(ix) if i in wanted]
+            if wanted:
+                wd_a = st.wd_scalar(device, dtype)
+                if direct and fi is not None:
+                    wd_a = wd_a * (1.0 - fi)
+                torch._foreach_addcmul_([u[q] for q in wanted], [w[q] for q in wanted], [wd_a] * len(wanted))
+            q_sel = sel if len(ix) == n else [q for q, i in enumerate(ix) if i in own_of]
+            if q_sel:
+                a = mt.acc_dtype(dtype)
+                acc[1].extend(mt._foreach_norm([u[q] for q in q_sel], 2.0, a))
+                acc[0].extend(mt._foreach_norm([w[q] for q in q_sel], 2.0, a))
+                acc[2].extend(own_of[q if len(ix) == n else ix[q]] for q in q_sel)
 
     @staticmethod
     def _pass1_math(ws, gs, ms, vs, ix, st, hyper, fresh, sel, own_pos, dec, acc) -> None:
-        """:meth:`_pass1` as out-of-place math (tracing; devices without the fused Adam kernel); chunk
-        ``j`` of the lists is at position ``ix[j]`` of the chunk list ``sel``/``dec`` refer to."""
+        """:meth:`_pass1` as out-of-place math (tracing; devices without the fused Adam kernel):
+        :func:`_new_moments`, :func:`_direction`; chunk ``j`` of the lists is at position ``ix[j]`` of the
+        chunk list ``sel``/``dec`` refer to."""
         beta1, beta2, eps, t, k, skip = hyper
-        adapting = dict(zip(sel, own_pos))
+        adapting, dec = dict(zip(sel, own_pos)), set(dec)
         for j, i in enumerate(ix):
-            w, g, m, v = ws[j], gs[j], ms[j], vs[j]
-            half = w.dtype in _HALF
-            wf, gf, mf, vf = (x.float() for x in (w, g, m, v)) if half else (w, g, m, v)
-            if k is not None and not fresh:
-                gf = gf * k.to(device=gf.device, dtype=gf.dtype)
-            m2, v2 = _moments(gf, mf, vf, beta1, beta2)
+            w, m, v = ws[j], ms[j], vs[j]
+            kf = None if k is None or fresh else k.to(device=w.device, dtype=mt.acc_dtype(w.dtype))
+            wf, m2, v2 = _new_moments((beta1, beta2), w, gs[j], m, v, kf)
             if not fresh:
                 if skip is not None:
-                    s = skip.to(gf.device) > 0.5
-                    m2, v2 = torch.where(s, mf, m2), torch.where(s, vf, v2)
+                    s = skip.to(w.device) > 0.5
+                    m2, v2 = torch.where(s, m, m2), torch.where(s, v, v2)
                 m.copy_(m2)
                 v.copy_(v2)
             if i not in adapting:
                 continue
-            bc1, bc2_sqrt = _corrections(beta1, beta2, t.to(device=gf.device, dtype=gf.dtype))
-            u = m2 / (v2.sqrt() + eps * bc2_sqrt) * (bc2_sqrt / bc1)
-            if i in dec:
-                u = u + wf * st.wd
+            ratio, e = _corrections(beta1, beta2, t.to(device=wf.device, dtype=wf.dtype), eps)
+            u = _direction(m2, v2, ratio, e, wf, st.wd if i in dec else None)
             acc[1].append(torch.linalg.vector_norm(u))
             acc[0].append(torch.linalg.vector_norm(wf))
             acc[2].append(adapting[i])
 
     def _trust(self, group, st, w_parts, u_parts, owners, params, dev, dtype) -> Tensor:
-        """Trust ratios of the adapting tensors from their chunk norms (sums of squares summed per tensor,
-        across the mesh for DTensors)."""
+        """Trust ratios from chunk norms: their sums of squares summed per tensor (``owners``: each chunk's
+        position among the adapting tensors; None: one whole tensor each, in order), across the mesh for
+        DTensors."""
         if len({(x.device, x.dtype) for x in w_parts}) == 1:
             wv = torch.stack(w_parts).to(device=dev, dtype=dtype)
             uv = torch.stack(u_parts).to(device=dev, dtype=dtype)
@@ -908,7 +917,7 @@ class LAMB(Optimizer):
             wv = torch.stack([x.to(device=dev, dtype=dtype) for x in w_parts])
             uv = torch.stack([x.to(device=dev, dtype=dtype) for x in u_parts])
         m = st.n_adapt
-        if len(owners) == m and owners == list(range(m)):
+        if owners is None or (len(owners) == m and owners == list(range(m))):
             w_sq, u_sq = wv * wv, uv * uv
         else:
             index = mt._index_tensor(owners, dev)
@@ -946,11 +955,12 @@ class LAMB(Optimizer):
         return r
 
     def _update(self, group, params, grads, slots, lr, k, found_inf, aux) -> None:
-        """Pass 2 (module doc) on one block: ``d = c·m/(√v + e) + s·wd·w`` in cache (half-precision
-        chunks: the fused Adam kernel updates their moments and gives ``m̂/(√v̂ + ε)``, then
-        ``d = s·(that) + s·wd·w``), and ``w ← w − d`` by the fused SGD kernel with ``found_inf``."""
-        if aux and isinstance(aux[0][0], Tensor) and aux[0][0].dim() == 2:  # a row chunk of a flat buffer
-            self._update_rows(params, grads, found_inf, aux[0][0])
+        """Pass 2 (module doc) on one block: where the gradient chunks hold ``u`` (``direct``),
+        ``w ← w − s·u``; elsewhere ``d = c·m/(√v + e) + s·wd·w`` in cache (half-precision chunks: the fused
+        Adam kernel updates their moments and gives ``m̂/(√v̂ + ε)``, then ``d = s·(that) + s·wd·w``), and
+        ``w ← w − d``; both by the fused SGD kernel with ``found_inf``."""
+        if aux and aux[0][5] and aux[0][3].dim() == 2:  # a flat buffer's row chunk: s is a (rows, 1) column
+            _step_along_(params, grads, [aux[0][3]], found_inf)
             return
         m_l, v_l = slots["exp_avg"], slots["exp_avg_sq"]
         if aux and aux[0][4] == "raw":  # compiled pass 1, eager pass 2 (its compile failed): the rule
@@ -983,20 +993,8 @@ class LAMB(Optimizer):
                 self._pointwise_fallback(group, p, [grads[i] for i in ix], [m, v], lr, None, fi, part_aux)
                 continue
             acc = mt.acc_dtype(dtype)
-            if part_aux[0][5]:
-                # the gradient chunks hold u (pass 1): w ← w − s·u by the fused SGD kernel with found_inf,
-                # the per-tensor s as its tensor learning rate (one call per chunk: no write to u) or, for
-                # blocks of many small tensors, folded into u first (one in-cache multiply, one call)
-                if len(p) <= 4:
-                    for j, a in enumerate(part_aux):
-                        torch._fused_sgd_([p[j]], [g[j]], [], weight_decay=0.0, momentum=0.0, lr=a[3],
-                                          dampening=0.0, nesterov=False, maximize=False, is_first_step=False,
-                                          grad_scale=None, found_inf=fi)
-                else:  # (s is 1 on a skipped step, see _prepare: the gradient is then left as it was)
-                    torch._foreach_mul_(g, [a[3] for a in part_aux])
-                    torch._fused_sgd_(p, g, [], weight_decay=0.0, momentum=0.0, lr=1.0, dampening=0.0,
-                                      nesterov=False, maximize=False, is_first_step=False, grad_scale=None,
-                                      found_inf=fi)
+            if part_aux[0][5]:  # the gradient chunks hold u (pass 1)
+                _step_along_(p, g, [a[3] for a in part_aux], fi)
                 continue
             if part_aux[0][4]:  # d holds m̂/(√v̂ + ε) from the fused Adam kernel
                 torch._foreach_mul_(d, [a[3] for a in part_aux])
@@ -1009,19 +1007,14 @@ class LAMB(Optimizer):
                 torch._foreach_mul_(d, [a[0] for a in part_aux])  # c·m/(√v + e)
             if any_wd:
                 torch._foreach_addcmul_(d, p, [a[1] for a in part_aux])  # + s·wd·w
-            torch._fused_sgd_(p, d, [], weight_decay=0.0, momentum=0.0, lr=1.0, dampening=0.0, nesterov=False,
-                              maximize=False, is_first_step=False, grad_scale=None, found_inf=fi)
+            _sgd_(p, d, 1.0, fi)
 
     def _fresh_moments(self, group, fresh, params, grads, scratch, m_l, v_l, lr, found_inf, aux) -> set[int]:
         """Half-precision chunks of pass 2 (every chunk when pass 1 left the caller's gradients alone): the
         fused Adam kernel updates ``m, v`` (``found_inf`` skips it) and writes ``m̂/(√v̂ + ε)`` into the scratch
-        chunks. Returns the chunk positions that a device without
-        the kernel updated completely through the pointwise rule."""
-        beta1, beta2, eps = float(group["beta1"]), float(group["beta2"]), float(group["epsilon"])
-        if group["bias_correction"]:
-            t = (self._iterations + 1).to(torch.float32)
-        else:
-            t = torch.full((), float("inf"), dtype=torch.float32, device=self._state_device)
+        chunks (:func:`_adam_direction_`). Returns the chunk positions that a device without the kernel
+        updated completely through the pointwise rule."""
+        hyper, t = (float(group["beta1"]), float(group["beta2"]), float(group["epsilon"])), self._t(group)
         whole = len(fresh) == len(params)
         pick = (lambda x: x) if whole else (lambda x: [x[j] for j in fresh])
         lists = (pick(scratch), pick(grads), pick(m_l), pick(v_l), pick(params))
@@ -1032,9 +1025,5 @@ class LAMB(Optimizer):
                 self._pointwise_fallback(group, w, g, [m, v], lr, None, fi, [aux[fresh[i]] for i in ix])
                 done.update(fresh[i] for i in ix)
                 continue
-            torch._foreach_zero_(d)
-            t_ = t.to(device)
-            torch._fused_adam_(d, g, m, v, [], [t_] * len(d), lr=-1.0, beta1=beta1, beta2=beta2,
-                               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=None,
-                               found_inf=fi)
+            _adam_direction_(d, g, m, v, t.to(device), hyper, None, fi)
         return done
