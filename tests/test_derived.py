@@ -200,13 +200,41 @@ def test_temporaries_updated_in_place_named_lists_kept():
     assert all(torch.equal(u, ((v * w + 1.0) * 0.5).sqrt()) for u, v, w in zip(out, a, b))
 
 
+def test_handed_out_tensors_are_never_updated_in_place():
+    """A list whose tensors left it (iterated, indexed, or passed to a per-tensor op that may return views)
+    is not a temporary any more, even when nothing refers to the list object itself."""
+    a, b = (TensorList(x) for x in _lists(torch.float32, 8))
+    kept = []
+
+    def keep_iterated(lst):
+        kept.extend(lst)
+        return lst
+
+    def keep_indexed(lst):
+        kept.append(lst[0])
+        return lst
+
+    def keep_views(lst):
+        kept.extend(lst.unsqueeze(0))
+        return lst
+
+    outs = [keep_iterated(a * b) + 1.0, keep_indexed(a * b) * 2.0, keep_views(a * b).sqrt()]
+    n = len(SHAPES)
+    want = [x * y for x, y in zip(a.tensors, b.tensors)]
+    assert all(torch.equal(k, w) for k, w in zip(kept[:n], want))
+    assert torch.equal(kept[n], want[0])
+    assert all(torch.equal(k, w.unsqueeze(0)) for k, w in zip(kept[n + 1:], want))
+    assert all(torch.equal(o, w + 1.0) for o, w in zip(outs[0], want))
+
+
 def test_zero_d_tensor_read_on_device_not_host():
     """A 0-d tensor operand goes to the foreach Tensor overloads (or a list of itself), never through a host
     read (``aten._local_scalar_dense``)."""
     a, b = (TensorList(x) for x in _lists(torch.float32, 6, positive=True))
     with _Ops() as ops:
-        _ = (a + S64, a - S64, S64 - a, a * S64, a / S64, S64 / a, (a * b) + S64, a.clamp_min(S32),
-             a ** S64, torch.maximum(S32, a))
+        _ = (a + S64, a - S64, S64 - a, a * S64, a / S64, S64 / a, (a * b) + S32, (a * b) - S32,
+             (a * b) * S32, (a * b) / S32, S32 * a, S32 + a, a.clamp_min(S32), a ** S64,
+             torch.maximum(S32, a))
     assert not any("_local_scalar_dense" in s or ".Scalar" in s for s in ops.seen), ops.seen
 
 

@@ -229,12 +229,18 @@ class TensorList:
         return len(self.tensors)
 
     def __iter__(self) -> Iterator[Tensor]:
-        self._aliased = True
+        self._hand_out()
         return iter(self.tensors)
 
     def __getitem__(self, i: int) -> Tensor:
-        self._aliased = True
+        self._hand_out()
         return self.tensors[i]
+
+    def _hand_out(self) -> None:
+        """Its tensors leave the list (something may keep them, or views of them): never updated in place
+        from now on."""
+        self._aliased = True
+        self._fresh = False
 
     def __repr__(self) -> str:
         return f"TensorList({len(self)} tensors, {self.dtype}, {self.device})"
@@ -504,7 +510,7 @@ def _map(func: Callable, args: Sequence, kwargs: dict | None = None) -> Any:
             if n is not None and len(a) != n:
                 raise ValueError(f"TensorList lengths differ: {n} and {len(a)}")
             n = len(a)
-            a._aliased = True  # (the results may be views of its tensors)
+            a._hand_out()  # (the results may be views of its tensors)
     if n is None:  # pragma: no cover - torch dispatches here only with a list argument
         return func(*args, **kwargs)
     out = [func(*[a.tensors[i] if isinstance(a, TensorList) else a for a in args],
