@@ -49,7 +49,7 @@ from ._amp import AmpProtocol
 from ._arguments import accepted_keywords, check_call
 from ._core.context import StepContext, StepResult
 from ._core.interface import EngineInterface
-from ._core.state_dict import validate_torch_state_dict
+from ._core.state_dict import run_load_pre_hooks, validate_torch_state_dict
 from ._core.tf_surface import autograd_pairs as _autograd_pairs
 from ._core.tf_surface import check_pairs as _check_pairs
 from ._core.tf_surface import gradients_installed
@@ -614,14 +614,7 @@ class OptimizerWrapper(AmpProtocol, torch.optim.Optimizer):
         """Load a :meth:`state_dict`; the wrapper part is validated before anything changes. The load
         pre-hooks run first (on a shallow copy; they may return a replacement), the post-hooks last (torch
         semantics)."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self._load_checked(state_dict)
+        self._load_checked(run_load_pre_hooks(self, state_dict))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

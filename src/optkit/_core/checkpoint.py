@@ -17,6 +17,7 @@ from ..flat import flat_buffer_of
 from .state import _HostRecord, _Slots
 from .state_dict import (
     adopt_torch_groups,
+    run_load_pre_hooks,
     validate_state_dict,
 )
 
@@ -119,14 +120,7 @@ class CheckpointMixin:
         every parameter shares one ``iterations`` counter, slots are the optimizer's own copies in their
         parameter's memory layout, and a missing EMA average starts from the current weights.
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        sd = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, sd)
-            if result is not None:
-                sd = result
-        sd = dict(sd)
+        sd = dict(run_load_pre_hooks(self, state_dict))
         buffer_avgs = self._check_ema_buffers(sd.pop("ema_buffers", None))
         sd = adopt_torch_groups(self, sd)
         if isinstance(sd.get("param_groups"), list):  # keys a group would ignore, as for given groups

@@ -32,7 +32,20 @@ from .._arguments import GROUP_ALIASES
 from .._validation import check_count, is_number
 
 __all__ = ["TORCH_PARAM_SHAPED", "adopt_torch_groups", "check_group_hyperparameters", "check_loaded_slot",
-           "torch_required", "validate_state_dict", "validate_torch_state_dict"]
+           "run_load_pre_hooks", "torch_required", "validate_state_dict", "validate_torch_state_dict"]
+
+
+def run_load_pre_hooks(opt: torch.optim.Optimizer, state_dict: Any) -> dict:
+    """The start of a ``load_state_dict`` (torch semantics): ``TypeError`` unless ``state_dict`` is a dict,
+    then the load pre-hooks run on a shallow copy, each may return a replacement; returns the result."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    sd = state_dict.copy()
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(opt, sd)
+        if result is not None:
+            sd = result
+    return sd
 
 
 def validate_state_dict(opt: Any, sd: dict) -> int:
