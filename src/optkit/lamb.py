@@ -563,7 +563,7 @@ class LAMB(Optimizer):
         beta1, beta2, eps = float(group["beta1"]), float(group["beta2"]), float(group["epsilon"])
         t = self._t(group)
         hyper = (beta1, beta2, eps, t, k, self._skip)
-        jit = self.jit_compile and self._compile_state != "failed"
+        jit = self._jit_active()
         # the caller's gradients (Optimizer._guards; the eager passes run on the base's copy instead): pass 1
         # leaves them as they are, every chunk taking the half-precision form (moments on copies, pass 2
         # updates them with the same kernel on its in-cache copies of the gradients: the applied direction
@@ -614,7 +614,7 @@ class LAMB(Optimizer):
         trust = self._trust(group, st, *acc, params, dev, dtype) if st.n_adapt and acc[0] else None
         s = _step_sizes(trust, lr, n, st.at, self._skip)  # (s = 1 on a skipped step: g is left as it is)
         # (a compiled pass 2 reads c and s·wd: the jit_compile rule, _lamb_pointwise)
-        compiled = self.jit_compile and self._compile_state != "failed"
+        compiled = self._jit_active()
         if direct is not None and direct[1] and not compiled:  # pass 2 reads only s (no c, s·wd lists)
             return [(None, None, e, si, False, True) for si in s.unbind()]
         c = (s * ratio).unbind()

@@ -311,7 +311,7 @@ class LARS(Optimizer):
         else:
             c1, c2 = s, s * float(group["momentum"])
         c1, c2 = c1.unsqueeze(1), c2.unsqueeze(1)
-        if self.jit_compile and self._compile_state != "failed" and len(flat.runs) <= COMPILE_WARN_TENSORS:
+        if self._jit_active() and len(flat.runs) <= COMPILE_WARN_TENSORS:
             # the compiled rule over whole runs (past that many runs, compiling would take minutes: the
             # eager row chunks below)
             return RunAux([(c1[a:a + m], c2[a:a + m]) for a, m in flat.run_segments()], per_run=True)

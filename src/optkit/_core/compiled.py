@@ -26,6 +26,11 @@ class CompiledMixin:
     """The compiled path: the pointwise rule through ``torch.compile`` (``jit_compile=True``). A part of
     :class:`optkit.optimizer.Optimizer`."""
 
+    def _jit_active(self) -> bool:
+        """Whether this step may take the compiled path: ``jit_compile`` is on and compiling has not failed
+        (after a failure the optimizer is eager for good). For rules with compiled passes of their own."""
+        return self.jit_compile and self._compile_state != "failed"
+
     def _run_compiled(self, group, idx, params, grads, slots, lr, k, wd, decay_mask, found_inf, applied,
                       mult, aux, avgs=None, zero=False) -> bool:
         """Run decay → update → EMA of one group as one ``torch.compile``-d function. Hyperparameters that
@@ -63,7 +68,7 @@ class CompiledMixin:
         compiling failed (:meth:`_call_compiled`), when ``jit_compile`` is on and has not failed, outside a
         compiled region, without DTensor parameters and for at most :data:`COMPILE_WARN_TENSORS` tensors
         (one graph input each: more would take minutes to compile); else None (take the eager pass)."""
-        if not self.jit_compile or self._compile_state == "failed" or self._any_dtensor \
+        if not self._jit_active() or self._any_dtensor \
                 or n_tensors > COMPILE_WARN_TENSORS or torch.compiler.is_compiling():
             return None
         return functools.partial(self._call_compiled, fn)

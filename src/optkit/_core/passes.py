@@ -191,8 +191,8 @@ class PassesMixin:
         row_mult = None  # per-parameter multipliers over the flat part's row runs (RowMultipliers)
         if isinstance(mult, Tensor):
             row_mult, mult = mult, None
-            if self.traits.prepare_reads_grads or (wd and plan.any_wd and plan.uniform_wd is None) or (
-                    self.jit_compile and self._compile_state != "failed"):
+            if self.traits.prepare_reads_grads or (wd and plan.any_wd and plan.uniform_wd is None) \
+                    or self._jit_active():
                 if guard:  # (not into the caller's gradients: per tensor, below)
                     mult, row_mult = list(row_mult.unbind()), None
                 else:
@@ -209,8 +209,7 @@ class PassesMixin:
             mt.scale_([grads[j] for j, _ in sel], [m for _, m in sel])
             mult = None
         shadow_rows = None  # the flat shadow's row chunks (a keeps_values_in_grads rule over the row runs)
-        if guard and self.traits.keeps_values_in_grads and not tracing and not (
-                self.jit_compile and self._compile_state != "failed"):
+        if guard and self.traits.keeps_values_in_grads and not tracing and not self._jit_active():
             # a rule that keeps values in its gradients from one pass to the next (LAMB's u) runs on a buffer
             # kept with the plan; its _prepare copies the caller's gradients into it chunk by chunk and gives
             # those their 1/S while each chunk is in cache (_shadow_src)
@@ -258,7 +257,7 @@ class PassesMixin:
             if inv is not None:  # (the compiled rule only reads the gradients)
                 mt.scale_([flat.grad], inv)
             return
-        if self.jit_compile and self._compile_state != "failed" and not isinstance(aux, RunAux):
+        if self._jit_active() and not isinstance(aux, RunAux):
             if self._flat_whole(plan, aux, decay_mask):
                 # nothing differs per tensor: the compiled chain over the whole flat buffers (one graph of a
                 # few inputs); if compiling fails, the eager pass below steps them (nothing was written)
