@@ -264,6 +264,19 @@ def test_unmatched_rule_warns_and_describe_prints_a_table():
 # ------------------------------------------------------------------------------------------------ lr_scale
 
 
+def _check_halving_schedule(opt, scheduler, ts, ws, grads) -> None:
+    """Step ``opt`` and ``scheduler`` over ``grads`` and compare with the float64 SGD reference at lr
+    0.2·0.5^k, scaled 0.5 in the first group (layer decay) and 1 in the second."""
+    for gs in grads:
+        for t, g in zip(ts, gs):
+            t.grad = torch.tensor(g)
+        opt.step()
+        scheduler.step()
+    ref = _sgd_reference(ws, grads, lambda k: 0.2 * 0.5**k, [0.5, 1.0])
+    for t, r in zip(ts, ref):
+        np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-13, atol=1e-14)
+
+
 def _sgd_reference(ws, grads, lrs, scales):
     """Keras SGD without momentum: w ← w − lr(k)·scale·g."""
     out = [w.copy() for w in ws]
@@ -324,14 +337,7 @@ def test_schedulelr_honours_lr_scale(torch_opt, mode):
     else:
         opt = optkit.create_optimizer(pairs, "SGD", lr=0.2, layer_decay=0.5, no_decay_1d=False)
     scheduler = optkit.ScheduleLR(opt, sched, mode=mode)
-    for gs in grads:
-        for t, g in zip(ts, gs):
-            t.grad = torch.tensor(g)
-        opt.step()
-        scheduler.step()
-    ref = _sgd_reference(ws, grads, lambda k: 0.2 * 0.5**k, [0.5, 1.0])
-    for t, r in zip(ts, ref):
-        np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-13, atol=1e-14)
+    _check_halving_schedule(opt, scheduler, ts, ws, grads)
 
 
 @pytest.mark.parametrize("wrapper", ["LossScaleOptimizer", "LARC"])
@@ -414,14 +420,7 @@ def test_applies_lr_scale_is_declared():
     sched = optkit.PolicySchedule("exp_decay", learning_rate=0.2, decay_steps=1, decay_rate=0.5,
                                    use_staircase_decay=False)
     scheduler = optkit.ScheduleLR(opt, sched)
-    for gs in grads:
-        for t, g in zip(ts, gs):
-            t.grad = torch.tensor(g)
-        opt.step()
-        scheduler.step()
-    ref = _sgd_reference(ws, grads, lambda k: 0.2 * 0.5**k, [0.5, 1.0])
-    for t, r in zip(ts, ref):
-        np.testing.assert_allclose(t.detach().numpy(), r, rtol=1e-13, atol=1e-14)
+    _check_halving_schedule(opt, scheduler, ts, ws, grads)
 
 
 def test_lr_scale_survives_a_checkpoint():
