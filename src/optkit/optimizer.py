@@ -242,6 +242,8 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         self._fold_cache: dict[int, tuple] = {}  # id(group) -> (params list, its length, _folds_mult)
         self._plan_version = 0
         self._fp64_cache: dict[int, tuple] = {}
+        #: id(group) -> ((lr value, dtype, device), its 0-d tensor): a constant lr is filled once
+        self._lr_scalars: dict[int, tuple] = {}
         self._block = None  # the Block of the blocked pass being run (kernel-gate and grouping hints)
         self._grads_protected = False  # (_prepare: the gradients it gets are the caller's; see _guards)
         self._shadow_src: tuple | None = None  # (a keeps_values_in_grads rule's _prepare copies these)
@@ -264,7 +266,9 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         self._state_device = mt.local(first).device
         self._iterations = torch.zeros((), dtype=torch.int64, device=self._state_device)
         self._mark_host_count()
-        self.step_applied = torch.ones((), dtype=torch.bool, device=self._state_device)
+        #: the constant "applied" flag of an unskipped step (one tensor, not a fill per step)
+        self._applied_true = torch.ones((), dtype=torch.bool, device=self._state_device)
+        self.step_applied = self._applied_true
 
         initial_lr = lr_value if lr_value is not None else self._evaluate_lr_host(0)
         defaults = dict(lr=initial_lr, weight_decay=0.0 if weight_decay is None else float(weight_decay))
@@ -457,7 +461,10 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
             if exact:  # (a count written from outside is not counted on: the host stops counting)
                 self._host_iterations += 1
                 self._mark_host_count()
-            self.step_applied = torch.ones((), dtype=torch.bool, device=self._state_device)
+            true = self._applied_true
+            if true.device != self._state_device:
+                true = self._applied_true = torch.ones((), dtype=torch.bool, device=self._state_device)
+            self.step_applied = true
         else:
             self._iterations.add_(applied.to(torch.int64))
             self.step_applied = applied > 0.5

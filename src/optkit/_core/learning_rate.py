@@ -120,8 +120,15 @@ class LearningRateMixin:
                 out = mt.scalar(lr, dtype, self._state_device)
             return out if not isinstance(scale, Tensor) and scale == 1.0 else out * scale
         value = float(lr) * float(scale)
+        # the same number as last step: the same tensor (a fill kernel fewer per group and step on a GPU;
+        # the engine and the rules only read it)
+        key = (value, dtype, self._state_device)
+        hit = self._lr_scalars.get(id(group))
+        if hit is not None and hit[0] == key:
+            return hit[1]
         out = mt.scalar(value, dtype, self._state_device)
         out.host_value = value  # the number itself, for kernels that take a Python float (no device read)
+        self._lr_scalars[id(group)] = (key, out)
         return out
 
     def _check_lr_untouched(self, group: dict, lr: Any, before: Any, version: int | None) -> None:
