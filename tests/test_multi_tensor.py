@@ -555,6 +555,35 @@ def test_commit_with_and_without_skip(rng):
     mt.commit_([], [])
 
 
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_commit_on_the_bits_selects_every_bit_pattern_exactly(dtype):
+    """The GPU form of a skippable write (three multi-tensor integer ops on the bits, run here on CPU
+    tensors) gives the new value or the old one bit for bit: random bit patterns (NaN payloads,
+    infinities, subnormals, signed zeros among them) and the extreme patterns whose difference wraps."""
+    g = torch.Generator().manual_seed(7)
+    bits = _BITS[dtype]
+    info = torch.iinfo(bits)
+
+    def patterns(shape):
+        return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(bits).view(dtype)
+
+    shapes = [(64,), (3, 5), (), (2, 1, 4)]
+    for skip in (True, False):
+        tg, new = [patterns(s) for s in shapes], [patterns(s) for s in shapes]
+        tg[0][:4] = torch.tensor([0.0, -0.0, math.inf, -math.inf], dtype=dtype)
+        new[0][:4] = torch.tensor([-0.0, 0.0, -math.inf, math.nan], dtype=dtype)
+        extremes = torch.tensor([info.min, info.max, info.max, info.min], dtype=bits).view(dtype)
+        tg[0][4:8], new[0][4:8] = extremes, extremes.flip(0)
+        want = [(t if skip else n).view(bits).clone() for t, n in zip(tg, new)]
+        mt.commit_(tg, new, skip=torch.tensor(skip), per_tensor=False)
+        for t, w in zip(tg, want):
+            assert torch.equal(t.view(bits), w)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norms_along(rng, dtype):
     ts = [make(rng, (4, 5), dtype), make(rng, (3, 2, 2), dtype), make(rng, (6,), dtype), make(rng, (), dtype)]

@@ -727,19 +727,48 @@ def add_scaled_(targets: Sequence[Tensor | None], sources: Sequence[Tensor], alp
         torch._foreach_add_(g_t, g_s, alpha=float(alpha))
 
 
-def commit_(targets: Sequence[Tensor], new_values: Sequence[Tensor], skip: Tensor | None = None) -> None:
+#: the integer type of each floating dtype's width, for :func:`commit_`'s exact select on the bits
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+
+
+def commit_(targets: Sequence[Tensor], new_values: Sequence[Tensor], skip: Tensor | None = None, *,
+            per_tensor: bool | None = None) -> None:
     """target ← new value, or (``skip`` a 0-d bool tensor that is True) leave every target unchanged.
 
     For update rules without a fused kernel that takes ``found_inf``: the new values are computed out of
     place, then written back here. With ``skip`` given, non-finite new values (from the gradients that caused
-    the skip) leave no trace, unlike a blend ``t + 0·(new − t)``; that path costs one ``torch.where`` per
-    tensor, without a host sync.
+    the skip) leave no trace, unlike a blend ``t + 0·(new − t)``, and no host sync is needed:
+
+    * on the CPU (``per_tensor``, its default there) one ``torch.where`` per tensor;
+    * elsewhere three multi-tensor ops per (device, dtype) group whatever the number of tensors, on the bits:
+      with ``T``, ``N`` the target's and the new value's bits as integers of their width and ``c`` = 1 to
+      write, 0 to keep, ``T ← T + c·(N − T)`` in two's-complement (wrap-around) integer arithmetic, which
+      is ``N`` or ``T`` exactly, for every bit pattern (NaN payloads, infinities, signed zeros included).
+      A per-tensor ``torch.where`` would be one kernel launch per tensor on a GPU.
     """
     if len(targets) == 0:
         return
     if skip is None:
         torch._foreach_copy_(list(targets), list(new_values))
         return
+    if per_tensor is None:
+        per_tensor = targets[0].device.type == "cpu"
+    if not per_tensor:
+        for (device, dtype), (_, (tg, vs)) in group_by_device_dtype(list(targets), list(new_values)).items():
+            bits = _BITS.get(dtype)
+            if bits is None:
+                _where_(tg, vs, skip)
+                continue
+            tb = [t.view(bits) for t in tg]
+            d = torch._foreach_sub([(v if v.dtype == dtype else v.to(dtype)).view(bits) for v in vs], tb)
+            torch._foreach_mul_(d, torch.logical_not(skip.to(device)).to(bits))
+            torch._foreach_add_(tb, d)
+        return
+    _where_(targets, new_values, skip)
+
+
+def _where_(targets: Sequence[Tensor], new_values: Sequence[Tensor], skip: Tensor) -> None:
     for t, n in zip(targets, new_values):
         torch.where(skip.to(t.device), t, n.to(t.dtype), out=t)
 
