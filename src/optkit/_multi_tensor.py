@@ -331,35 +331,56 @@ def _exact_cpu_matmul() -> bool:
             return False
 
 
-def _local_non_finite(vals: list[Tensor]) -> Tensor | None:
-    """0-d fp32 flag, 1.0 when an element of the local dense values ``vals`` is NaN or ±inf. Small tensors go
-    through torch's AMP check kernel (``_amp_foreach_non_finite_check_and_unscale_`` with an inverse scale
-    of 1: the values are rewritten unchanged, ``x·1 = x`` exactly in every float dtype), one kernel call per
-    (device, dtype) group, ~0.5 µs instead of ~10 µs of dispatch per tensor. Contiguous tensors of at least
+def _device_one(device: torch.device) -> Tensor:
+    """A 0-d float32 1.0 on ``device`` (the AMP check kernel's inverse scale), made once per device; not kept
+    when made inside a CUDA graph capture (its memory would be the graph's)."""
+    one = _ones.get(device)
+    if one is None:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        if not capturing(device) and not torch.compiler.is_compiling():
+            _ones[device] = one
+    return one
+
+
+_ones: dict[torch.device, Tensor] = {}
+
+
+def _local_non_finite(vals: list[Tensor], read_only: bool | None = None) -> Tensor | None:
+    """0-d fp32 flag, 1.0 when an element of the local dense values ``vals`` is NaN or ±inf, all on one
+    device. Small tensors go through torch's AMP check kernel (``_amp_foreach_non_finite_check_and_unscale_``
+    with an inverse scale of 1: the values are rewritten unchanged, ``x·1 = x`` exactly in every float dtype),
+    one kernel call per dtype group, ~0.5 µs instead of ~10 µs of dispatch per tensor. On the CPU
+    (``read_only``: default, whether the device is the CPU) contiguous tensors of at least
     :data:`CHECK_READ_MIN` elements take a read-only pass (the AMP kernel writes every value back): float32
     ones scaled row sums (:func:`_finite_rows`, their tails the AMP kernel; not when float32 matrix products
     are set to run in lower precision, :func:`_exact_cpu_matmul`), others ``torch.aminmax`` (the extremes
-    are finite exactly when every element is; NaN propagates).
+    are finite exactly when every element is; NaN propagates). On an accelerator every tensor goes through
+    the AMP kernel, as ``torch.amp.GradScaler.unscale_`` does: one launch per dtype group whatever the
+    number of tensors (a read-only max-abs would be a chain of reductions, one launch per 128 tensors).
 
-    None when the kernel cannot take the values: a group not on the CPU (the only device tested here) or not
-    floating point, under ``torch.compile``, or a tensor the kernel refuses (one whose elements share memory,
-    such as an expanded tensor: it raises before writing that tensor, and the values it already rewrote are
-    unchanged); callers then take the per-tensor max-abs.
+    None when the kernel cannot take the values: groups on several devices or not floating point, under
+    ``torch.compile``, or a tensor the kernel refuses (one whose elements share memory, such as an expanded
+    tensor: it raises before writing that tensor, and the values it already rewrote are unchanged); callers
+    then take the per-tensor max-abs.
     """
     if torch.compiler.is_compiling():
         return None
     groups = group_by_device_dtype(vals)
-    if any(device.type != "cpu" or dtype not in _AMP_CHECK_DTYPES for device, dtype in groups):
+    devices = {device for device, _ in groups}
+    if len(devices) != 1 or any(dtype not in _AMP_CHECK_DTYPES for _, dtype in groups):
         return None
-    found = torch.zeros((), dtype=torch.float32)
-    one = torch.ones((), dtype=torch.float32)
+    device = devices.pop()
+    if read_only is None:
+        read_only = device.type == "cpu"
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    one = torch.ones((), dtype=torch.float32) if device.type == "cpu" else _device_one(device)
     rows, big = [], []
-    row_sums = _exact_cpu_matmul()
+    row_sums = read_only and _exact_cpu_matmul()
     try:
         for (_, dtype), (_, (group,)) in groups.items():
             small = []
             for t in group:
-                if t.numel() < CHECK_READ_MIN or not t.is_contiguous():
+                if not read_only or t.numel() < CHECK_READ_MIN or not t.is_contiguous():
                     small.append(t)
                 elif dtype == torch.float32 and row_sums:
                     r, tail = _finite_rows(t)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -87,7 +88,8 @@ _INT = torch.int64
 _F32 = torch.float32
 _F64 = torch.float64
 # attributes that are run-time bookkeeping, not hyperparameters (see LossScale._adopt_hyperparameters)
-_RUNTIME_ATTRS = frozenset({"_state", "last_amax", "_updates", "_floor_seen", "floor_check_interval"})
+_RUNTIME_ATTRS = frozenset({"_state", "last_amax", "_updates", "_floor_seen", "floor_check_interval",
+                            "_amp_domain"})
 # what LossScale.load_state_dict accepts: integer dtypes of a counter, ranges of the floating state entries
 _INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 _STATE_BOUNDS: dict[str, dict[str, Any]] = {
@@ -140,6 +142,12 @@ class LossScale(ABC):
     def loss_scale(self) -> Tensor:
         """Same as ``self()``."""
         return self()
+
+    @property
+    def scale_tensor(self) -> Tensor:
+        """The state's scale itself (0-d float32, changed in place by :meth:`update`), for kernels queued
+        before the update (a wrapper's step: no snapshot copy); ``self()`` is a snapshot."""
+        return self._state["scale"]
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         """``loss · S`` (``S`` moved to the loss's device; the dtype follows torch's type promotion)."""
@@ -200,9 +208,13 @@ class LossScale(ABC):
         self.last_amax = None
         should_apply, floor_hit = self._transition(overflow, amax_t)
         if floor_hit is not None:
-            self._state["floor_overflows"].add_(floor_hit.to(_INT))
-            self._maybe_warn_floor()
+            self._count_floor(floor_hit)
         return should_apply
+
+    def _count_floor(self, floor_hit: Tensor) -> None:
+        """``floor_overflows += floor_hit`` (0-d bool; int64 plus bool needs no cast) and the warning."""
+        self._state["floor_overflows"].add_(floor_hit)
+        self._maybe_warn_floor()
 
     def would_apply(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
         """What :meth:`update` will return for these arguments (0-d bool tensor), without changing any state:
@@ -211,6 +223,18 @@ class LossScale(ABC):
         found = self._as_state_tensor("found_inf", found_inf)
         amax_t = None if amax is None else self._as_state_tensor("amax", amax)
         return ~self._overflow(found, amax_t)
+
+    def skip_flag(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
+        """``not would_apply(found_inf, amax)`` as a 0-d float32 0/1 flag on the state's device: the
+        ``found_inf`` a wrapped step takes (torch's fused kernels skip on 1.0). For a float32 ``found_inf``
+        that is a 0/1 flag (what :meth:`unscale_` and optkit's non-finite checks give) and no ``amax``, a
+        scale whose :meth:`would_apply` is ``found_inf == 0`` returns ``found_inf`` itself, without a kernel.
+        A subclass that overrides :meth:`would_apply` gets the generic form."""
+        found = self._as_state_tensor("found_inf", found_inf)
+        if amax is None and not self.needs_amax and found.dtype == _F32 \
+                and type(self).would_apply is LossScale.would_apply:
+            return found
+        return (~self.would_apply(found_inf, amax)).to(_F32)
 
     def update_from_grads(self, grads: Sequence[Tensor | None]) -> Tensor:
         """TF1 ``LossScale.update(grads)``: check the (already unscaled) gradients and update; returns
@@ -318,6 +342,11 @@ class LossScale(ABC):
         self.last_amax = None
         if "floor_overflows" in self._state:
             self._floor_seen = int(self._state["floor_overflows"])
+        self._loaded(values)
+
+    def _loaded(self, values: Mapping[str, Tensor]) -> None:
+        """Called at the end of :meth:`load_state_dict` with the loaded state (0-d CPU tensors). Default:
+        nothing."""
 
     def _checked_state_entry(self, name: str, value: Any, where: str) -> Tensor:
         """``value`` checked as the state entry ``name`` (see :meth:`load_state_dict`), returned as a 0-d CPU
@@ -407,6 +436,16 @@ class FixedLossScale(LossScale):
             return super().would_apply(found_inf, amax)
         return torch.ones((), dtype=torch.bool, device=self.device)
 
+    def skip_flag(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
+        """0.0 (TF applies every step), or with ``skip_non_finite`` as :meth:`LossScale.skip_flag` for a
+        scale whose :meth:`would_apply` is ``found_inf == 0``."""
+        found = self._as_state_tensor("found_inf", found_inf)
+        if not self.skip_non_finite:
+            return torch.zeros((), dtype=_F32, device=self.device)
+        if amax is None and found.dtype == _F32:
+            return found
+        return (~self.would_apply(found_inf, amax)).to(_F32)
+
     def update_from_grads(self, grads: Sequence[Tensor | None]) -> Tensor:
         """TF1 ``FixedLossScale.update``: True without looking at the gradients (unless
         ``skip_non_finite``)."""
@@ -475,11 +514,63 @@ class DynamicLossScale(LossScale):
             "overflow_run": torch.zeros((), dtype=_INT),
             "floor_overflows": torch.zeros((), dtype=_INT),
         }
+        self._amp_domain = self._amp_key()  # (init in [min, max], good_steps 0)
 
     @property
     def good_steps(self) -> Tensor:
         """Consecutive finite steps since the last growth or overflow (0-d int64)."""
         return self._state["good_steps"].clone()
+
+    def _amp_key(self) -> tuple | None:
+        """The hyperparameters under which torch's AMP scale update (:meth:`_amp_update`) is this rule
+        exactly, or None: ``hysteresis`` 1 (the run is the last attempt's overflow), a power-of-two
+        ``multiplier`` (``S·m`` and ``S·(1/m)`` are exact in float32 and in the kernel's double arithmetic),
+        an ``increment_period`` below 2^31 (the kernel's counter is 32-bit) and no ``max_loss_scale`` or one
+        whose ``max·m`` is finite (the kernel drops an infinite ``S·m`` where the clamp to the maximum would
+        keep the maximum). Kept in ``_amp_domain`` while the state is in the kernel's domain too
+        (``min <= S <= max``, ``good_steps < increment_period``: true at construction and kept by every
+        update; checked again by :meth:`load_state_dict`)."""
+        m, hi = self.multiplier, self.max_loss_scale
+        if self.hysteresis != 1 or math.frexp(m)[0] != 0.5 or self.increment_period >= 2**31 - 1 \
+                or sys.byteorder != "little":
+            return None
+        if hi is not None and not math.isfinite(float(torch.tensor(hi, dtype=_F32) * m)):
+            return None
+        return (self.increment_period, m, self.min_loss_scale, hi)
+
+    def _loaded(self, values: Mapping[str, Tensor]) -> None:
+        key = self._amp_key()
+        hi = _FP32_MAX if self.max_loss_scale is None else self.max_loss_scale
+        inside = self.min_loss_scale <= float(values["scale"]) <= hi \
+            and int(values["good_steps"]) < self.increment_period
+        self._amp_domain = key if inside else None
+
+    def update(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
+        """As :meth:`LossScale.update`; without ``amax``, under the hyperparameters and in the state domain
+        of :meth:`_amp_key`, the transition is torch's fused AMP scale update (:meth:`_amp_update`)."""
+        if amax is None and self._amp_domain is not None and self._amp_domain == self._amp_key():
+            found = self._as_state_tensor("found_inf", found_inf).to(_F32)
+            self.last_amax = None
+            self._count_floor(self._amp_update(found))
+            return found == 0
+        return super().update(found_inf, amax)
+
+    def _amp_update(self, found: Tensor) -> Tensor:
+        """One attempt (the rule of the class docstring) as torch's ``_amp_update_scale_`` (``torch.amp.
+        GradScaler``'s update, one kernel: overflow ``S ← S·(1/m)``, counter 0; finite ``c ← c + 1``, and at
+        ``c = period`` ``S ← S·m`` if finite, counter 0) and one ``clamp_(min, max)``, which is TF's rule
+        exactly under :meth:`_amp_key`: ``max(S/m, min)`` on an overflow, ``min(S·m, max)`` on growth, and
+        otherwise a no-op for ``S`` in ``[min, max]``. The kernel's 32-bit counter is the low word of the
+        int64 ``good_steps`` (little-endian; counts stay below 2^31, so the high word stays 0). ``found``:
+        0-d float32, non-zero on overflow. Returns the floor hit (overflow at ``S <= min``, 0-d bool)."""
+        st = self._state
+        scale, good = st["scale"], st["good_steps"]
+        floor_hit = torch.logical_and(scale <= self.min_loss_scale, found)
+        torch._amp_update_scale_(scale, good.reshape(1).view(torch.int32)[0], found, self.multiplier,
+                                 1.0 / self.multiplier, self.increment_period)
+        scale.clamp_(self.min_loss_scale, self.max_loss_scale)
+        torch.ne(found, 0, out=st["overflow_run"])  # (hysteresis 1: the run is this attempt's overflow)
+        return floor_hit
 
     def _transition(self, overflow: Tensor, amax: Tensor | None) -> tuple[Tensor, Tensor]:
         # (each line a kernel or two on a 0-d tensor: on a GPU their launches are the cost, so few of them)
@@ -719,6 +810,10 @@ class AutomaticLossScaler(LossScale):
     def __call__(self) -> Tensor:
         return self.scaler()
 
+    @property
+    def scale_tensor(self) -> Tensor:
+        return self.scaler.scale_tensor
+
     def scale_loss(self, loss: Tensor) -> Tensor:
         return self.scaler.scale_loss(loss)
 
@@ -730,6 +825,9 @@ class AutomaticLossScaler(LossScale):
 
     def would_apply(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
         return self.scaler.would_apply(found_inf, amax)
+
+    def skip_flag(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
+        return self.scaler.skip_flag(found_inf, amax)
 
     def update_from_grads(self, grads: Sequence[Tensor | None]) -> Tensor:
         return self.scaler.update_from_grads(grads)

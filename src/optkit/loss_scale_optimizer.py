@@ -5,9 +5,9 @@ Loss scaling multiplies the loss by ``S`` before ``backward`` and divides every 
 dynamic scale a step whose gradients hold a NaN or an inf is skipped and ``S`` shrinks (the rules live in
 :mod:`optkit.loss_scale`). One step, with ``S`` the scale the gradients carry::
 
-    found_inf = any(!isfinite(g))                  # read-only pass (max|g| for LogMax)
-    should_apply = scaler.would_apply(found_inf)   # not found_inf (a fixed scale: True)
-    inner step with grad_scale = S, found_inf = !should_apply
+    found_inf = any(!isfinite(g))                  # one pass (max|g| for LogMax)
+    skip = scaler.skip_flag(found_inf)             # not would_apply: found_inf (a fixed scale: 0)
+    inner step with grad_scale = S, found_inf = skip
     scaler.update(found_inf)                       # the state machine; S changes for the NEXT backward
 
 When the inner optimizer takes ``grad_scale``/``found_inf`` (optkit optimizers, other optkit wrappers, torch
@@ -119,7 +119,7 @@ def loss_scaled_step(
         grad_scale = None
     skip = outer_found
     if check:
-        skip = _max(skip, (~scaler.would_apply(found, amax)).to(torch.float32).to(dev))
+        skip = _max(skip, scaler.skip_flag(found, amax).to(dev))
     # an innermost optkit optimizer may refuse the step by itself when a clip norm of the scaled gradients
     # overflows float32 (the scale is too large): it reports that as the result's overflow, counted here so
     # that a scale that can back off does (a fixed scale cannot: not asked, as before)
@@ -284,7 +284,7 @@ class LossScaleOptimizer(ScaledGradsFlag, OptimizerWrapper):
         if not grads:  # no parameter has a gradient: a no-op (torch.optim), the scale is not updated either
             self.step_applied = torch.zeros((), dtype=torch.bool, device=self._device())
             return StepResult(self.step_applied)
-        scale = self.loss_scaler() if scaled else None
+        scale = self.loss_scaler.scale_tensor if scaled else None  # (read by the step, before the update)
         return loss_scaled_step(self, self.loss_scaler, grads, scale, context, gathered=seen)
 
     # ---- TF1 surface ---------------------------------------------------------------------------------------

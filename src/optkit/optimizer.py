@@ -466,8 +466,8 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
                 true = self._applied_true = torch.ones((), dtype=torch.bool, device=self._state_device)
             self.step_applied = true
         else:
-            self._iterations.add_(applied.to(torch.int64))
             self.step_applied = applied > 0.5
+            self._iterations.add_(self.step_applied)  # (int64 plus bool: no cast kernel)
 
     # ------------------------------------------------------------------------------------------------ hooks
 

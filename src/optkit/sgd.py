@@ -136,7 +136,7 @@ class SGD(Optimizer):
         ``grad_scale = −1/(lr·k·m)`` (no extra pass over the gradient)."""
         momentum = float(group["momentum"])
         nesterov = bool(group["nesterov"])
-        eff = lr if k is None else lr * k
+        eff = None  # lr·k, made when a part needs it (the host-lr kernel call does not)
         mult = None if aux is None or all(m is None for m in aux) else aux
         # With nothing to unscale or clip and the learning rate a host number, the kernel's dampening carries
         # it: buf ← μ·buf + (1 − d)·g with 1 − d = −lr is the Keras velocity, and the gradient is not written
@@ -160,6 +160,8 @@ class SGD(Optimizer):
                     is_first_step=False, grad_scale=unscale_arg(k, g, device, dtype), found_inf=fi,
                 )
                 continue
+            if eff is None:
+                eff = lr if k is None else lr * k
             e = eff.to(device)
             if dtype == torch.float64:
                 # the kernel's grad_scale is float32: fold −lr·k(·m) into the gradient in float64 instead
