@@ -347,6 +347,7 @@ class LossScale(ABC):
     def _loaded(self, values: Mapping[str, Tensor]) -> None:
         """Called at the end of :meth:`load_state_dict` with the loaded state (0-d CPU tensors). Default:
         nothing."""
+        return
 
     def _checked_state_entry(self, name: str, value: Any, where: str) -> Tensor:
         """``value`` checked as the state entry ``name`` (see :meth:`load_state_dict`), returned as a 0-d CPU
