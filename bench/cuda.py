@@ -13,6 +13,9 @@ CUDA device; it prints the Markdown and writes it to ``bench/results/cuda.md`` (
   slower than the device, as in training), median over blocks after warm-up. ``… CUDA graph`` rows capture
   one ``step()`` with ``torch.cuda.graph`` and time its replays: the device time alone, without launches.
 * ``OPTKIT_BENCH_CUDA_JIT=1`` adds ``jit_compile=True`` rows to (b)-(d) (compiled in the warm-up, untimed).
+* ``OPTKIT_BENCH_CUDA_SETS`` / ``OPTKIT_BENCH_CUDA_DTYPES`` (comma-separated) keep some parameter sets /
+  dtypes only: ``bench/gpu_window.sh`` runs ``resnet50,tiny_10k`` in ``float32,bfloat16`` to fit a short GPU
+  window.
 * Parameters ``randn·0.1``, gradients ``randn·0.01`` (seeded), in the table's dtype; optimizer slots are
   those each implementation keeps. Sets as on the CPU (``bench/_harness.py``); the half-precision tables
   run on the two large sets only.
@@ -37,6 +40,9 @@ BLOCKS, WARMUP, BLOCK_MS = 7, 5, 40.0
 #: ``jit_compile=True`` rows (minutes of compiling): opt-in
 JIT = os.environ.get("OPTKIT_BENCH_CUDA_JIT", "") not in ("", "0")
 ELEMENTS = {"sgd": 5, "ema": 8, "lars": 7, "lamb": 10, "lso": 6}
+SETS = [x for x in os.environ.get("OPTKIT_BENCH_CUDA_SETS", ",".join(H.SET_NAMES)).split(",") if x]
+DTYPES = [getattr(torch, x)
+          for x in os.environ.get("OPTKIT_BENCH_CUDA_DTYPES", "float32,bfloat16,float16").split(",") if x]
 
 
 def hbm_floor_gbps() -> float:
@@ -263,14 +269,18 @@ def main(out: str | None = None) -> str:
                 fh.write("\n".join(parts))
 
     for title, kind, specs in plan:
-        for set_name in H.SET_NAMES:
-            big = set_name == "one_big"
-            emit(table(title, set_name, torch.float32, kind, specs(big), floor))
+        if torch.float32 in DTYPES:
+            for set_name in SETS:
+                big = set_name == "one_big"
+                emit(table(title, set_name, torch.float32, kind, specs(big), floor))
         if kind == "lso":
             continue  # GradScaler refuses half gradients
         for dtype in (torch.bfloat16, torch.float16):
+            if dtype not in DTYPES:
+                continue
             for set_name in ("resnet50", "one_big"):
-                emit(table(title, set_name, dtype, kind, specs(set_name == "one_big"), floor))
+                if set_name in SETS:
+                    emit(table(title, set_name, dtype, kind, specs(set_name == "one_big"), floor))
     return "\n".join(parts)
 
 
