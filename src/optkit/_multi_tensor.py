@@ -21,6 +21,7 @@ Nothing here calls ``.item()`` or branches on a tensor value: results stay on th
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 
@@ -580,18 +581,65 @@ def add_tensor_(tensors: list[Tensor], value: Tensor) -> None:
 
 
 def lerp_(targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | Tensor) -> None:
-    """target ← target + w·(source − target), one pass per (device, dtype) group.
+    """target ← lerp(target, source, w) = target + w·(source − target) (torch's ``lerp``, in the tensors'
+    opmath type), one pass per (device, dtype) group, ``w`` first rounded to the group's dtype (a float as a
+    tensor is).
 
-    ``weight`` may be a 0-d tensor (e.g. zero on a skipped step), so no host sync is needed.
-    """
+    ``weight`` is a float, or a 0-d tensor (e.g. zero on a skipped step) that the kernels read: no host sync.
+    Both forms give the same bits (see :func:`lerp_group_`)."""
     if len(targets) == 0:
         return
     for (device, dtype), (_, (tg, src)) in group_by_device_dtype(targets, sources).items():
-        if isinstance(weight, Tensor):
-            w = weight.to(device=device, dtype=dtype)
-            torch._foreach_lerp_(tg, src, [w] * len(tg))
-        else:
-            torch._foreach_lerp_(tg, src, float(weight))
+        lerp_group_(tg, src, weight, device, dtype)
+
+
+def lerp_group_(targets: list[Tensor], sources: list[Tensor], weight: float | Tensor, device: torch.device,
+                dtype: torch.dtype, broadcast: bool | None = None) -> None:
+    """:func:`lerp_` over local tensors of one ``(device, dtype)``, one launch on CUDA however many tensors.
+
+    A float weight goes to torch's Scalar overload (one multi-tensor kernel), rounded to ``dtype`` first
+    (:func:`rounded`). torch has no overload with one tensor weight, and a list of 0-d weights leaves its
+    multi-tensor fast route (the weights' sizes are not the tensors'): the kernel then runs tensor by tensor.
+    So off the CPU (``broadcast`` None: ``device.type != "cpu"``) a tensor weight is rounded to ``dtype`` on
+    the device and handed over as :func:`weights_like` (one tensor per target, of its sizes and strides): one
+    fill and one fast-route kernel. On the CPU, where the multi-tensor ops loop tensor by tensor anyway, the
+    0-d weight is passed as it is. Every form computes the same ``lerp(t, s, w)`` with the same ``w`` in
+    the same opmath type (torch's ``lerp`` kernels read a tensor weight in ``dtype`` and a Scalar weight as
+    the opmath value of the rounded float, the same number), so they give the same bits."""
+    if not isinstance(weight, Tensor):
+        torch._foreach_lerp_(targets, sources, rounded(float(weight), dtype))
+        return
+    if broadcast is None:
+        broadcast = device.type != "cpu"
+    if broadcast:
+        weights = weights_like(weight.to(device), targets, dtype)
+    else:
+        weights = [weight.to(device=device, dtype=dtype)] * len(targets)
+    torch._foreach_lerp_(targets, sources, weights)
+
+
+def weights_like(weight: Tensor, targets: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """One tensor per target holding the 0-d ``weight`` rounded to ``dtype`` everywhere, each of its target's
+    sizes and strides: views of one buffer of the largest target's extent, filled by one kernel, so that a
+    multi-tensor op given them as its per-element weights keeps torch's fast route (equal sizes and strides
+    at each position). The buffer is scratch of the largest target's size, not of their sum: the views
+    overlap."""
+    keys = [(t.shape, t.stride()) for t in targets]
+    shapes = dict.fromkeys(keys)
+    extent = max(1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+                 for shape, stride in shapes)
+    buf = torch.empty(extent, device=weight.device, dtype=dtype)
+    buf.copy_(weight)  # (the conversion of ``weight.to(dtype)``)
+    for key in shapes:
+        shapes[key] = buf.as_strided(*key)
+    return [shapes[key] for key in keys]
+
+
+@functools.lru_cache(maxsize=1024)
+def rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` as a tensor conversion rounds it (``tensor.to(dtype)`` from float64),
+    back as a float (exact: every value of a floating dtype is a double)."""
+    return torch.tensor(value, dtype=torch.float64).to(dtype).item()
 
 
 def blocks(
@@ -849,12 +897,11 @@ def scale_local_(tensors: Sequence[Tensor], scale: Tensor, key: tuple | None) ->
 
 
 def lerp_local_(
-    targets: Sequence[Tensor], sources: Sequence[Tensor], weight: Tensor, key: tuple | None
+    targets: Sequence[Tensor], sources: Sequence[Tensor], weight: float | Tensor, key: tuple | None
 ) -> None:
     """:func:`lerp_` for plain local tensors of one known (device, dtype) ``key`` (else the general path)."""
     if key is None:
         lerp_(targets, sources, weight)
         return
     device, dtype = key
-    w = weight.to(device=device, dtype=dtype)
-    torch._foreach_lerp_(list(targets), list(sources), [w] * len(targets))
+    lerp_group_(list(targets), list(sources), weight, device, dtype)

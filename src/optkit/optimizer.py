@@ -297,8 +297,8 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         """Number of applied updates (0-d int64 tensor; skipped steps do not count). The live count: written
         in place (``opt.iterations.zero_()``), schedules, the EMA and its overwrite cadence follow it; a
         write that bypasses the tensor's version counter (through ``.data`` or a collective) is followed by
-        schedules and the EMA, but the ``ema_overwrite_frequency`` cadence keeps its own count until
-        :meth:`load_state_dict`."""
+        schedules, but the EMA's weight (while no step could have been skipped) and the
+        ``ema_overwrite_frequency`` cadence keep the host's own count until :meth:`load_state_dict`."""
         return self._iterations
 
     # ------------------------------------------------------------------------------------------------ decay
@@ -441,7 +441,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
     def _after_update(self, found_inf: Tensor | None, applied: Tensor | None) -> None:
         if self._ema_buffers:
             mt.lerp_([mt.local(a) for a in self._ema_buffer_avgs],
-                     [mt.local(b) for _, b in self._ema_buffers], self._ema_weight(applied))
+                     [mt.local(b) for _, b in self._ema_buffers], self._ema_lerp_weight(applied))
         # a host count would specialise a traced step on its value and be baked into a CUDA graph's
         # replays: count on the device only from then on
         tracing = torch.compiler.is_compiling() or mt.capturing(self._state_device)

@@ -60,8 +60,9 @@ class CheckpointMixin:
         """Whether the host count ``_host_iterations`` still equals ``iterations`` as far as the host can tell
         without reading the device: no step could have been skipped, and the count tensor's version counter
         shows no write since the host counted (``opt.iterations.zero_()``, a ``copy_`` into it). Once not,
-        the device count is used from then on. (Only the ``ema_overwrite_frequency`` cadence relies on it:
-        a write that bypasses the version counter, through ``.data`` or a collective, is not seen.)"""
+        the device count is used from then on. (The EMA's weight and the ``ema_overwrite_frequency`` cadence
+        rely on it: a write that bypasses the version counter, through ``.data`` or a collective, is not
+        seen.)"""
         if not self._host_exact:
             return False
         seen = getattr(self._record, "seen", None)  # (absent in a record pickled by an earlier optkit)

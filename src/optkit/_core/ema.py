@@ -4,6 +4,7 @@ each applied update (the first copies ``w``), the ``ema_overwrite_frequency`` ov
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +16,31 @@ from .. import _multi_tensor as mt
 from .state_dict import (
     check_loaded_slot,
 )
+
+
+def ema_rate(count: Tensor, momentum: float, warmup: bool, dtype: torch.dtype) -> Tensor:
+    """The EMA's lerp weight for the update after ``count`` applied ones (Keras ``use_ema``), computed in
+    ``dtype``: 1 for the first (the average starts as the weights), else ``1 − μ``, with ``ema_warmup``
+    ``μ = min(momentum, (1 + k)/(10 + k))`` (TF's ``ExponentialMovingAverage(num_updates=k)``), else
+    ``μ = momentum``. ``count``: a 0-d int64 tensor, the device count or the host's on the CPU."""
+    first = (count == 0).to(dtype)
+    if warmup:
+        k = count.to(dtype)
+        mu = torch.clamp((1.0 + k) / (10.0 + k), max=momentum)
+        return first + (1.0 - first) * (1.0 - mu)
+    return first + (1.0 - first) * (1.0 - momentum)
+
+
+def _rate_dtype(device: torch.device) -> torch.dtype:
+    """The dtype :func:`ema_rate` is computed in on ``device`` (float64 where the device has it)."""
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+
+
+@functools.lru_cache(maxsize=256)
+def _host_rate(count: int, momentum: float, warmup: bool, dtype: torch.dtype) -> float:
+    """:func:`ema_rate` of a host count, by the same ops on a CPU tensor (so the same bits as on the
+    device), as a float."""
+    return ema_rate(torch.tensor(count, dtype=torch.int64), momentum, warmup, dtype).item()
 
 
 class EmaMixin:
@@ -55,20 +81,29 @@ class EmaMixin:
         return pairs
 
     def _ema_weight(self, applied: Tensor | None) -> Tensor:
-        hp = torch.float64 if self._state_device.type in ("cpu", "cuda") else torch.float32
-        first = (self._iterations == 0).to(hp)
-        if self.ema_warmup:  # min(μ, (1 + k)/(10 + k)) with k = updates applied before this one
-            k = self._iterations.to(hp)
-            mu = torch.clamp((1.0 + k) / (10.0 + k), max=self.ema_momentum)
-            w = first + (1.0 - first) * (1.0 - mu)
-        else:
-            w = first + (1.0 - first) * (1.0 - self.ema_momentum)
+        """The weight of this step's EMA lerp as a 0-d device tensor (:func:`ema_rate` of the device count),
+        times ``applied`` (0 on a skipped step: the averages keep their bits)."""
+        w = ema_rate(self._iterations, self.ema_momentum, self.ema_warmup, _rate_dtype(self._state_device))
         return w if applied is None else w * applied
+
+    def _ema_lerp_weight(self, applied: Tensor | None) -> float | Tensor:
+        """The weight of this step's EMA lerps: a float when the host knows it without reading the device
+        (no skip flag this step, ``applied`` None; the host's count exact, :meth:`_host_count_exact`; not
+        traced, nor captured into a CUDA graph, whose replays would keep a host value), which torch's
+        multi-tensor ``lerp`` takes as one kernel per (device, dtype); else :meth:`_ema_weight`. The float is
+        :func:`ema_rate` of the host count by the same ops in the same precision, so both give the same
+        bits (:func:`optkit._multi_tensor.lerp_group_`)."""
+        if applied is not None or torch.compiler.is_compiling() or mt.capturing(self._state_device) \
+                or not self._host_count_exact():
+            return self._ema_weight(applied)
+        k = self._host_iterations
+        return _host_rate(k if self.ema_warmup else min(k, 1), self.ema_momentum, self.ema_warmup,
+                          _rate_dtype(self._state_device))
 
     def _ema_group(self, group: dict, indices: list[int], applied: Tensor | None) -> None:
         ps = [group["params"][i] for i in indices]
         avgs = [self.state[p]["average"] for p in ps]
-        mt.lerp_([mt.local(a) for a in avgs], [mt.local(p) for p in ps], self._ema_weight(applied))
+        mt.lerp_([mt.local(a) for a in avgs], [mt.local(p) for p in ps], self._ema_lerp_weight(applied))
 
     def _overwrite_with_averages(self, weight: Tensor | None) -> None:
         ps = [p for g in self.param_groups for p in g["params"]]

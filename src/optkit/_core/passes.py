@@ -280,7 +280,7 @@ class PassesMixin:
         decay = None
         if decay_mask is not None:
             decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
-        ema_w = self._ema_weight(applied) if self.use_ema else None
+        ema_w = self._ema_lerp_weight(applied) if self.use_ema else None
 
         cols = None
         if isinstance(aux, RunAux) or row_mult is not None:
