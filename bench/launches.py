@@ -113,13 +113,13 @@ class LaunchCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         self.ops += 1
-        if name in _HOST_READS:
-            self.syncs += 1
         flat, _ = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         on_device = any(t.device.type != "cpu" for t in tensors) or (
             not tensors and str(kwargs.get("device", "cpu")) != "cpu"
         )
+        if name in _HOST_READS and on_device:  # (reading a CPU tensor waits for no device)
+            self.syncs += 1
         if name.startswith("_fused_"):
             self._count(name, 1)
             if all(t.device.type == "meta" for t in tensors):

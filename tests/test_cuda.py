@@ -408,3 +408,51 @@ def test_cuda_jit_compile_matches_eager(name):
         runs.append(params)
     for (n, p), (_, q) in zip(*runs):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+# ------------------------------------------------------------------------------------------------ EMA lerp
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_cuda_ema_lerp_forms_are_bit_identical(dtype):
+    """On CUDA, the EMA's one-kernel forms (the host's weight through torch's Scalar ``_foreach_lerp_``; the
+    device weight as ``weights_like`` views, the List overload's fast route) give the bits of ``torch.lerp``
+    tensor by tensor with the 0-d device weight in the tensors' dtype (the form before)."""
+    import optkit._multi_tensor as mt
+
+    rng = np.random.default_rng(5)
+    shapes = [(3, 5), (7,), (2, 3, 4, 5), (1,), (130,), (1000, 33)]
+
+    def tensors():
+        out = [torch.tensor(rng.standard_normal(s)).to(device=CUDA, dtype=dtype) for s in shapes]
+        out[2] = out[2].contiguous(memory_format=torch.channels_last)
+        return out
+
+    for w64 in [1.0, 0.0, 0.01, 1 - 0.9999, 1 / 11, 0.5, 0.7, float(rng.uniform())]:
+        tg, src = tensors(), tensors()
+        w = torch.tensor(w64, dtype=torch.float64, device=CUDA)
+        want = [torch.lerp(t, s, w.to(dtype)) for t, s in zip(tg, src)]
+        for weight, broadcast in [(w64, None), (w, True), (w, False)]:
+            got = [t.clone(memory_format=torch.preserve_format) for t in tg]
+            mt.lerp_group_(got, src, weight, torch.device(CUDA, torch.cuda.current_device()), dtype,
+                           broadcast=broadcast)
+            for g, x in zip(got, want):
+                assert torch.equal(g, x), (w64, type(weight), broadcast)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lso", [False, True])
+def test_cuda_ema_paths_match_the_per_tensor_lerp(monkeypatch, dtype, lso):
+    """SGD + wd + EMA (with warm-up) on CUDA: the averages of the shipped path (the host's weight, or under a
+    LossScaleOptimizer with skipped steps the device weight as one kernel) equal the per-tensor lerp's by the
+    device weight bit for bit, also across a resume from a state dict."""
+    from test_ema import _ema_run
+
+    skip = (2, 4) if lso else ()
+    old, _ = _ema_run(monkeypatch, "old", dtype, True, skip_at=skip, lso=lso, device=CUDA)
+    for resume_at in (None, 3):
+        new, _ = _ema_run(monkeypatch, "host", dtype, True, skip_at=skip, resume_at=resume_at, lso=lso,
+                          device=CUDA)
+        for step, (a, b) in enumerate(zip(old, new)):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), (resume_at, step)

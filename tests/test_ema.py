@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import optkit
+import optkit._multi_tensor as _mt
 
 F64 = torch.float64
 
@@ -460,3 +461,139 @@ def test_state_dict_post_hooks_see_the_buffer_averages():
     sd = opt.state_dict()
     assert seen == [["ema_buffers", "param_groups", "state"]]
     assert sorted(sd) == ["param_groups", "state"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the EMA's lerp forms: the host's weight (torch's Scalar lerp, one kernel), the device weight tensor by
+# tensor (the CPU's form), and the device weight as views of one filled buffer (CUDA's form, one kernel), all
+# the same bits as a per-tensor lerp by the weight rounded to the tensors' dtype
+
+_LERP_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+_SHAPES = [(3, 5), (7,), (2, 3, 4, 5), (1,), (130,), (0,)]
+
+
+def _params(rng, dtype, n=_SHAPES, device="cpu"):
+    out = []
+    for s in n:
+        t = torch.tensor(rng.standard_normal(s)).to(device=device, dtype=dtype)
+        if len(s) == 4:  # channels_last: strides that are not the contiguous ones
+            t = t.contiguous(memory_format=torch.channels_last)
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("dtype", _LERP_DTYPES)
+def test_lerp_forms_are_bit_identical(dtype):
+    """``lerp_group_`` with a float, with a 0-d tensor passed per tensor, and with a 0-d tensor as
+    ``weights_like`` views give the bits of ``torch.lerp(t, s, w.to(dtype))`` tensor by tensor, for weights
+    below and above 1/2 (torch's lerp switches formula there), 1 and 0."""
+    rng = np.random.default_rng(7)
+    for w64 in [1.0, 0.0, 0.01, 1 - 0.99, 1 - 0.9999, 1 / 11, 2 / 12, 0.5, 0.7, float(rng.uniform())]:
+        tg, src = _params(rng, dtype), _params(rng, dtype)
+        w = torch.tensor(w64, dtype=F64)
+        want = [torch.lerp(t, s, w.to(dtype)) for t, s in zip(tg, src)]
+        for weight, broadcast in [(w64, None), (w, False), (w, True)]:
+            got = [t.clone(memory_format=torch.preserve_format) for t in tg]
+            _mt.lerp_group_(got, src, weight, torch.device("cpu"), dtype, broadcast=broadcast)
+            for g, x in zip(got, want):
+                assert torch.equal(g, x), (w64, type(weight), broadcast)
+                assert g.stride() == x.stride() or not g.numel()
+
+
+def test_weights_like_views_match_their_targets():
+    """One buffer of the largest target's extent; each view has its target's sizes and strides."""
+    ts = [torch.empty(3, 4), torch.empty(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+          torch.empty(3, 4), torch.empty(0, 2)]
+    ws = _mt.weights_like(torch.tensor(0.25, dtype=F64), ts, torch.bfloat16)
+    for w, t in zip(ws, ts):
+        assert w.shape == t.shape and w.stride() == t.stride() and w.dtype == torch.bfloat16
+        assert bool((w == 0.25).all())
+    assert ws[0].untyped_storage().data_ptr() == ws[1].untyped_storage().data_ptr()
+    assert ws[1].untyped_storage().nbytes() == 120 * 2
+
+
+def _ema_run(monkeypatch, route, dtype, warmup, skip_at=(), resume_at=None, steps=7, lso=False, device="cpu"):
+    """Averages after each step of SGD + wd + EMA over ``_SHAPES`` (two groups: the second float64) along
+    ``route``: 'old' (the device weight, tensor by tensor: the form before the host's weight), 'host' (as
+    shipped) or 'cuda' (as shipped, tensor weights through ``weights_like`` as on CUDA). ``skip_at``: steps
+    whose gradients hold an inf (under a LossScaleOptimizer: skipped); ``resume_at``: a fresh optimizer loads
+    the state dict there. Returns the averages per step and the weight kinds the lerps got."""
+    kinds = []
+    orig = _mt.lerp_group_
+
+    def spy(tg, src, weight, device, dt, broadcast=None):
+        kinds.append("tensor" if isinstance(weight, torch.Tensor) else "float")
+        return orig(tg, src, weight, device, dt, broadcast=True if route == "cuda" else broadcast)
+
+    rng = np.random.default_rng(11)
+    ps = [nn.Parameter(t) for t in _params(rng, dtype, device=device)]
+    ps64 = [nn.Parameter(t) for t in _params(rng, F64, [(4,), (2, 3)], device=device)]
+    gs = [[_params(rng, p.dtype, [tuple(p.shape)], device=device)[0] for p in ps + ps64]
+          for _ in range(steps)]
+
+    def build(params):
+        inner = optkit.SGD([{"params": params[:len(ps)]}, {"params": params[len(ps):]}], learning_rate=0.1,
+                           momentum=0.9, weight_decay=1e-2, use_ema=True, ema_momentum=0.9, ema_warmup=warmup)
+        return inner, (optkit.LossScaleOptimizer(inner, optkit.DynamicLossScale(4.0, increment_period=3))
+                       if lso else inner)
+
+    params = ps + ps64
+    inner, opt = build(params)
+    out = []
+    with monkeypatch.context() as m:
+        m.setattr(_mt, "lerp_group_", spy)
+        if route == "old":
+            m.setattr(optkit.Optimizer, "_ema_lerp_weight", lambda self, applied: self._ema_weight(applied))
+        for step in range(steps):
+            if step == resume_at:
+                sd = copy.deepcopy(opt.state_dict())
+                params = [nn.Parameter(p.detach().clone(memory_format=torch.preserve_format)) for p in params]
+                inner, opt = build(params)
+                opt.load_state_dict(sd)
+            for p, g in zip(params, gs[step]):
+                p.grad = g.clone(memory_format=torch.preserve_format)
+                if step in skip_at and p.numel() > 3:
+                    p.grad[(0,) * p.ndim] = float("inf")
+            if lso:
+                opt.grads_scaled = True
+            opt.step()
+            out.append([inner.get_slot(p, "average").clone() for p in params])
+    return out, kinds
+
+
+@pytest.mark.parametrize("dtype", _LERP_DTYPES)
+@pytest.mark.parametrize("warmup", [False, True])
+def test_ema_host_weight_is_bit_identical_to_the_device_weight(monkeypatch, dtype, warmup):
+    """The host's weight (one Scalar lerp per group) and the device weight as CUDA takes it (views of one
+    buffer) give the averages of the per-tensor lerp by the device weight bit for bit, from the first step
+    (a copy) on, through the warm-up, and across a resume from a state dict in the middle of the run."""
+    old, kinds_old = _ema_run(monkeypatch, "old", dtype, warmup)
+    assert set(kinds_old) == {"tensor"}
+    for route in ("host", "cuda"):
+        for resume_at in (None, 3):
+            new, kinds = _ema_run(monkeypatch, route, dtype, warmup, resume_at=resume_at)
+            assert set(kinds) == {"float"}  # the host knew the weight at every step
+            for step, (a, b) in enumerate(zip(old, new)):
+                for x, y in zip(a, b):
+                    assert torch.equal(x, y), (route, resume_at, step)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("warmup", [False, True])
+def test_ema_under_skipped_steps_is_bit_identical(monkeypatch, dtype, warmup):
+    """Under a LossScaleOptimizer (a device skip flag: the device weight, tensor by tensor on the CPU or as
+    ``weights_like`` views on CUDA) the averages equal the old path's bit for bit, a skipped step changes
+    none of them, and a resume from a state dict (where the host count is re-read) changes nothing."""
+    skip = (2, 4)
+    old, _ = _ema_run(monkeypatch, "old", dtype, warmup, skip_at=skip, lso=True)
+    for step in skip:
+        for x, y in zip(old[step - 1], old[step]):
+            assert torch.equal(x, y)
+    for route in ("host", "cuda"):
+        for resume_at in (None, 3):
+            new, kinds = _ema_run(monkeypatch, route, dtype, warmup, skip_at=skip, resume_at=resume_at,
+                                  lso=True)
+            assert "tensor" in kinds
+            for step, (a, b) in enumerate(zip(old, new)):
+                for x, y in zip(a, b):
+                    assert torch.equal(x, y), (route, resume_at, step)

@@ -600,17 +600,18 @@ def lerp_group_(targets: list[Tensor], sources: list[Tensor], weight: float | Te
     A float weight goes to torch's Scalar overload (one multi-tensor kernel), rounded to ``dtype`` first
     (:func:`rounded`). torch has no overload with one tensor weight, and a list of 0-d weights leaves its
     multi-tensor fast route (the weights' sizes are not the tensors'): the kernel then runs tensor by tensor.
-    So off the CPU (``broadcast`` None: ``device.type != "cpu"``) a tensor weight is rounded to ``dtype`` on
-    the device and handed over as :func:`weights_like` (one tensor per target, of its sizes and strides): one
-    fill and one fast-route kernel. On the CPU, where the multi-tensor ops loop tensor by tensor anyway, the
-    0-d weight is passed as it is. Every form computes the same ``lerp(t, s, w)`` with the same ``w`` in
-    the same opmath type (torch's ``lerp`` kernels read a tensor weight in ``dtype`` and a Scalar weight as
-    the opmath value of the rounded float, the same number), so they give the same bits."""
+    So off the CPU (``broadcast`` None: ``device.type != "cpu"``, over more than one tensor) a tensor weight
+    is rounded to ``dtype`` on the device and handed over as :func:`weights_like` (one tensor per target, of
+    its sizes and strides): one fill and one fast-route kernel. On the CPU, where the multi-tensor ops loop
+    tensor by tensor anyway, the 0-d weight is passed as it is. Every form computes the same
+    ``lerp(t, s, w)`` with the same ``w`` in the same opmath type (torch's ``lerp`` kernels read a tensor
+    weight in ``dtype`` and a Scalar weight as the opmath value of the rounded float, the same number), so
+    they give the same bits."""
     if not isinstance(weight, Tensor):
         torch._foreach_lerp_(targets, sources, rounded(float(weight), dtype))
         return
-    if broadcast is None:
-        broadcast = device.type != "cpu"
+    if broadcast is None:  # (one tensor with a 0-d weight is one kernel as it is)
+        broadcast = device.type != "cpu" and len(targets) > 1
     if broadcast:
         weights = weights_like(weight.to(device), targets, dtype)
     else:
