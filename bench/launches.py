@@ -181,8 +181,10 @@ SHAPES = {"resnet50": None, "tiny_10k": [(256,)] * 10_000, "tiny_1k": [(256,)] *
 def make_params(set_name: str, dtype: torch.dtype = torch.float32, flat: bool = False) -> list:
     """The set's parameters on ``meta`` with gradients (meta tensors hold no values: only the ops count)."""
     if set_name == "resnet50":
+        threads = torch.get_num_threads()
         from bench._harness import resnet50_shapes
 
+        torch.set_num_threads(threads)  # (importing the harness pins the CPU benchmarks' thread count)
         shapes = resnet50_shapes()
     else:
         shapes = SHAPES[set_name]

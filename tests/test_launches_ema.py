@@ -9,22 +9,11 @@ weight's few one-element kernels."""
 from __future__ import annotations
 
 import pytest
-import torch
 from bench.launches import count, make_params
 
 import optkit
 
 SETS = ("resnet50", "tiny_10k")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _keep_threads():
-    """The ResNet-50 shapes come from ``bench._harness``, whose import sets ``torch.set_num_threads(2)``: the
-    tests that run after these in the same process keep their thread count (a compiled reduction's
-    rounding depends on it)."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def _sgd_wd_ema(warmup):
