@@ -312,20 +312,33 @@ class LARC(OptimizerWrapper):
         for gi, group, fp in parts:
             mask, kept_params, index = self._flat_keep(gi, group, dev)
             dtype = torch.float64 if fp.grad.dtype == torch.float64 else torch.float32
-            w_norm = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype) for m in fp.params_rows()])
-            g_norm = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype)
-                                for m in fp.row_views(fp.grad)])
+            if fp.rows_pay:
+                w_norm = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype)
+                                    for m in fp.params_rows()])
+                g_norm = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype)
+                                    for m in fp.row_views(fp.grad)])
+            else:  # (sizes vary: one grouped norm call over the parameters' views, one stack)
+                _, ps, gs = seen[id(group)]
+                v = torch.stack(mt.norms(list(ps) + list(gs))).to(dtype)
+                w_norm, g_norm = v[:len(ps)], v[len(ps):]
             r = self._ratios_from_norms(w_norm, g_norm, self._group_lr(group, dev).to(dtype), k)
             clip = self.last_clip_on
             if mask is not None:
                 r = torch.where(mask, r, torch.ones_like(r))
             if wd is not None:  # apex/timm: g ← g + wd·v for the rescaled parameters, one pass per run
                 f = wd if mask is None else mask.to(dtype) * wd
-                for (first, count, _), mg, mw in zip(fp.runs, fp.row_views(fp.grad), fp.params_rows()):
+                if fp.expands():  # one pass over the whole flat buffer (an element vector with a mask)
+                    fw = fp.whole_lists()[0][0]
                     if mask is None:
-                        mg.add_(mw, alpha=wd)
+                        fp.grad.add_(fw, alpha=wd)
                     else:
-                        mg.addcmul_(mw, f[first:first + count].unsqueeze(1).to(mg.dtype))
+                        fp.grad.addcmul_(fw, fp.expand_segments(f).to(fp.grad.dtype))
+                else:
+                    for (first, count, _), mg, mw in zip(fp.runs, fp.row_views(fp.grad), fp.params_rows()):
+                        if mask is None:
+                            mg.add_(mw, alpha=wd)
+                        else:
+                            mg.addcmul_(mw, f[first:first + count].unsqueeze(1).to(mg.dtype))
             vectors.append((group, r))
             kept += kept_params
             whole = mask is None

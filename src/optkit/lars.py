@@ -42,7 +42,7 @@ from typing_extensions import Unpack
 from . import _multi_tensor as mt
 from ._core.chain import norm_sums
 from ._core.compiled import COMPILE_WARN_TENSORS
-from ._core.plan import RunAux
+from ._core.plan import RunAux, SegmentAux
 from ._core.traits import Traits
 from .momentum import sparse_momentum_rows_
 from .optimizer import (
@@ -58,6 +58,19 @@ __all__ = ["LARS"]
 
 _VARIANTS = ("tf1.15", "tf1.14")
 _SCALE_IN_KERNEL = 4  # blocks of at most this many chunks pass s·k to the fused kernel as 1/grad_scale
+
+
+def _cat(ts: list[Tensor]) -> Tensor:
+    """``torch.cat`` (no copy of a single tensor)."""
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def _cpu_forms(device: torch.device) -> bool:
+    """Whether a block of whole tensors with per-tensor factors takes the CPU's forms (two multi-tensor calls
+    with per-tensor 0-d factors, each chunk in cache) rather than the device forms (one per-tensor call, the
+    rest multi-tensor calls that take one launch): on the CPU. Tests route CPU tensors through the device
+    forms by patching this function."""
+    return device.type == "cpu"
 
 
 def _fused(params, grads, bufs, *, weight_decay, momentum, lr, nesterov, found_inf, grad_scale=None) -> None:
@@ -98,6 +111,13 @@ def _lars_pointwise(hyper, w, g, slots, lr, k, aux):
     """Out-of-place LARS step for ``jit_compile`` (``aux`` as in ``LARS._prepare``; true gradient k·g)."""
     momentum, nesterov, variant = hyper
     a = slots[0]
+    if len(aux) == 3:  # element vectors over a flat part (LARS._segment_aux, cut to this chunk)
+        f, f2, c = aux
+        if variant == "tf1.15":
+            u = g * f if f2 is None and c is None else g * f + w * f2 if f2 is not None else (g + w * c) * f
+            a_new = a * momentum + u
+            return w - (u + a_new * momentum if nesterov else a_new), [a_new]
+        aux = (f, f * momentum)
     if variant == "tf1.15":
         sk, sw = aux
         u = g * sk + w * sw
@@ -253,7 +273,12 @@ class LARS(Optimizer):
             dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         adapt, all_adapt, index, wd_vec, mask, _ = self._static(group, plan, params, dev, dtype)
         lr = lr.to(device=dev, dtype=dtype)
+        # off the CPU a flat part takes its factors as element vectors (O(1) kernels for any sizes)
+        segments = plan.flat_active and plan.flat.expands() and not self._jit_active()
         if plan.flat_active and plan.flat.rows_pay:
+            if segments:
+                s = self._row_scales(group, plan.flat, lr, k, dtype, adapt, all_adapt, mask)
+                return self._segment_aux(group, plan.flat, s, k, all_adapt, wd_vec)
             return self._prepare_rows(group, plan.flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask)
         if adapt:
             sel_p = params if all_adapt else [params[i] for i in adapt]
@@ -280,10 +305,50 @@ class LARS(Optimizer):
             s = lr * trust
         else:
             s = lr.expand(n)
+        if segments:
+            return self._segment_aux(group, plan.flat, s, k, all_adapt, wd_vec)
         if group["variant"] == "tf1.15":
             sk = s if k is None else s * k.to(device=dev, dtype=dtype)
             return list(zip(sk.unbind(), (s * wd_vec).unbind()))
         return list(zip(s.unbind(), (s * float(group["momentum"])).unbind()))
+
+    def _segment_aux(self, group, flat, s, k, all_adapt, wd_vec) -> list:
+        """The factors over a flat part as element vectors (:meth:`optkit._core.plan.FlatPart.
+        expand_segments`), one :class:`~optkit._core.plan.SegmentAux` for every parameter, so that the base
+        steps the flat part as one tensor. TF 1.15: ``(F, None, c)`` with ``F`` the expanded ``s·k`` and
+        ``u = (g + c·w)·F``, ``c = wd/k`` when every parameter is decayed alike (one vector expanded), else
+        ``(F, F2, None)`` with ``F2`` the expanded ``s·wd`` (``u = F·g + F2·w``); TF 1.14: ``(S, None,
+        None)``, ``S`` the expanded ``s``. Extra memory traffic per element, fp32: the expansion (about 12
+        bytes on CUDA: an int32 index, read again, and the vector) plus one read of it per use."""
+        dev, dtype = s.device, s.dtype
+        base = flat.blocks[0].params[0].storage_offset() if flat.blocks else 0
+        if group["variant"] == "tf1.14":
+            return [SegmentAux((flat.expand_segments(s), None, None), base)] * len(flat.numels)
+        sk = s if k is None else s * k.to(device=dev, dtype=dtype)
+        wd = float(group["weight_decay"])
+        f2 = c = None
+        if all_adapt or wd == 0.0:
+            if wd != 0.0:
+                c = wd if k is None else torch.reciprocal(k.to(device=dev, dtype=dtype)) * wd
+        else:
+            f2 = flat.expand_segments(s * wd_vec)
+        return [SegmentAux((flat.expand_segments(sk), f2, c), base)] * len(flat.numels)
+
+    def _row_scales(self, group, flat, lr, k, dtype, adapt, all_adapt, mask) -> Tensor:
+        """``s = lr·trust`` for every parameter of a flat part from the row norms of its runs (one kernel
+        per run and list)."""
+        if not adapt:
+            return lr.expand(len(flat.numels))
+        w_n = _cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype) for m in flat.params_rows()])
+        g_n = _cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype) for m in flat.row_views(flat.grad)])
+        if k is not None:
+            g_n = g_n * k.to(device=lr.device, dtype=dtype).abs()
+        wd = float(group["weight_decay"])
+        ratio = group["eeta"] * w_n / (g_n + wd * w_n + group["epsilon"])
+        ok = (w_n > 0) & (g_n > 0)
+        if not all_adapt:
+            ok = ok & mask
+        return lr * torch.where(ok, ratio, torch.ones_like(ratio))
 
     def _prepare_rows(self, group, flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask) -> RunAux:
         """:meth:`_prepare` over a flat buffer's runs (:class:`optkit._core.plan.FlatPart`): per-parameter
@@ -291,20 +356,7 @@ class LARS(Optimizer):
         ``(rows, 1)`` columns per row chunk, or per whole run under ``jit_compile`` (the compiled rule then
         steps each run matrix in one loop)."""
         dev = lr.device
-        if adapt:
-            w_n = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype) for m in flat.params_rows()])
-            g_n = torch.cat([torch.linalg.vector_norm(m, dim=1, dtype=dtype)
-                             for m in flat.row_views(flat.grad)])
-            if k is not None:
-                g_n = g_n * k.to(device=dev, dtype=dtype).abs()
-            wd = float(group["weight_decay"])
-            ratio = group["eeta"] * w_n / (g_n + wd * w_n + group["epsilon"])
-            ok = (w_n > 0) & (g_n > 0)
-            if not all_adapt:
-                ok = ok & mask
-            s = lr * torch.where(ok, ratio, torch.ones_like(ratio))
-        else:
-            s = lr.expand(len(wd_vec))
+        s = self._row_scales(group, flat, lr, k, dtype, adapt, all_adapt, mask)
         if group["variant"] == "tf1.15":
             c1 = s if k is None else s * k.to(device=dev, dtype=dtype)
             c2 = s * wd_vec
@@ -322,6 +374,9 @@ class LARS(Optimizer):
         nesterov = bool(group["nesterov"])
         b15 = group["variant"] == "tf1.15"
         lists = (params, grads, slots["momentum"])
+        if aux and isinstance(aux[0], SegmentAux):  # element vectors over a flat part: whole-chunk kernels
+            self._update_segments(group, lists, lr, k, found_inf, [x.chunk(t) for x, t in zip(aux, params)])
+            return
         for device, dtype, ix, (p, g, a), fi in self._fused_parts("sgd", group, lists, lr, k, found_inf, aux,
                                                                   (0, 2)):
             part_aux = aux if len(ix) == len(params) else [aux[i] for i in ix]
@@ -345,11 +400,41 @@ class LARS(Optimizer):
                         inv = (f1[j], torch.reciprocal(f1[j].to(device=device, dtype=torch.float32)))
                         self._inv_cache[id(f1[j])] = inv
                     _momentum_step(p[j:j + 1], g[j:j + 1], a[j:j + 1], m, nesterov, fi, inv[1])
+            elif b15 and not _cpu_forms(device) and self._block is not None:
+                # off the CPU (one block of whole tensors): u = s·k·(g + (wd/k)·w), the decay in one
+                # multi-tensor call over the decayed tensors, then one per-tensor multiply by s·k (a device
+                # vector of per-tensor factors has no multi-tensor op), then the fused momentum pass
+                wd_of = self._static_cache[id(group)][1][5]
+                owners = self._block.owners if len(ix) == len(params) else [self._block.owners[i] for i in ix]
+                dec = [j for j, o in enumerate(owners) if wd_of[o] != 0.0]
+                if dec:
+                    gd = g if len(dec) == len(g) else [g[j] for j in dec]
+                    pd = p if len(dec) == len(p) else [p[j] for j in dec]
+                    wd = float(group["weight_decay"])
+                    if k is None:
+                        torch._foreach_add_(gd, pd, alpha=wd)
+                    else:
+                        c = (torch.reciprocal(k.to(device=device, dtype=torch.float32)) * wd).to(dtype)
+                        torch._foreach_add_(gd, torch._foreach_mul(pd, c))
+                torch._foreach_mul_(g, f1)
+                _momentum_step(p, g, a, m, nesterov, fi)
             elif b15:
                 # u = s·k·g + s·wd·w (in cache), then a ← m·a + u; w ← w − a (or − u − m·a) in one fused pass
                 torch._foreach_mul_(g, f1)
                 torch._foreach_addcmul_(g, p, f2)
                 _momentum_step(p, g, a, m, nesterov, fi)
+            elif not _cpu_forms(device):
+                # off the CPU: one per-tensor call (step = (g + m·a)·s, or s·a written into g)
+                if k is not None:
+                    torch._foreach_mul_(g, k.to(device=device, dtype=dtype))
+                _accumulate(a, g, m, fi)
+                if nesterov:
+                    torch._foreach_add_(g, a, alpha=m)
+                    torch._foreach_mul_(g, f1)
+                else:
+                    for aj, fj, gj in zip(a, f1, g):
+                        torch.mul(aj, fj, out=gj)
+                _subtract(p, g, fi)
             else:
                 if k is not None:
                     torch._foreach_mul_(g, k.to(device))
@@ -361,6 +446,38 @@ class LARS(Optimizer):
                     torch._foreach_copy_(g, a)
                     torch._foreach_mul_(g, f1)
                 _subtract(p, g, fi)
+
+    def _update_segments(self, group, lists, lr, k, found_inf, aux) -> None:
+        """:meth:`_update` with :meth:`_segment_aux`'s element vectors cut to the chunks (one chunk of the
+        flat buffer off the CPU): TF 1.15 ``u = (g + c·w)·F`` (or ``F·g + F2·w``) in two elementwise kernels,
+        then the fused momentum kernel; TF 1.14 ``a ← m·a + k·g`` (fused), ``step = S·a`` in one kernel
+        (Nesterov ``(g + m·a)·S`` in two), ``w ← w − step`` (fused)."""
+        m = float(group["momentum"])
+        nesterov = bool(group["nesterov"])
+        for device, dtype, ix, (p, g, a), fi in self._fused_parts("sgd", group, lists, lr, k, found_inf, aux,
+                                                                  (0, 2)):
+            part = [aux[i] for i in ix]
+            if group["variant"] == "tf1.15":
+                for pj, gj, (f, f2, c) in zip(p, g, part):
+                    if c is not None:
+                        if isinstance(c, Tensor):
+                            gj.addcmul_(pj, c.to(device))
+                        else:
+                            gj.add_(pj, alpha=c)
+                    gj.mul_(f)
+                    if f2 is not None:
+                        gj.addcmul_(pj, f2)
+                _momentum_step(p, g, a, m, nesterov, fi)
+                continue
+            if k is not None:
+                torch._foreach_mul_(g, k.to(device=device, dtype=dtype))
+            _accumulate(a, g, m, fi)
+            for aj, gj, (f, _, _) in zip(a, g, part):
+                if nesterov:  # step = (g + m·a)·S
+                    gj.add_(aj, alpha=m).mul_(f)
+                else:  # step = S·a
+                    torch.mul(aj, f, out=gj)
+            _subtract(p, g, fi)
 
     def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
         """Plain momentum with the base learning rate on the touched rows of coalesced sparse gradients

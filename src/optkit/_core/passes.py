@@ -22,6 +22,7 @@ from .plan import (
     PlanView,
     RowMultipliers,
     RunAux,
+    SegmentAux,
     scratch_view,
 )
 
@@ -107,7 +108,7 @@ class PassesMixin:
         # of the flat buffer; a C-speed pass, about 80 ns per parameter)
         if not plan.flat.same_grads(grads) or (plan is not fit_checked and not plan.params_fit(params)):
             return None
-        if rows and not plan.flat.rows_pay:
+        if rows and not (plan.flat.rows_pay or plan.flat.expands()):
             return None
         return plan
 
@@ -196,7 +197,7 @@ class PassesMixin:
                 if guard:  # (not into the caller's gradients: per tensor, below)
                     mult, row_mult = list(row_mult.unbind()), None
                 else:
-                    plan.flat.scale_rows_(plan.flat.grad, row_mult)  # one pass; then the usual flat path
+                    self._scale_segments(plan.flat, row_mult)  # one pass; then the usual flat path
                     row_mult = None
         if mult is not None and self.traits.prepare_reads_grads:
             # _prepare reads whole-tensor quantities (norms): it must see the multiplied gradients
@@ -236,7 +237,7 @@ class PassesMixin:
                 mult, row_mult = list(row_mult.unbind()), None
                 plan.flat_active = False
             else:
-                plan.flat.scale_rows_(plan.flat.grad, row_mult)
+                self._scale_segments(plan.flat, row_mult)
                 row_mult = None
 
         decay_mask = plan.use_wd if (wd and plan.any_wd) else None
@@ -282,8 +283,12 @@ class PassesMixin:
             decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
         ema_w = self._ema_lerp_weight(applied) if self.use_ema else None
 
-        cols = None
-        if isinstance(aux, RunAux) or row_mult is not None:
+        cols = seg = None
+        if row_mult is not None and aux is None and flat.expands():
+            # per-tensor multipliers as one element vector over the whole flat blocks (O(1) kernels)
+            blocks, glocal = flat.blocks, [flat.grad]
+            seg = SegmentAux((flat.expand_segments(row_mult),), flat.blocks[0].params[0].storage_offset())
+        elif isinstance(aux, RunAux) or row_mult is not None:
             # per-tensor values over the flat part's row chunks (LARS's factors, LARC's multipliers)
             blocks, glocal = flat.row_blocks, flat.row_grads if shadow_rows is None else shadow_rows
             aux = aux.items if isinstance(aux, RunAux) else None
@@ -313,6 +318,8 @@ class PassesMixin:
             # (otherwise the update leaves g or k·g = g/S in them: see _update_writes_grads)
             if cols is not None:
                 bg[0].mul_(cols[owners[0]])  # the chunk's (rows, 1) column, in cache before the update
+            elif seg is not None:
+                bg[0].mul_(seg.chunk(bp[0])[0])
             if mult is not None:
                 if folds:
                     baux = [mult[o] for o in owners]
@@ -340,6 +347,16 @@ class PassesMixin:
 
         if self.use_ema:
             self._ema_rest(group, idx, applied)
+
+    @staticmethod
+    def _scale_segments(flat: FlatPart, factors: Tensor) -> None:
+        """Multiply each parameter's segment of the flat gradient by its entry of ``factors``: one
+        multiply by the expanded vector where the flat part :meth:`~optkit._core.plan.FlatPart.expands`,
+        else one broadcast multiply per row run."""
+        if flat.expands():
+            flat.grad.mul_(flat.expand_segments(factors))
+        else:
+            flat.scale_rows_(flat.grad, factors)
 
     def _shadow_rows(self, flat: FlatPart) -> bool:
         """Whether this ``keeps_values_in_grads`` rule runs over ``flat``'s row runs (its :meth:`_prepare`

@@ -26,8 +26,8 @@ from .. import _multi_tensor as mt
 from ..flat import _VIEWS_RESTORED, flat_buffer_of
 from . import fused as _fused
 
-__all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "RowMultipliers", "check_slot_fits",
-           "scratch_view"]
+__all__ = ["Plan", "PlanView", "Block", "FlatPart", "RunAux", "SegmentAux", "RowMultipliers",
+           "check_slot_fits", "scratch_view"]
 
 
 def _data_ptrs(params: list[Tensor], dtensor: bool) -> list[int]:
@@ -204,6 +204,28 @@ class RunAux:
         self.per_run = per_run
 
 
+class SegmentAux:
+    """Per-parameter values over a :class:`FlatPart` given as element vectors (one value per element of the
+    flat buffer, :meth:`FlatPart.expand_segments`): what ``_prepare`` returns as the one entry of every
+    parameter (``[aux] * n``), so that the base steps the flat part as one tensor. ``values`` holds the
+    vectors (or anything else, passed through as is), ``base`` the flat parameters' storage offset;
+    :meth:`chunk` cuts each vector to a chunk of the flat parameters (the whole buffer off the CPU,
+    cache-sized chunks on it, or one parameter's view)."""
+
+    __slots__ = ("values", "base")
+
+    def __init__(self, values: tuple, base: int) -> None:
+        self.values = values
+        self.base = base
+
+    def chunk(self, p: Tensor) -> tuple:
+        """``values`` over the elements of ``p`` (a contiguous view of the flat parameters)."""
+        lo = p.storage_offset() - self.base
+        hi = lo + p.numel()
+        return tuple(v[lo:hi].view(p.shape) if isinstance(v, Tensor) and v.dim() == 1 else v
+                     for v in self.values)
+
+
 class RowMultipliers(Mapping):
     """The step protocol's ``grad_multipliers`` (``{id(param): 0-d tensor}``) given as one vector per param
     group: ``rows[id(group)]`` holds the multipliers of all the group's parameters in order (a wrapper such as
@@ -261,6 +283,9 @@ class FlatPart:
         self._grad_perm_strides = _strides(grad_objs, self._grad_perm)
         self.all_idx = list(range(len(grad_objs)))  # the gather's indices when every gradient is a view
         self.all_wd = uniform_wd
+        self.numels = list(numels)  # each parameter's number of elements (its segment of the flat buffer)
+        self.numel = sum(self.numels)
+        self._counts: dict = {}  # device -> the segment sizes there (expand_segments)
         self.runs: list[tuple[int, int, int]] = []
         for i, n in enumerate(numels):
             if self.runs and self.runs[-1][2] == n:
@@ -319,6 +344,26 @@ class FlatPart:
         segments): one broadcast multiply per run."""
         for (first, count, _), m in zip(self.runs, self.row_views(flat)):
             m.mul_(factors[first:first + count].unsqueeze(1))
+
+    def expands(self) -> bool:
+        """Whether per-parameter values go over this flat part as element vectors
+        (:meth:`expand_segments`, whole-buffer kernels: O(1) launches whatever the sizes) rather than as the
+        row runs' ``(rows, 1)`` columns per cache-sized chunk (O(#runs) kernels that keep each chunk in
+        cache): everywhere but on the CPU. (Tests route the CPU through it by patching this method.)"""
+        return self.grad.device.type != "cpu"
+
+    def expand_segments(self, values: Tensor) -> Tensor:
+        """One value per parameter -> one per element of the flat buffer: ``values[i]`` repeated over
+        parameter ``i``'s elements (``torch.repeat_interleave`` with the segment sizes kept per device and
+        ``output_size`` given: no host sync, a fixed number of kernels whatever the number of parameters;
+        on CUDA it writes an int32 index and the expanded vector, about 12 bytes per element)."""
+        dev = values.device
+        counts = self._counts.get(dev)
+        if counts is None:
+            counts = torch.tensor(self.numels, dtype=torch.int32 if self.numel < 2**31 else torch.int64,
+                                  device=dev)
+            self._counts[dev] = counts
+        return torch.repeat_interleave(values, counts, output_size=self.numel)
 
     def run_segments(self) -> list[tuple[int, int]]:
         """Each run's ``(first segment, count)``: its rows' positions among the parameters."""
