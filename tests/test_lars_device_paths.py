@@ -25,7 +25,8 @@ VARIANTS = ("tf1.14", "tf1.15")
 
 @pytest.fixture
 def expands(monkeypatch):
-    """Route flat parts through the element-vector form; yields the list of expansions made."""
+    """Route flat parts through the element-vector form and LARS through its device forms (the rule then
+    writes only ``k·g`` into the gradients: no copies of them); yields the list of expansions made."""
     calls = []
     orig = FlatPart.expand_segments
 
@@ -35,6 +36,7 @@ def expands(monkeypatch):
 
     monkeypatch.setattr(FlatPart, "expands", lambda self: True)
     monkeypatch.setattr(FlatPart, "expand_segments", spy)
+    monkeypatch.setattr(optkit.lars, "_cpu_forms", lambda device: False)
     return calls
 
 

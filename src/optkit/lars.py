@@ -111,10 +111,14 @@ def _lars_pointwise(hyper, w, g, slots, lr, k, aux):
     """Out-of-place LARS step for ``jit_compile`` (``aux`` as in ``LARS._prepare``; true gradient k·g)."""
     momentum, nesterov, variant = hyper
     a = slots[0]
-    if len(aux) == 3:  # element vectors over a flat part (LARS._segment_aux, cut to this chunk)
+    if len(aux) == 3:  # element vectors over a flat part (LARS._segment_aux, cut to this chunk), for k·g
         f, f2, c = aux
         if variant == "tf1.15":
-            u = g * f if f2 is None and c is None else g * f + w * f2 if f2 is not None else (g + w * c) * f
+            gk = g if k is None else g * k
+            if c is not None:
+                u = (gk + w * c) * f
+            else:
+                u = gk * f if f2 is None else gk * f + w * f2
             a_new = a * momentum + u
             return w - (u + a_new * momentum if nesterov else a_new), [a_new]
         aux = (f, f * momentum)
@@ -278,7 +282,7 @@ class LARS(Optimizer):
         if plan.flat_active and plan.flat.rows_pay:
             if segments:
                 s = self._row_scales(group, plan.flat, lr, k, dtype, adapt, all_adapt, mask)
-                return self._segment_aux(group, plan.flat, s, k, all_adapt, wd_vec)
+                return self._segment_aux(group, plan.flat, s, all_adapt, wd_vec)
             return self._prepare_rows(group, plan.flat, lr, k, dtype, adapt, all_adapt, wd_vec, mask)
         if adapt:
             sel_p = params if all_adapt else [params[i] for i in adapt]
@@ -306,33 +310,30 @@ class LARS(Optimizer):
         else:
             s = lr.expand(n)
         if segments:
-            return self._segment_aux(group, plan.flat, s, k, all_adapt, wd_vec)
+            return self._segment_aux(group, plan.flat, s, all_adapt, wd_vec)
         if group["variant"] == "tf1.15":
             sk = s if k is None else s * k.to(device=dev, dtype=dtype)
             return list(zip(sk.unbind(), (s * wd_vec).unbind()))
         return list(zip(s.unbind(), (s * float(group["momentum"])).unbind()))
 
-    def _segment_aux(self, group, flat, s, k, all_adapt, wd_vec) -> list:
+    def _segment_aux(self, group, flat, s, all_adapt, wd_vec) -> list:
         """The factors over a flat part as element vectors (:meth:`optkit._core.plan.FlatPart.
         expand_segments`), one :class:`~optkit._core.plan.SegmentAux` for every parameter, so that the base
-        steps the flat part as one tensor. TF 1.15: ``(F, None, c)`` with ``F`` the expanded ``s·k`` and
-        ``u = (g + c·w)·F``, ``c = wd/k`` when every parameter is decayed alike (one vector expanded), else
-        ``(F, F2, None)`` with ``F2`` the expanded ``s·wd`` (``u = F·g + F2·w``); TF 1.14: ``(S, None,
-        None)``, ``S`` the expanded ``s``. Extra memory traffic per element, fp32: the expansion (about 12
-        bytes on CUDA: an int32 index, read again, and the vector) plus one read of it per use."""
-        dev, dtype = s.device, s.dtype
-        base = flat.blocks[0].params[0].storage_offset() if flat.blocks else 0
-        if group["variant"] == "tf1.14":
-            return [SegmentAux((flat.expand_segments(s), None, None), base)] * len(flat.numels)
-        sk = s if k is None else s * k.to(device=dev, dtype=dtype)
+        steps the flat part as one tensor; they apply to the true gradient ``k·g``. TF 1.15: ``(S, None,
+        wd)`` with ``S`` the expanded ``s`` and ``u = (k·g + wd·w)·S`` when every parameter is decayed alike
+        (one vector expanded), else ``(S, F2, None)`` with ``F2`` the expanded ``s·wd``
+        (``u = S·k·g + F2·w``); TF 1.14: ``(S, None, None)``. Extra memory traffic per element, fp32: the
+        expansion (about 12 bytes on CUDA: an int32 index, read again, and the vector) plus one read of it
+        per use."""
+        base = flat.blocks[0].params[0].storage_offset()
+        f, f2, c = flat.expand_segments(s), None, None
         wd = float(group["weight_decay"])
-        f2 = c = None
-        if all_adapt or wd == 0.0:
-            if wd != 0.0:
-                c = wd if k is None else torch.reciprocal(k.to(device=dev, dtype=dtype)) * wd
-        else:
-            f2 = flat.expand_segments(s * wd_vec)
-        return [SegmentAux((flat.expand_segments(sk), f2, c), base)] * len(flat.numels)
+        if group["variant"] == "tf1.15" and wd != 0.0:
+            if all_adapt:
+                c = wd
+            else:
+                f2 = flat.expand_segments(s * wd_vec)
+        return [SegmentAux((f, f2, c), base)] * len(flat.numels)
 
     def _row_scales(self, group, flat, lr, k, dtype, adapt, all_adapt, mask) -> Tensor:
         """``s = lr·trust`` for every parameter of a flat part from the row norms of its runs (one kernel
@@ -382,7 +383,7 @@ class LARS(Optimizer):
             part_aux = aux if len(ix) == len(params) else [aux[i] for i in ix]
             f1, f2 = (list(x) for x in zip(*part_aux))  # (s·k, s·wd) for TF 1.15, (s, s·m) for TF 1.14
             if b15 and len(p) <= _SCALE_IN_KERNEL and self._block is not None and dtype != torch.float64 \
-                    and f1[0].dim() == 0:  # (not the (rows, 1) columns of a flat buffer's row runs)
+                    and f1[0].dim() == 0 and _cpu_forms(device):  # (not a flat buffer's (rows, 1) columns)
                 # chunks of a few large tensors: u = s·k·(g + (wd/k)·w), the decay added in cache and s·k
                 # taken by the kernel as 1/grad_scale (one in-cache pass fewer than the form below)
                 wd_of = self._static_cache[id(group)][1][5]
@@ -400,41 +401,45 @@ class LARS(Optimizer):
                         inv = (f1[j], torch.reciprocal(f1[j].to(device=device, dtype=torch.float32)))
                         self._inv_cache[id(f1[j])] = inv
                     _momentum_step(p[j:j + 1], g[j:j + 1], a[j:j + 1], m, nesterov, fi, inv[1])
-            elif b15 and not _cpu_forms(device) and self._block is not None:
-                # off the CPU (one block of whole tensors): u = s·k·(g + (wd/k)·w), the decay in one
-                # multi-tensor call over the decayed tensors, then one per-tensor multiply by s·k (a device
-                # vector of per-tensor factors has no multi-tensor op), then the fused momentum pass
+            elif b15 and not _cpu_forms(device):
+                # off the CPU (one block of whole tensors; the gradients only take k·g): u = s·(k·g + wd·w),
+                # the decay in one multi-tensor call over the decayed tensors into new buffers, then one
+                # per-tensor multiply by s (no multi-tensor op takes a device vector of per-tensor factors),
+                # then the fused momentum pass
+                s_ = f1
+                if k is not None:
+                    kd = k.to(device=device, dtype=dtype)
+                    torch._foreach_mul_(g, kd)
+                    s_ = torch._foreach_div(f1, k.to(device=device, dtype=f1[0].dtype))  # (one launch)
                 wd_of = self._static_cache[id(group)][1][5]
-                owners = self._block.owners if len(ix) == len(params) else [self._block.owners[i] for i in ix]
+                owners = self._block.owners if self._block is not None else list(range(len(params)))
+                if len(ix) != len(params):
+                    owners = [owners[i] for i in ix]
                 dec = [j for j, o in enumerate(owners) if wd_of[o] != 0.0]
+                h = list(g)
                 if dec:
-                    gd = g if len(dec) == len(g) else [g[j] for j in dec]
-                    pd = p if len(dec) == len(p) else [p[j] for j in dec]
-                    wd = float(group["weight_decay"])
-                    if k is None:
-                        torch._foreach_add_(gd, pd, alpha=wd)
-                    else:
-                        c = (torch.reciprocal(k.to(device=device, dtype=torch.float32)) * wd).to(dtype)
-                        torch._foreach_add_(gd, torch._foreach_mul(pd, c))
-                torch._foreach_mul_(g, f1)
-                _momentum_step(p, g, a, m, nesterov, fi)
+                    hd = torch._foreach_add([g[j] for j in dec], [p[j] for j in dec],
+                                            alpha=float(group["weight_decay"]))
+                    for j, t in zip(dec, hd):
+                        h[j] = t
+                u = torch._foreach_mul(h, s_)
+                _momentum_step(p, u, a, m, nesterov, fi)
             elif b15:
                 # u = s·k·g + s·wd·w (in cache), then a ← m·a + u; w ← w − a (or − u − m·a) in one fused pass
                 torch._foreach_mul_(g, f1)
                 torch._foreach_addcmul_(g, p, f2)
                 _momentum_step(p, g, a, m, nesterov, fi)
             elif not _cpu_forms(device):
-                # off the CPU: one per-tensor call (step = (g + m·a)·s, or s·a written into g)
+                # off the CPU (the gradients only take k·g): one per-tensor call, into new buffers
                 if k is not None:
                     torch._foreach_mul_(g, k.to(device=device, dtype=dtype))
                 _accumulate(a, g, m, fi)
-                if nesterov:
-                    torch._foreach_add_(g, a, alpha=m)
-                    torch._foreach_mul_(g, f1)
-                else:
-                    for aj, fj, gj in zip(a, f1, g):
-                        torch.mul(aj, fj, out=gj)
-                _subtract(p, g, fi)
+                if nesterov:  # step = (k·g + m·a)·s
+                    step = torch._foreach_add(g, a, alpha=m)
+                    torch._foreach_mul_(step, f1)
+                else:  # step = s·a
+                    step = torch._foreach_mul(a, f1)
+                _subtract(p, step, fi)
             else:
                 if k is not None:
                     torch._foreach_mul_(g, k.to(device))
@@ -449,35 +454,40 @@ class LARS(Optimizer):
 
     def _update_segments(self, group, lists, lr, k, found_inf, aux) -> None:
         """:meth:`_update` with :meth:`_segment_aux`'s element vectors cut to the chunks (one chunk of the
-        flat buffer off the CPU): TF 1.15 ``u = (g + c·w)·F`` (or ``F·g + F2·w``) in two elementwise kernels,
-        then the fused momentum kernel; TF 1.14 ``a ← m·a + k·g`` (fused), ``step = S·a`` in one kernel
-        (Nesterov ``(g + m·a)·S`` in two), ``w ← w − step`` (fused)."""
+        flat buffer off the CPU). The gradient only takes ``k·g`` (what the fused kernels leave); TF 1.15
+        ``u = (k·g + wd·w)·S`` (or ``S·k·g + F2·w``) in two elementwise kernels into a new buffer, then the
+        fused momentum kernel; TF 1.14 ``a ← m·a + k·g`` (fused), ``step = S·a`` in one kernel (Nesterov
+        ``(k·g + m·a)·S`` in two), ``w ← w − step`` (fused)."""
         m = float(group["momentum"])
         nesterov = bool(group["nesterov"])
         for device, dtype, ix, (p, g, a), fi in self._fused_parts("sgd", group, lists, lr, k, found_inf, aux,
                                                                   (0, 2)):
             part = [aux[i] for i in ix]
+            if k is not None:  # k·g, as the fused kernels' grad_scale leaves it
+                torch._foreach_mul_(g, k.to(device=device, dtype=dtype))
             if group["variant"] == "tf1.15":
+                u = []
                 for pj, gj, (f, f2, c) in zip(p, g, part):
                     if c is not None:
-                        if isinstance(c, Tensor):
-                            gj.addcmul_(pj, c.to(device))
-                        else:
-                            gj.add_(pj, alpha=c)
-                    gj.mul_(f)
-                    if f2 is not None:
-                        gj.addcmul_(pj, f2)
-                _momentum_step(p, g, a, m, nesterov, fi)
+                        uj = torch.add(gj, pj, alpha=c).mul_(f)
+                    else:
+                        uj = gj * f
+                        if f2 is not None:
+                            uj.addcmul_(pj, f2)
+                    u.append(uj)
+                _momentum_step(p, u, a, m, nesterov, fi)
                 continue
-            if k is not None:
-                torch._foreach_mul_(g, k.to(device=device, dtype=dtype))
             _accumulate(a, g, m, fi)
-            for aj, gj, (f, _, _) in zip(a, g, part):
-                if nesterov:  # step = (g + m·a)·S
-                    gj.add_(aj, alpha=m).mul_(f)
-                else:  # step = S·a
-                    torch.mul(aj, f, out=gj)
-            _subtract(p, g, fi)
+            step = [torch.add(gj, aj, alpha=m).mul_(f) if nesterov else aj * f  # (k·g + m·a)·S, or S·a
+                    for aj, gj, (f, _, _) in zip(a, g, part)]
+            _subtract(p, step, fi)
+
+    def _update_writes_grads(self, group: dict) -> bool:
+        """Off the CPU (:func:`_cpu_forms`) the rule writes nothing but ``k·g`` into the gradients (its
+        ``u`` goes into new buffers), so the base makes no copies of them (a whole extra pass there); on
+        the CPU it runs in in-cache copies of the gradient chunks."""
+        ps = group["params"]
+        return not ps or _cpu_forms(mt.local(ps[0]).device)
 
     def _sparse_update(self, group, params, grads, slots, lr, k, found_inf) -> None:
         """Plain momentum with the base learning rate on the touched rows of coalesced sparse gradients

@@ -309,17 +309,22 @@ class PassesMixin:
                 bg = [glocal[o] if rng is None else glocal[o].view(-1)[rng[0]:rng[1]]
                       for o, rng in zip(owners, blk.split)]
             real = bg
+            seg_f = None if seg is None else seg.chunk(bp[0])[0]
             if scratch is not None:  # the chunk's copy (in cache) takes the multipliers and the update
                 sc = scratch[id(blk)]
-                torch._foreach_copy_(sc, bg)
+                if seg_f is not None:  # (the copy and the multiply in one pass)
+                    torch.mul(bg[0], seg_f, out=sc[0])
+                    seg_f = None
+                else:
+                    torch._foreach_copy_(sc, bg)
                 if inv is not None:  # the caller's chunk: g/S, written back while in cache
                     mt.scale_local_(bg, inv, blk.key)
                 bg = sc
             # (otherwise the update leaves g or k·g = g/S in them: see _update_writes_grads)
             if cols is not None:
                 bg[0].mul_(cols[owners[0]])  # the chunk's (rows, 1) column, in cache before the update
-            elif seg is not None:
-                bg[0].mul_(seg.chunk(bp[0])[0])
+            elif seg_f is not None:
+                bg[0].mul_(seg_f)
             if mult is not None:
                 if folds:
                     baux = [mult[o] for o in owners]
