@@ -30,7 +30,11 @@ pass (optkit ``SGD`` into its fused kernel's ``grad_scale``, one call per tensor
 multiply per block); other optimizers get the gradients scaled in place. Over flat buffers
 (:func:`optkit.flat_parameters`, an optkit inner optimizer whose groups all run over their flat part) the
 norms are row norms of the buffer's runs of equal-sized parameters and the ratios go in as one vector per
-group (:class:`optkit._core.plan.RowMultipliers`): O(#runs) kernels per step, not O(#params).
+group (:class:`optkit._core.plan.RowMultipliers`): O(#runs) kernels per step, not O(#params). Off the CPU
+(CUDA) the norms of a flat part whose sizes vary come from one grouped norm call, and the inner optimizer
+multiplies the flat gradient by the ratios expanded to the elements
+(:meth:`optkit._core.plan.FlatPart.expand_segments`) while copying it: a fixed number of kernels per step
+whatever the number and sizes of the parameters.
 A ``grad_scale`` from an outer loss-scale wrapper is taken into account (``‖g‖`` is the unscaled norm) and
 passed on; ``found_inf`` is passed on unchanged.
 

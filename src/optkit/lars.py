@@ -29,6 +29,17 @@ foreach kernels) and torch's fused SGD kernel with ``lr = 1`` (``a ← m·a + u;
 ``grad_scale`` is float32. Main memory sees the two norm passes plus one update sweep. These kernels use the
 gradient chunks as scratch; unless ``scratch_grads=True`` (the train op) the base hands them in-cache copies
 of the chunks, so ``p.grad`` is left as ``torch.optim`` leaves it at no extra traffic.
+
+Off the CPU (CUDA) nothing is in cache and every launch counts. Over a flat buffer
+(:func:`optkit.flat_parameters`) the per-tensor factors go over the buffer as element vectors
+(:meth:`optkit._core.plan.FlatPart.expand_segments`: ``torch.repeat_interleave`` of the factor vector by the
+parameters' sizes), so a step is a fixed number of kernels whatever the number and sizes of the parameters:
+the norms (one grouped norm call and one stack, or one row norm per run of equal sizes), the trust ratios as
+vector arithmetic, one expansion of ``s``, ``u = (k·g + wd·w)·S`` in two elementwise kernels into a new buffer
+(a second expansion, of ``s·wd``, when some parameters skip the decay) and the fused momentum kernel. Over
+separate tensors the decay is one multi-tensor call and the factor ``s`` one multiply per tensor (no
+multi-tensor op takes a device vector of per-tensor factors): use flat parameters on the GPU. Either way the
+gradients only take ``k·g`` (what the fused kernels' ``grad_scale`` leaves), so no copies of them are made.
 """
 
 from __future__ import annotations
