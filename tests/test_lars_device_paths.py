@@ -200,3 +200,23 @@ def test_larc_flat_element_vectors_match_the_cpu_path(monkeypatch, mode, opts, s
     for a, b in zip(dev, cpu):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(dev_opt.last_ratios, cpu_opt.last_ratios, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("variant,nesterov,opts", [("tf1.15", False, "plain"), ("tf1.15", True, "exclude_1d"),
+                                                   ("tf1.14", True, "plain"), ("tf1.14", False, "skip")])
+def test_flat_element_vectors_without_a_fused_kernel(expands, monkeypatch, variant, nesterov, opts):
+    """A device without torch's fused SGD kernel steps the element vectors with the pointwise rule
+    (``_lars_pointwise``'s element-vector form, for ``k·g``): the same reference, under a loss scale."""
+    from optkit._core import fused
+
+    monkeypatch.setitem(fused.KERNELS, "sgd", {k: v for k, v in fused.KERNELS["sgd"].items() if k != "cpu"})
+    ws, grads = _problem(zlib.crc32(repr((variant, nesterov, opts, "pointwise")).encode()), SHAPES)
+    hp = {"momentum": 0.9, "weight_decay": 0.01, "eeta": 0.02, "epsilon": 1e-5, "variant": variant}
+    ps, _ = _lars_run(ws, grads, SHAPES, True, 32.0, use_nesterov=nesterov, block_numel=40, **hp,
+                      **OPTIONS[opts])
+    assert expands
+    skipped = [opts == "exclude_1d" and len(s) <= 1 or opts == "skip" and n.startswith(("l1.", "l5."))
+               for s, n in zip(SHAPES, _names(SHAPES))]
+    ref = _reference(ws, grads, SHAPES, skipped, use_nesterov=nesterov, **hp)
+    for p, w in zip(ps, ref.ws):
+        np.testing.assert_allclose(p.detach().double().numpy(), w, rtol=2e-5, atol=2e-6)
