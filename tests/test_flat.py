@@ -922,3 +922,39 @@ def test_the_registry_forgets_freed_buffers():
     assert all(not ref.expired() for ref in flat_mod._REGISTRY.values())
     assert flat_buffer_of(b) is not None
     assert key not in flat_mod._REGISTRY or key == b.untyped_storage()._cdata  # (b's may take its place)
+
+
+def test_per_tensor_clip_over_a_flat_gradient_as_one_element_vector(monkeypatch):
+    """``clipnorm`` with ``scratch_grads`` over a flat buffer, as a GPU runs it (each tensor's factor
+    c/max(‖g‖, c) expanded over the flat gradient and applied in one multiply; routed here onto CPU tensors):
+    the same weights, bit for bit, as the per-tensor multiplies of the CPU path, and the float64 formula."""
+    from optkit._core.plan import FlatPart
+
+    shapes = [(7, 5), (13,), (3, 4, 2), (1,), (6, 6)]
+    g = torch.Generator().manual_seed(3)
+    w0 = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) * (0.2 if i % 2 else 4.0) for i, s in enumerate(shapes)]
+
+    def run(flat: bool) -> list[torch.Tensor]:
+        ps = [nn.Parameter(w.clone()) for w in w0]
+        if flat:
+            optkit.flat_parameters(ps)
+        opt = optkit.SGD(ps, learning_rate=0.5, clipnorm=1.0, scratch_grads=True)
+        for _ in range(2):  # (the second step runs over the flat plan the first one built)
+            for p, gr in zip(ps, grads):
+                if p.grad is None:
+                    p.grad = gr.clone()
+                else:
+                    p.grad.copy_(gr)
+            opt.step()
+        return [p.detach().clone() for p in ps]
+
+    per_tensor = run(False)
+    monkeypatch.setattr(FlatPart, "expands", lambda self: True)
+    expanded = run(True)
+    for a, b in zip(per_tensor, expanded):
+        assert torch.equal(a, b)
+    for w, gr, out in zip(w0, grads, expanded):
+        n = float(gr.double().norm())
+        want = w.double() - 2 * 0.5 * gr.double() * (1.0 / max(n, 1.0))
+        torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-7)

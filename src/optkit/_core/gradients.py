@@ -203,6 +203,26 @@ class GradientsMixin:
         overflow.append(bad)
         return torch.maximum(found_inf, bad)
 
+    @staticmethod
+    def _scale_per_tensor(gathered: list, flat_plans: list, factors: Tensor) -> None:
+        """Each gathered gradient times its entry of ``factors`` (one vector over them, in order). A flat
+        part whose per-parameter values go as element vectors (:meth:`~optkit._core.plan.FlatPart.expands`:
+        off the CPU) takes one multiply of its flat gradient by the expanded vector (a fixed number of
+        kernels whatever the number of parameters); the other gradients one multiply per tensor (a multi-
+        tensor op with a factor per tensor, which torch runs tensor by tensor on a GPU). The products are
+        the same: each element times its tensor's factor, rounded once."""
+        rest: tuple[list, list] = ([], [])
+        at = 0
+        for (_, _, gs), fp in zip(gathered, flat_plans):
+            part = factors[at:at + len(gs)]
+            at += len(gs)
+            if fp is not None and fp.flat.expands() and len(gs) == len(fp.flat.numels):
+                fp.flat.grad.mul_(fp.flat.expand_segments(part))
+            else:
+                rest[0].extend(gs)
+                rest[1].extend(part.unbind())
+        mt.scale_(rest[0], rest[1])
+
     def _unscale_and_clip(self, gathered: list, flat_plans: list, grad_scale: Tensor | None,
                           found_inf: Tensor | None, overflow: list | None) -> tuple:
         """Steps 2 and 3 of the pipeline (module doc of :mod:`optkit.optimizer`): ``1/grad_scale`` and the
@@ -239,11 +259,14 @@ class GradientsMixin:
             c = self.clipnorm
             if inv is not None and found_inf is not None:
                 found_inf = self._refuse_overflowed_norm(found_inf, n_all, inv, overflow)
-            coefs = list(mt.clip_factor(n_all, c, inv=inv).unbind())  # g·c/max(‖g‖, c), per tensor
+            coef_vec = mt.clip_factor(n_all, c, inv=inv)  # g·c/max(‖g‖, c), per tensor
             if inv64 is not None:  # float64 gradients: the factor with the float64 1/grad_scale
                 c64 = mt.clip_factor(n_all.to(torch.float64), c, inv=inv64).unbind()
-                coefs = [b if x.dtype == torch.float64 else a for a, b, x in zip(coefs, c64, ns)]
-            mt.scale_(dense_grads, coefs)
+                coefs = [b if x.dtype == torch.float64 else a
+                         for a, b, x in zip(coef_vec.unbind(), c64, ns)]
+                mt.scale_(dense_grads, coefs)
+            else:
+                self._scale_per_tensor(gathered, flat_plans, coef_vec)
             k = k64 = None
         elif self.global_clipnorm is not None:
             n = mt.global_norm(whole_grads).to(device=dev)  # fp32, or fp64 for fp64 gradients
