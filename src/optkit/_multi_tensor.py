@@ -90,6 +90,7 @@ __all__ = [
     "get_pipeline_group",
     "blocks",
     "norms_along",
+    "segment_expand",
 ]
 
 # ------------------------------------------------------------------------------------------------------------
@@ -641,6 +642,21 @@ def rounded(value: float, dtype: torch.dtype) -> float:
     """``value`` rounded to ``dtype`` as a tensor conversion rounds it (``tensor.to(dtype)`` from float64),
     back as a float (exact: every value of a floating dtype is a double)."""
     return torch.tensor(value, dtype=torch.float64).to(dtype).item()
+
+
+def segment_expand(values: Tensor, counts: Tensor, total: int, out: Tensor | None = None) -> Tensor:
+    """Per-segment values expanded to elements: ``values[i]`` repeated ``counts[i]`` times, a vector of
+    ``total = Σ counts`` elements (``torch.repeat_interleave(values, counts, output_size=total)``: given
+    ``output_size``, torch needs no host read of the counts, so it runs without a sync and inside a CUDA
+    graph). With ``out`` (a vector of ``total`` elements in ``values``' dtype) the result is written there
+    (``index_select`` on the repeated positions), so views of ``out`` made once stay valid across steps.
+    Cost: the index vector (``counts``' dtype; int32 keeps it at 4 B per element) is written and read once,
+    the result written once: 12 B per element in int32, float32. Over a flat buffer whose segment sizes
+    share a factor ``B``, expanding to blocks of ``B`` elements (``counts // B``) and broadcasting each
+    block's value over its ``(nb, B)`` row divides that by ``B``."""
+    if out is None:
+        return torch.repeat_interleave(values, counts, output_size=total)
+    return torch.index_select(values, 0, torch.repeat_interleave(counts, output_size=total), out=out)
 
 
 def blocks(

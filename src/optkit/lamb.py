@@ -109,7 +109,9 @@ State: ``exp_avg`` and ``exp_avg_sq`` (torch/timm names).
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -236,19 +238,22 @@ def _step_sizes(r: Tensor | None, lr: Tensor, n: int, at: Tensor | None = None,
 
 
 def _adam_direction_(u: list[Tensor], g: list[Tensor], m: list[Tensor], v: list[Tensor], t: Tensor,
-                     hyper: tuple, scale: Tensor | None, found_inf: Tensor | None) -> None:
+                     hyper: tuple, scale: Tensor | None, found_inf: Tensor | None,
+                     zeroed: bool = False) -> None:
     """Torch's fused Adam kernel: ``m``, ``v`` updated in place from ``scale·g`` (skipped with
     ``found_inf``) and ``u ← m̂/(√v̂ + ε)``, ``hyper = (β1, β2, ε)``. ``u`` is the gradient list itself (AdamW
     with ``lr = wd = −1`` on the gradient as its own "parameter" gives ``g·(1 − 1) + direction``: the kernel
     loads both operands before it stores, bit-identical to the direction written into a zeroed buffer) or
-    scratch chunks (zeroed, then ``0 + direction``)."""
+    scratch chunks (zeroed, then ``0 + direction``; ``zeroed``: ``u`` holds what the direction is added to,
+    ``u ← u + direction``)."""
     beta1, beta2, eps = hyper
     ts = [t] * len(g)
     if u is g:
         torch._fused_adamw_(g, g, m, v, [], ts, lr=-1.0, beta1=beta1, beta2=beta2, weight_decay=-1.0, eps=eps,
                             amsgrad=False, maximize=False, grad_scale=scale, found_inf=found_inf)
         return
-    torch._foreach_zero_(u)
+    if not zeroed:
+        torch._foreach_zero_(u)
     torch._fused_adam_(u, g, m, v, [], ts, lr=-1.0, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps,
                        amsgrad=False, maximize=False, grad_scale=scale, found_inf=found_inf)
 
@@ -302,6 +307,22 @@ class _BlockInfo:
     """Per block of a plan: the scratch chunks, copies of the moments, and :func:`_select`'s positions."""
 
     __slots__ = ("scratch", "sel", "own", "dec", "halves", "dec_all", "moments", "sel_t")
+
+
+#: :meth:`LAMB._prepare`'s per-tensor entry when it applied both passes itself (:meth:`LAMB._device_step`)
+_DONE = (None, None, None, None, False, "done")
+
+
+class _DeviceInfo:
+    """Per plan, for :meth:`LAMB._device_step` (made once; memory, not state): the segment sizes as an
+    int32 device vector (``counts``; ``counts_b``: in blocks of ``B``, their greatest common divisor, ``nb``
+    blocks),
+    the norms' output vector and its 0-d views, the weight decay as a host number or list (per tensor) or a
+    per-block vector (flat), and per form the scratch: flat, ``U`` (the direction) and its segment views with
+    the weights'; per tensor, ``S`` (the expanded step sizes) and its views shaped like the weights."""
+
+    __slots__ = ("n", "total", "counts", "block", "nb", "counts_b", "sel", "vec", "vec_views", "wd_arg",
+                 "wd_b", "flat", "u_flat", "segs", "s_flat", "s_views")
 
 
 class LAMB(Optimizer):
@@ -388,6 +409,8 @@ class LAMB(Optimizer):
         self._static_cache: dict[int, tuple] = {}
         self._block_cache: dict[int, tuple] = {}
         self._direct_cache: dict[int, tuple] = {}  # id(group) -> (plan, (flags, all)): see _direct_flags
+        self._device_cache: dict[int, tuple] = {}  # id(group) -> (plan, static, _DeviceInfo | None)
+        self._writes_cache: dict[int, tuple] = {}  # id(group) -> (params, len, value): _update_writes_grads
         self._skip: Tensor | None = None
         self._fused_blocks: set[int] = set()  # blocks of this step whose pass 2 ran in pass 1 (_fused_block)
         self._halves_unscaled = True  # whether pass 1 unscaled the half-precision gradients in place
@@ -428,6 +451,8 @@ class LAMB(Optimizer):
         state["_static_cache"] = {}
         state["_block_cache"] = {}  # scratch buffers and views of the cached plans
         state["_direct_cache"] = {}
+        state["_device_cache"] = {}
+        state["_writes_cache"] = {}
         return state
 
     def _pointwise_hyper(self, group: dict) -> tuple:
@@ -571,6 +596,10 @@ class LAMB(Optimizer):
         protected = self._grads_protected
         self._halves_unscaled = not protected
         lr = lr.to(device=dev, dtype=dtype)
+        if not jit and not protected and not (dev.type == "cpu" and self._cpu_direct) \
+                and not torch.compiler.is_compiling() \
+                and self._device_step(group, plan, params, grads, st, hyper, lr, dev, dtype):
+            return [_DONE] * n  # (one entry for all: the base then runs over the flat part whole)
         if plan.flat_active and self._shadow_rows(plan.flat):
             if jit and len(plan.flat.runs) <= COMPILE_WARN_TENSORS:  # (more runs: minutes of compiling)
                 aux = self._prepare_rows_compiled(group, plan.flat, st, hyper, lr, dev, dtype)
@@ -726,6 +755,132 @@ class LAMB(Optimizer):
         value = (flags, all(flags))
         self._direct_cache[id(group)] = (plan, value)
         return value
+
+    def _update_writes_grads(self, group: dict) -> bool:
+        """Only the CPU's direct form (module doc) leaves ``u`` in the gradients; every other form only reads
+        them or leaves ``k·g`` (the fused kernels' ``grad_scale`` write-back, the half-precision unscaling),
+        so off the CPU the base passes the caller's gradients (and flat buffers keep their flat path).
+        Cached until the group's parameter list changes."""
+        if not self._cpu_direct:
+            return False
+        ps = group["params"]
+        hit = self._writes_cache.get(id(group))
+        if hit is not None and hit[0] is ps and hit[1] == len(ps):
+            return hit[2]
+        value = any(mt.local(p).device.type == "cpu" for p in ps) and super()._update_writes_grads(group)
+        self._writes_cache[id(group)] = (ps, len(ps), value)
+        return value
+
+    # --------------------------------------------------------------------- off the CPU: O(1) kernel launches
+
+    def _device_info(self, group: dict, plan: Any, params: list[Tensor], st: _Static,
+                     dev: torch.device) -> _DeviceInfo | None:
+        """:class:`_DeviceInfo` of a plan whose tensors are all float32 or all float64 on one device with
+        torch's fused Adam kernel, not DTensors (None otherwise: the per-chunk passes); cached per plan."""
+        hit = self._device_cache.get(id(group))
+        if hit is not None and hit[0] is plan and hit[1] is st:
+            return hit[2]
+        info = None
+        dtype = params[0].dtype
+        if not plan.any_dtensor and dtype in (torch.float32, torch.float64) \
+                and all(p.dtype == dtype and p.device == dev for p in params) \
+                and _fused.native_dtype_ok("adam", dev, dtype):
+            info = _DeviceInfo()
+            numels = [p.numel() for p in params]
+            info.n, info.total = len(numels), sum(numels)
+            info.block = functools.reduce(math.gcd, numels, 0) or 1
+            info.nb = info.total // info.block
+            info.counts = torch.tensor(numels, dtype=torch.int32, device=dev)
+            info.counts_b = torch.tensor([c // info.block for c in numels], dtype=torch.int32, device=dev)
+            info.sel = [i for i, a in enumerate(st.adapt_of) if a >= 0]
+            info.vec = torch.empty(2 * st.n_adapt, dtype=dtype, device=dev)
+            info.vec_views = list(info.vec.unbind())
+            wds = [st.wd if d else 0.0 for d in st.decayed]
+            uniform = all(w == wds[0] for w in wds)
+            info.wd_arg = wds[0] if uniform else wds
+            info.wd_b = None if uniform else mt.segment_expand(st.wd_vec.to(device=dev, dtype=dtype),
+                                                               info.counts_b, info.nb)
+            info.flat = info.u_flat = info.segs = info.s_flat = info.s_views = None
+            if info.total == 0:
+                info = None
+        self._device_cache[id(group)] = (plan, st, info)
+        return info
+
+    def _device_step(self, group, plan, params, grads, st, hyper, lr, dev, dtype) -> bool:
+        """Both passes off the CPU (float32/float64 on one device), in a number of kernel launches that does
+        not grow with the number of tensors and with no host read:
+
+        1. ``U ← wd·w`` (0 for the tensors without decay: ``0·w``), then torch's fused Adam kernel with
+           ``lr = −1`` on ``U`` as its "parameter" updates ``m, v`` (from ``k·g``; skipped with ``found_inf``)
+           and leaves ``U = wd·w + m̂/(√v̂ + ε) = u`` (:func:`_direction`'s ``u``, one rounding of the sum);
+        2. ``‖u‖`` and ``‖w‖`` of the adapting tensors by one ``torch._foreach_norm`` over their segments, one
+           copy into a vector, the trust ratios (:meth:`_trust_ratio`) and ``s = lr·r`` (:func:`_step_sizes`)
+           as vector arithmetic;
+        3. ``w ← w + (−s)·u`` with the per-tensor ``−s`` expanded to elements
+           (:func:`optkit._multi_tensor.segment_expand`): over a flat buffer (:func:`optkit.flat_parameters`)
+           to blocks of ``B`` elements (the segment sizes' greatest common divisor: 8 for ResNet-50) broadcast
+           over the ``(nb, B)`` view of the flat ``U`` and weights, one ``addcmul_``; per tensor into a
+           vector ``S`` kept with the plan whose views have the weights' shapes, one
+           ``torch._foreach_addcmul_``.
+
+        A skipped step (``found_inf``) leaves everything as it was: the kernel writes nothing, ``U = wd·w``
+        stays finite and the expanded factor is +0, so each weight gets ``+0·(wd·w)``, a zero of its own sign.
+        Traffic, float32: 44 B/param in 1-2 (the fused kernel 28, ``wd·w`` 8, the norms 8), 12 B/param plus
+        16/B for the expansion in 3 over a flat buffer (56 + 2 B/param on ResNet-50 shapes: 1.45× the 40 B
+        floor); per tensor 16 more (``S`` written and read, its index). Returns False (nothing done) for plans
+        this form does not take (:meth:`_device_info`), or tensors that are not contiguous."""
+        info = self._device_info(group, plan, params, st, dev)
+        if info is None:
+            return False
+        flat = plan.flat if plan.flat_active else None
+        if flat is None and not (all(map(Tensor.is_contiguous, params))
+                                 and all(map(Tensor.is_contiguous, grads))
+                                 and all(t.is_contiguous() for s in ("exp_avg", "exp_avg_sq")
+                                         for t in plan.slots[s])):
+            return False
+        beta1, beta2, eps, t, k, skip = hyper
+        fi = None if skip is None else skip.to(dev)
+        nb, b = info.nb, info.block
+        if flat is not None:
+            ws, gs, slots, _ = flat.whole_lists()
+            w = ws[0]
+            if info.u_flat is None:
+                info.u_flat = torch.empty_like(w)
+                n = [p.numel() for p in params]
+                info.segs = ([info.u_flat.split(n)[i] for i in info.sel], [w.split(n)[i] for i in info.sel])
+            u_l = [info.u_flat]
+            if info.wd_b is None:
+                torch.mul(w, info.wd_arg, out=info.u_flat)
+            else:
+                torch.mul(w.view(nb, b), info.wd_b.unsqueeze(1), out=info.u_flat.view(nb, b))
+            norm_in = info.segs[0] + info.segs[1]
+        else:
+            ws, gs, slots = params, grads, plan.slots
+            u_l = list(torch._foreach_mul(ws, info.wd_arg))
+            sel = info.sel
+            norm_in = (u_l + list(ws)) if len(sel) == info.n else [u_l[i] for i in sel] + [ws[i] for i in sel]
+        _adam_direction_(u_l, gs, slots["exp_avg"], slots["exp_avg_sq"], t.to(dev), (beta1, beta2, eps),
+                         _fused.unscale_arg(k, gs, dev, dtype), fi, zeroed=True)
+        r = None
+        if st.n_adapt:
+            torch._foreach_copy_(info.vec_views, mt._foreach_norm(norm_in, 2.0, dtype))
+            r = self._trust_ratio(group, info.vec[st.n_adapt:], info.vec[:st.n_adapt])
+        neg = -_step_sizes(r, lr, info.n, st.at)
+        if fi is not None:
+            neg = torch.where(fi > 0, 0.0, neg)
+        if flat is not None:
+            factor = mt.segment_expand(neg, info.counts_b, nb).unsqueeze(1)
+            w.view(nb, b).addcmul_(factor, info.u_flat.view(nb, b))
+            return True
+        if info.s_flat is None:
+            info.s_flat = torch.empty(info.total, dtype=dtype, device=dev)
+            info.s_views, offset = [], 0
+            for p in params:
+                info.s_views.append(info.s_flat[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+        mt.segment_expand(neg, info.counts, info.total, out=info.s_flat)
+        torch._foreach_addcmul_(list(ws), info.s_views, u_l)
+        return True
 
     # ------------------------------------------------------------------------------ flat buffers: row runs
 
@@ -959,6 +1114,8 @@ class LAMB(Optimizer):
         ``w ← w − s·u``; elsewhere ``d = c·m/(√v + e) + s·wd·w`` in cache (half-precision chunks: the fused
         Adam kernel updates their moments and gives ``m̂/(√v̂ + ε)``, then ``d = s·(that) + s·wd·w``), and
         ``w ← w − d``; both by the fused SGD kernel with ``found_inf``."""
+        if aux and aux[0] is _DONE:
+            return  # both passes ran in _prepare (_device_step)
         if aux and aux[0][5] and aux[0][3].dim() == 2:  # a flat buffer's row chunk: s is a (rows, 1) column
             _step_along_(params, grads, [aux[0][3]], found_inf)
             return
