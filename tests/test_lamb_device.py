@@ -167,3 +167,43 @@ def test_loss_scale_unscales_in_the_kernel_and_leaves_g_over_s(dtype, flat):
     tol = dict(rtol=1e-11, atol=1e-12) if dtype == F64 else dict(rtol=2e-5, atol=2e-6)
     for t, r in zip(ts, ref):
         np.testing.assert_allclose(t.detach().double().numpy(), r, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["paper", "exclude-1d", "clamp"])
+def test_half_precision_flat_buffer(case, dtype):
+    """Half-precision flat buffers take the form too (``u`` rounded once into the buffer, whose norm sets
+    the ratio; the update formed in float32): the float64 reference within half-precision rounding, and a
+    skipped step changes no bit; per-tensor half-precision groups keep the per-chunk passes."""
+    shapes = SHAPES["even"]
+    kw = CASES[case]
+    ws, grads = _problem(12, shapes, steps=3)
+    ref = _reference(ws, grads[:2], kw, shapes)
+    for flat in (True, False):
+        ts = [torch.tensor(w, dtype=dtype, requires_grad=True) for w in ws]
+        for t in ts:
+            t.grad = torch.zeros_like(t)
+        if flat:
+            optkit.flat_parameters(ts)
+        names = [f"l{i}.weight" if len(s) > 1 else f"l{i}.bias" for i, s in enumerate(shapes)]
+        opt = optkit.LAMB(list(zip(names, ts)), 0.05, **kw)
+        for i, gs in enumerate(grads):
+            for t, g in zip(ts, gs):
+                t.grad.copy_(torch.tensor(g))
+            if i == 2:
+                ts[1].grad.view(-1)[0] = float("nan")
+                vals = [t.detach() for t in ts] + [
+                    v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+                before = [x.clone() for x in vals]
+                opt.found_inf = torch.ones(())
+                opt.step()
+                del opt.found_inf
+                assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) if a.dtype == dtype
+                           else torch.equal(a, b) for a, b in zip(vals, before))
+                break
+            step_checking_grads(opt, ts)
+        info = _device_info(opt)
+        assert (info is not None and info.u_flat is not None) == flat
+        tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+        for t, r in zip(ts, ref):
+            np.testing.assert_allclose(t.detach().double().numpy(), r, rtol=tol, atol=tol)

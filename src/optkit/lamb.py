@@ -50,6 +50,18 @@ needs the norm of ``u`` over the whole tensor before any weight changes, so a st
    Elsewhere the direction is rebuilt in cache from the new moments: ``d = c·m/(√v + e) + s·wd·w`` with
    ``c = s·√(1−β2^t)/(1−β1^t)``, ``e = ε·√(1−β2^t)``, and the fused SGD kernel applies ``w ← w − d``.
 
+Off the CPU, float32/float64 tensors on one device take both passes in :meth:`LAMB._device_step`, in a
+number of kernel launches that does not depend on the number of tensors (about 20 per step) and with no host
+read: ``U ← wd·w``, the fused Adam kernel adds the direction into ``U`` (``U = u``), one
+``torch._foreach_norm`` gives every ``‖u‖`` and ``‖w‖``, the trust ratios and step sizes are vector
+arithmetic, and ``w ← w − s·u`` runs as one ``addcmul`` with ``s`` expanded from tensors to elements
+(:func:`optkit._multi_tensor.segment_expand`): over a flat buffer to blocks of the segment sizes' common
+divisor, broadcast over rows; per tensor into a vector kept with the plan whose views have the weights'
+shapes (one ``torch._foreach_addcmul_``). The caller's gradients are only read there (or get ``k·g``, the
+kernel's unscaling write-back), so flat buffers keep their flat path. Half precision, DTensors, gradients
+the engine protects from ``k·g`` (``global_grad_norm_clip``, multipliers) and non-contiguous tensors take
+the per-chunk passes above.
+
 A block of whole float32/float64 CPU tensors (every block but the pieces of tensors larger than a block)
 takes both passes at once, while it is in cache (:meth:`LAMB._fused_block`): pass 1 writes ``u`` into the
 block's in-cache scratch (the fused Adam kernel on the zeroed scratch chunk: ``0 + direction``, the same
@@ -357,8 +369,8 @@ class LAMB(Optimizer):
     _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
     traits = Traits(decoupled_weight_decay=False, blocks="always", prepare_reads_grads=True,
                     keeps_values_in_grads=True)
-    #: the direction kept in the gradient chunks on CPU (module doc); False runs the scratch-and-rebuild
-    #: chain of other devices on the CPU too (for tests)
+    #: the direction kept in the gradient chunks on CPU (module doc); False runs the forms of other devices
+    #: (:meth:`_device_step`, the scratch-and-rebuild chain) on the CPU too (for tests)
     _cpu_direct = True
 
     def __init__(
@@ -775,14 +787,16 @@ class LAMB(Optimizer):
 
     def _device_info(self, group: dict, plan: Any, params: list[Tensor], st: _Static,
                      dev: torch.device) -> _DeviceInfo | None:
-        """:class:`_DeviceInfo` of a plan whose tensors are all float32 or all float64 on one device with
-        torch's fused Adam kernel, not DTensors (None otherwise: the per-chunk passes); cached per plan."""
+        """:class:`_DeviceInfo` of a plan whose tensors are all of one floating dtype on one device with
+        torch's fused Adam kernel, not DTensors (None otherwise: the per-chunk passes; half precision only
+        over a flat buffer, see :meth:`_device_step`); cached per plan."""
         hit = self._device_cache.get(id(group))
         if hit is not None and hit[0] is plan and hit[1] is st:
             return hit[2]
         info = None
         dtype = params[0].dtype
-        if not plan.any_dtensor and dtype in (torch.float32, torch.float64) \
+        if not plan.any_dtensor and (dtype in (torch.float32, torch.float64)
+                                     or (dtype in _HALF and plan.flat is not None)) \
                 and all(p.dtype == dtype and p.device == dev for p in params) \
                 and _fused.native_dtype_ok("adam", dev, dtype):
             info = _DeviceInfo()
@@ -793,12 +807,13 @@ class LAMB(Optimizer):
             info.counts = torch.tensor(numels, dtype=torch.int32, device=dev)
             info.counts_b = torch.tensor([c // info.block for c in numels], dtype=torch.int32, device=dev)
             info.sel = [i for i, a in enumerate(st.adapt_of) if a >= 0]
-            info.vec = torch.empty(2 * st.n_adapt, dtype=dtype, device=dev)
+            acc = mt.acc_dtype(dtype)
+            info.vec = torch.empty(2 * st.n_adapt, dtype=acc, device=dev)
             info.vec_views = list(info.vec.unbind())
             wds = [st.wd if d else 0.0 for d in st.decayed]
             uniform = all(w == wds[0] for w in wds)
             info.wd_arg = wds[0] if uniform else wds
-            info.wd_b = None if uniform else mt.segment_expand(st.wd_vec.to(device=dev, dtype=dtype),
+            info.wd_b = None if uniform else mt.segment_expand(st.wd_vec.to(device=dev, dtype=acc),
                                                                info.counts_b, info.nb)
             info.flat = info.u_flat = info.segs = info.s_flat = info.s_views = None
             if info.total == 0:
@@ -828,12 +843,18 @@ class LAMB(Optimizer):
         Traffic, float32: 44 B/param in 1-2 (the fused kernel 28, ``wd·w`` 8, the norms 8), 12 B/param plus
         16/B for the expansion in 3 over a flat buffer (56 + 2 B/param on ResNet-50 shapes: 1.45× the 40 B
         floor); per tensor 16 more (``S`` written and read, its index). Returns False (nothing done) for plans
-        this form does not take (:meth:`_device_info`), or tensors that are not contiguous."""
+        this form does not take (:meth:`_device_info`), or tensors that are not contiguous.
+
+        Half precision (flat buffers only): the kernel forms ``u`` in float32 from the unrounded moments and
+        rounds it once into ``U``; the norms are those of the rounded ``U`` that pass 2 applies (so ``‖u‖``
+        is the norm of the applied direction), and ``w + (−s)·U`` is formed in float32 with the float32
+        ``s`` and rounded once. (Per tensor ``torch._foreach_addcmul_`` would need ``s`` in the weights'
+        half dtype, so those keep the per-chunk passes.)"""
         info = self._device_info(group, plan, params, st, dev)
         if info is None:
             return False
         flat = plan.flat if plan.flat_active else None
-        if flat is None and not (all(map(Tensor.is_contiguous, params))
+        if flat is None and not (info.vec.dtype == params[0].dtype and all(map(Tensor.is_contiguous, params))
                                  and all(map(Tensor.is_contiguous, grads))
                                  and all(t.is_contiguous() for s in ("exp_avg", "exp_avg_sq")
                                          for t in plan.slots[s])):
@@ -863,7 +884,7 @@ class LAMB(Optimizer):
                          _fused.unscale_arg(k, gs, dev, dtype), fi, zeroed=True)
         r = None
         if st.n_adapt:
-            torch._foreach_copy_(info.vec_views, mt._foreach_norm(norm_in, 2.0, dtype))
+            torch._foreach_copy_(info.vec_views, mt._foreach_norm(norm_in, 2.0, info.vec.dtype))
             r = self._trust_ratio(group, info.vec[st.n_adapt:], info.vec[:st.n_adapt])
         neg = -_step_sizes(r, lr, info.n, st.at)
         if fi is not None:
