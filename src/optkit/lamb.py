@@ -327,11 +327,11 @@ _DONE = (None, None, None, None, False, "done")
 
 class _DeviceInfo:
     """Per plan, for :meth:`LAMB._device_step` (made once; memory, not state): the segment sizes as an
-    int32 device vector (``counts``; ``counts_b``: in blocks of ``B``, their greatest common divisor, ``nb``
-    blocks),
-    the norms' output vector and its 0-d views, the weight decay as a host number or list (per tensor) or a
-    per-block vector (flat), and per form the scratch: flat, ``U`` (the direction) and its segment views with
-    the weights'; per tensor, ``S`` (the expanded step sizes) and its views shaped like the weights."""
+    int32 device vector (int64 from 2^31 elements; ``counts``; ``counts_b``: in blocks of ``B``, their
+    greatest common divisor, ``nb`` blocks), the norms' output vector and its 0-d views, the weight decay as
+    a host number or list (per tensor) or a per-block vector (flat), and per form the scratch: flat, ``U``
+    (the direction) and its segment views with the weights'; per tensor, ``S`` (the expanded step sizes) and
+    its views shaped like the weights."""
 
     __slots__ = ("n", "total", "counts", "block", "nb", "counts_b", "sel", "vec", "vec_views", "wd_arg",
                  "wd_b", "flat", "u_flat", "segs", "s_flat", "s_views")
@@ -804,8 +804,9 @@ class LAMB(Optimizer):
             info.n, info.total = len(numels), sum(numels)
             info.block = functools.reduce(math.gcd, numels, 0) or 1
             info.nb = info.total // info.block
-            info.counts = torch.tensor(numels, dtype=torch.int32, device=dev)
-            info.counts_b = torch.tensor([c // info.block for c in numels], dtype=torch.int32, device=dev)
+            index = torch.int32 if info.total < 2**31 else torch.int64  # (the expansion's index dtype)
+            info.counts = torch.tensor(numels, dtype=index, device=dev)
+            info.counts_b = torch.tensor([c // info.block for c in numels], dtype=index, device=dev)
             info.sel = [i for i, a in enumerate(st.adapt_of) if a >= 0]
             acc = mt.acc_dtype(dtype)
             info.vec = torch.empty(2 * st.n_adapt, dtype=acc, device=dev)
