@@ -354,16 +354,16 @@ class FlatPart:
 
     def expand_segments(self, values: Tensor) -> Tensor:
         """One value per parameter -> one per element of the flat buffer: ``values[i]`` repeated over
-        parameter ``i``'s elements (``torch.repeat_interleave`` with the segment sizes kept per device and
-        ``output_size`` given: no host sync, a fixed number of kernels whatever the number of parameters;
-        on CUDA it writes an int32 index and the expanded vector, about 12 bytes per element)."""
+        parameter ``i``'s elements (:func:`optkit._multi_tensor.segment_expand`, with the segment sizes kept
+        per device: no host sync, a fixed number of kernels whatever the number of parameters; on CUDA it
+        writes an int32 index and the expanded vector, about 12 bytes per element)."""
         dev = values.device
         counts = self._counts.get(dev)
         if counts is None:
             counts = torch.tensor(self.numels, dtype=torch.int32 if self.numel < 2**31 else torch.int64,
                                   device=dev)
             self._counts[dev] = counts
-        return torch.repeat_interleave(values, counts, output_size=self.numel)
+        return mt.segment_expand(values, counts, self.numel)
 
     def run_segments(self) -> list[tuple[int, int]]:
         """Each run's ``(first segment, count)``: its rows' positions among the parameters."""
