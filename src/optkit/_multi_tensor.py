@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -91,6 +92,8 @@ __all__ = [
     "blocks",
     "norms_along",
     "segment_expand",
+    "ElementFactors",
+    "stack_scalars",
 ]
 
 # ------------------------------------------------------------------------------------------------------------
@@ -657,6 +660,124 @@ def segment_expand(values: Tensor, counts: Tensor, total: int, out: Tensor | Non
     if out is None:
         return torch.repeat_interleave(values, counts, output_size=total)
     return torch.index_select(values, 0, torch.repeat_interleave(counts, output_size=total), out=out)
+
+
+def stack_scalars(values: Sequence[Tensor]) -> Tensor:
+    """0-d tensors as one vector, like ``torch.stack``: off the CPU, values of one device and dtype are
+    copied into the 0-d views of a new vector by one ``torch._foreach_copy_`` (one launch however many;
+    ``torch.stack`` takes one per 128 inputs on CUDA). The values are copied, not rounded."""
+    first = values[0]
+    if first.device.type == "cpu" or any(v.dim() != 0 or v.dtype != first.dtype or v.device != first.device
+                                         for v in values):
+        return torch.stack(list(values))
+    out = torch.empty(len(values), dtype=first.dtype, device=first.device)
+    torch._foreach_copy_(list(out.unbind()), list(values))
+    return out
+
+
+def _is_dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive storage places (non-overlapping and dense, any
+    order of strides, none negative): a view with its strides fits over a segment of a vector."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class ElementFactors:
+    """Per-tensor factors applied to separate tensors in O(1) kernel launches (off the CPU).
+
+    ``t_i ← t_i·f_i`` for tensors ``t_1 … t_n`` (one device, one float32/float64 dtype) and a vector ``f``
+    of their factors, in a fixed number of kernels whatever ``n`` and the sizes: ``f`` is expanded to the
+    elements into a vector ``S`` of ``Σ numel(t_i)`` elements (:func:`segment_expand` with ``out=S``), whose
+    views ``S_i`` have the tensors' shapes *and strides* (a channels-last tensor gets a channels-last view
+    over its segment), and one multi-tensor op takes the views as its per-tensor operand
+    (``torch._foreach_mul_(ts, [S_1, …, S_n])``): torch's one-launch route needs equal sizes and strides at
+    each position and one dtype, which a list of 0-d factors (``_foreach_mul_(ts, [f_1, …, f_n])``) does not
+    have, so CUDA runs that one tensor by tensor. Each element gets ``t·f_i`` rounded once: bit for bit the
+    product of the per-tensor multiply by the 0-d factor. LAMB's per-tensor update (``w ← w + S·u``) is the
+    same construction.
+
+    Cost per step: the expansion writes an index (4 B per element, int32; int64 from 2^31 elements) and
+    reads it, and writes ``S`` (4 B float32); the op reads ``S`` once more: about 16 B per element on top of
+    the op itself, in 2 + 1 launches. Memory: ``S`` (one factor per element, in the tensors' dtype) and the
+    segment sizes, kept by the owner per group (:meth:`cached`) while the tensors' layout stays.
+    Not for the CPU (its per-tensor forms run in cache): :meth:`cached` returns None there, and for half
+    precision (the factor stays float32 there, :func:`acc_dtype`, and a multi-tensor op needs one dtype
+    across its lists: those keep the per-tensor multiply), empty, sparse or non-dense tensors, and DTensors.
+    """
+
+    __slots__ = ("counts", "total", "vec", "views")
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        first = tensors[0]
+        numels = [t.numel() for t in tensors]
+        self.total = sum(numels)
+        index = torch.int32 if self.total < 2**31 else torch.int64
+        self.counts = torch.tensor(numels, dtype=index, device=first.device)
+        self.vec = torch.empty(self.total, dtype=first.dtype, device=first.device)
+        self.views, at = [], 0
+        for t, n in zip(tensors, numels):
+            self.views.append(self.vec.as_strided(t.shape, t.stride(), at))
+            at += n
+
+    @staticmethod
+    def applies(device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether tensors of this device and dtype take this form: float32/float64 off the CPU."""
+        return device.type != "cpu" and dtype in (torch.float32, torch.float64)
+
+    @classmethod
+    def cached(cls, cache: dict, key: Any, tensors: Sequence[Tensor]) -> ElementFactors | None:
+        """The instance for ``tensors`` kept in ``cache[(key, dtype)]`` (made there, or remade when their
+        layout changed), or None where this form does not apply (see the class doc: the CPU, half
+        precision, ...; then the caller keeps its per-tensor form)."""
+        if not tensors:
+            return None
+        first = tensors[0]
+        dev, dtype = first.device, first.dtype
+        if not cls.applies(dev, dtype):
+            return None
+        key = (key, dtype)  # (a group holding float32 and float64 tensors keeps one per dtype)
+        hit = cache.get(key)
+        if hit is not None and hit.vec.device == dev and len(hit.views) == len(tensors) \
+                and all(t.dtype == dtype and t.shape == v.shape and t.stride() == v.stride()
+                        for t, v in zip(tensors, hit.views)):
+            return hit
+        if any(map(is_dtensor, tensors)) \
+                or not all(t.layout == torch.strided and t.device == dev and t.dtype == dtype and _is_dense(t)
+                           for t in tensors) \
+                or any(t.numel() == 0 for t in tensors):
+            cache.pop(key, None)
+            return None
+        made = cls(tensors)
+        cache[key] = made
+        return made
+
+    def expand(self, factors: Tensor) -> list[Tensor]:
+        """The views of ``S`` after ``S ← factors`` expanded (``factors``: one per tensor, a vector or
+        0-d tensors; converted to the tensors' dtype, exact for a float32 factor of float64 tensors)."""
+        if not isinstance(factors, Tensor):
+            factors = stack_scalars(list(factors))
+        f = factors.to(device=self.vec.device, dtype=self.vec.dtype).reshape(-1)
+        segment_expand(f, self.counts, self.total, out=self.vec)
+        return self.views
+
+    def mul_(self, tensors: Sequence[Tensor], factors: Tensor) -> None:
+        """``t_i ← t_i·f_i`` (one expansion, one ``torch._foreach_mul_``)."""
+        torch._foreach_mul_(list(tensors), self.expand(factors))
+
+    def mul(self, tensors: Sequence[Tensor], factors: Tensor) -> list[Tensor]:
+        """New tensors ``t_i·f_i`` (one expansion, one ``torch._foreach_mul``)."""
+        return list(torch._foreach_mul(list(tensors), self.expand(factors)))
+
+    def addcmul_(self, targets: Sequence[Tensor], tensors: Sequence[Tensor], factors: Tensor) -> None:
+        """``x_i ← x_i + f_i·t_i`` (one expansion, one ``torch._foreach_addcmul_``: the product and the sum
+        rounded as by ``x_i.addcmul_(f_i, t_i)``)."""
+        torch._foreach_addcmul_(list(targets), self.expand(factors), list(tensors))
 
 
 def blocks(

@@ -323,7 +323,7 @@ class LARC(OptimizerWrapper):
                                     for m in fp.row_views(fp.grad)])
             else:  # (sizes vary: one grouped norm call over the parameters' views, one stack)
                 _, ps, gs = seen[id(group)]
-                v = torch.stack(mt.norms(list(ps) + list(gs))).to(dtype)
+                v = mt.stack_scalars(mt.norms(list(ps) + list(gs))).to(dtype)
                 w_norm, g_norm = v[:len(ps)], v[len(ps):]
             r = self._ratios_from_norms(w_norm, g_norm, self._group_lr(group, dev).to(dtype), k)
             clip = self.last_clip_on
@@ -389,7 +389,7 @@ class LARC(OptimizerWrapper):
         both = mt.norms(list(params) + list(grads))  # one batched mesh reduction for weights and gradients
         wn, gn = both[: len(params)], both[len(params):]
         if len({(n.device, n.dtype) for n in both}) == 1:  # one stack, one conversion
-            v = torch.stack(both)
+            v = mt.stack_scalars(both)
             v = v.to(dev, torch.float64 if v.dtype == torch.float64 else torch.float32)
             w_norm, g_norm = v[: len(params)], v[len(params):]
         else:

@@ -306,7 +306,7 @@ class LARS(Optimizer):
             else:
                 ns = mt.norms(sel_p + sel_g)
                 if len({(x.device, x.dtype) for x in ns}) == 1:
-                    v = torch.stack(ns).to(device=dev, dtype=dtype)
+                    v = mt.stack_scalars(ns).to(device=dev, dtype=dtype)
                 else:
                     v = torch.stack([x.to(device=dev, dtype=dtype) for x in ns])
             m = len(sel_p)
@@ -433,7 +433,8 @@ class LARS(Optimizer):
                                             alpha=float(group["weight_decay"]))
                     for j, t in zip(dec, hd):
                         h[j] = t
-                u = torch._foreach_mul(h, s_)
+                ef = mt.ElementFactors.cached(self._factor_cache, id(group), h)
+                u = ef.mul(h, s_) if ef is not None else torch._foreach_mul(h, s_)
                 _momentum_step(p, u, a, m, nesterov, fi)
             elif b15:
                 # u = s·k·g + s·wd·w (in cache), then a ← m·a + u; w ← w − a (or − u − m·a) in one fused pass
@@ -445,11 +446,15 @@ class LARS(Optimizer):
                 if k is not None:
                     torch._foreach_mul_(g, k.to(device=device, dtype=dtype))
                 _accumulate(a, g, m, fi)
+                ef = mt.ElementFactors.cached(self._factor_cache, id(group), a)
                 if nesterov:  # step = (k·g + m·a)·s
                     step = torch._foreach_add(g, a, alpha=m)
-                    torch._foreach_mul_(step, f1)
+                    if ef is not None:
+                        ef.mul_(step, f1)
+                    else:
+                        torch._foreach_mul_(step, f1)
                 else:  # step = s·a
-                    step = torch._foreach_mul(a, f1)
+                    step = ef.mul(a, f1) if ef is not None else torch._foreach_mul(a, f1)
                 _subtract(p, step, fi)
             else:
                 if k is not None:

@@ -79,8 +79,8 @@ class CheckpointMixin:
         state["_block"] = None
         state["_ema_swapped"] = False  # a copy taken inside ema_weights() holds the averages as its weights
         # caches keyed by group ids or storage addresses, which a copy does not keep
-        for key in ("_plans", "_fold_cache", "_fp64_cache", "_fit_seen", "_slots_seen", "_flat_slots",
-                    "_lr_written", "_lr_scalars"):
+        for key in ("_plans", "_fold_cache", "_factor_cache", "_fp64_cache", "_fit_seen", "_slots_seen",
+                    "_flat_slots", "_lr_written", "_lr_scalars"):
             state[key] = {}
         # parameters excluded from decay by identity travel as the tensors themselves (a copy's are new)
         ids = state.pop("_wd_exclude_ids", set())
@@ -103,6 +103,8 @@ class CheckpointMixin:
             return
         if "_state_version" not in state:  # pickled by an earlier optkit
             self._adopt_state()
+        if "_factor_cache" not in state:  # pickled by an earlier optkit
+            self._factor_cache = {}
         if "_lr_scalars" not in state:  # pickled by an earlier optkit
             self._lr_scalars = {}
             self._applied_true = torch.ones((), dtype=torch.bool, device=self._state_device)

@@ -203,21 +203,26 @@ class GradientsMixin:
         overflow.append(bad)
         return torch.maximum(found_inf, bad)
 
-    @staticmethod
-    def _scale_per_tensor(gathered: list, flat_plans: list, factors: Tensor) -> None:
+    def _scale_per_tensor(self, gathered: list, flat_plans: list, factors: Tensor) -> None:
         """Each gathered gradient times its entry of ``factors`` (one vector over them, in order). A flat
         part whose per-parameter values go as element vectors (:meth:`~optkit._core.plan.FlatPart.expands`:
-        off the CPU) takes one multiply of its flat gradient by the expanded vector (a fixed number of
-        kernels whatever the number of parameters); the other gradients one multiply per tensor (a multi-
-        tensor op with a factor per tensor, which torch runs tensor by tensor on a GPU). The products are
-        the same: each element times its tensor's factor, rounded once."""
+        off the CPU) takes one multiply of its flat gradient by the expanded vector; off the CPU a group's
+        separate float32/float64 gradients take one multi-tensor multiply by the factors expanded over
+        their elements (:class:`optkit._multi_tensor.ElementFactors`, kept per group): a fixed number of
+        kernels whatever the number of parameters. The other gradients (the CPU, half precision) take one
+        multiply per tensor by its 0-d factor. The products are the same: each element times its tensor's
+        factor, rounded once."""
         rest: tuple[list, list] = ([], [])
         at = 0
-        for (_, _, gs), fp in zip(gathered, flat_plans):
+        for group, (_, _, gs), fp in zip(self.param_groups, gathered, flat_plans):
             part = factors[at:at + len(gs)]
             at += len(gs)
             if fp is not None and fp.flat.expands() and len(gs) == len(fp.flat.numels):
                 fp.flat.grad.mul_(fp.flat.expand_segments(part))
+                continue
+            ef = mt.ElementFactors.cached(self._factor_cache, id(group), gs)
+            if ef is not None:
+                ef.mul_(gs, part)
             else:
                 rest[0].extend(gs)
                 rest[1].extend(part.unbind())
@@ -255,7 +260,7 @@ class GradientsMixin:
             if len({(x.device, x.dtype) for x in ns}) > 1:
                 n_all = torch.stack([x.to(device=dev, dtype=torch.float64) for x in ns])
             else:
-                n_all = torch.stack(ns).to(device=dev)
+                n_all = mt.stack_scalars(ns).to(device=dev)  # (off the CPU: one launch)
             c = self.clipnorm
             if inv is not None and found_inf is not None:
                 found_inf = self._refuse_overflowed_norm(found_inf, n_all, inv, overflow)

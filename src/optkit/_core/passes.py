@@ -209,6 +209,24 @@ class PassesMixin:
                 guard, inv, flat_ok = False, None, False
             mt.scale_([grads[j] for j, _ in sel], [m for _, m in sel])
             mult = None
+        if mult is not None and not tracing and not self._jit_active():
+            # off the CPU: the multipliers in one multi-tensor multiply by their element vector (O(1) kernels;
+            # torch's multi-tensor route takes no list of 0-d factors), into copies when the caller's
+            # gradients are to be left (which get 1/S now)
+            ef = mt.ElementFactors.cached(self._factor_cache, id(group), grads)
+            if ef is not None:
+                one = None
+                if any(m is None for m in mult):
+                    one = torch.ones((), dtype=torch.float32, device=grads[0].device)
+                factors = [one if m is None else m for m in mult]
+                if guard:
+                    callers, grads = grads, ef.mul(grads, factors)
+                    if inv is not None:
+                        mt.scale_(callers, inv)
+                    guard, inv = False, None
+                else:
+                    ef.mul_(grads, factors)
+                mult, flat_ok = None, False
         shadow_rows = None  # the flat shadow's row chunks (a keeps_values_in_grads rule over the row runs)
         if guard and self.traits.keeps_values_in_grads and not tracing and not self._jit_active():
             # a rule that keeps values in its gradients from one pass to the next (LAMB's u) runs on a buffer
