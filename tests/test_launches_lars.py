@@ -106,28 +106,25 @@ def test_flat_lars_under_a_loss_scale_is_o1_launches():
 
 @pytest.mark.parametrize("variant,nesterov", [("tf1.15", False), ("tf1.15", True), ("tf1.14", False),
                                               ("tf1.14", True)])
-def test_separate_tensors_take_one_launch_per_tensor(variant, nesterov):
-    """Without flat buffers the per-tensor factors cost one multi-tensor call that goes tensor by tensor
-    (``_foreach_mul_`` by ``s·k``, or one ``mul`` per tensor), no more; everything else is O(1) (the
-    stack of the norms aside: one launch per 128 norms)."""
-    for set_name in SETS[:2]:
-        n = _n(set_name)
+def test_separate_tensors_are_o1_launches(variant, nesterov):
+    """Without flat buffers the per-tensor factors go over the elements as one vector kept with the group
+    (:class:`optkit._multi_tensor.ElementFactors`) and the norms into a vector by one copy: the same small
+    number of launches on 161 ResNet-50 tensors as on 10,000 and 20,000 (no multiply per tensor)."""
+    counts = []
+    for set_name in SETS:
         c = count(_lars(variant=variant, nesterov=nesterov)(_params(set_name)))
         assert c.syncs == 0
-        per_tensor = sum(c.by_op[op] for op in ("_foreach_mul_", "_foreach_mul", "mul", "_foreach_addcmul_"))
-        assert n <= per_tensor <= n + 8, dict(c.by_op)
-        stacks = -(-2 * n // 128)
-        assert c.launches <= per_tensor + stacks + 24, dict(c.by_op)
+        counts.append(c.launches)
+    assert counts[0] == counts[1] == counts[2] <= FLAT_BOUND, counts
 
 
-def test_separate_tensors_larc_one_launch_per_tensor():
-    """LARC(SGD) over separate tensors: the ratios go into torch's fused SGD kernel as per-tensor
-    ``grad_scale`` (large tensors: one launch per tensor, which does the update too) or into one
-    multi-tensor multiply that goes tensor by tensor (small ones); everything else is O(1) but the stacks."""
-    for set_name in SETS[:2]:
-        n = _n(set_name)
+def test_separate_tensors_larc_is_o1_launches():
+    """LARC(SGD) over separate tensors: the ratios reach the inner SGD as multipliers, which its pass applies
+    in one multi-tensor multiply by their element vector (into copies of the gradients), then one fused SGD
+    kernel for all tensors."""
+    counts = []
+    for set_name in SETS:
         c = count(_larc()(_params(set_name)))
         assert c.syncs == 0
-        per_tensor = c.by_op["_fused_sgd_"] + c.by_op["_foreach_mul_"]
-        assert n <= per_tensor <= n + 1, dict(c.by_op)
-        assert c.launches - per_tensor <= c.by_op["stack"] + 24, dict(c.by_op)
+        counts.append(c.launches)
+    assert counts[0] == counts[1] == counts[2] <= FLAT_BOUND, counts
