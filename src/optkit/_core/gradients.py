@@ -204,7 +204,8 @@ class GradientsMixin:
         return torch.maximum(found_inf, bad)
 
     def _scale_per_tensor(self, gathered: list, flat_plans: list, factors: Tensor) -> None:
-        """Each gathered gradient times its entry of ``factors`` (one vector over them, in order). A flat
+        """Each gathered gradient times its entry of ``factors`` (one vector over them, in order, or a list
+        of 0-d tensors). A flat
         part whose per-parameter values go as element vectors (:meth:`~optkit._core.plan.FlatPart.expands`:
         off the CPU) takes one multiply of its flat gradient by the expanded vector; off the CPU a group's
         separate float32/float64 gradients take one multi-tensor multiply by the factors expanded over
@@ -218,14 +219,15 @@ class GradientsMixin:
             part = factors[at:at + len(gs)]
             at += len(gs)
             if fp is not None and fp.flat.expands() and len(gs) == len(fp.flat.numels):
-                fp.flat.grad.mul_(fp.flat.expand_segments(part))
+                fp.flat.grad.mul_(fp.flat.expand_segments(part if isinstance(part, Tensor)
+                                                          else mt.stack_scalars(part)))
                 continue
             ef = mt.ElementFactors.cached(self._factor_cache, id(group), gs)
             if ef is not None:
                 ef.mul_(gs, part)
             else:
                 rest[0].extend(gs)
-                rest[1].extend(part.unbind())
+                rest[1].extend(part.unbind() if isinstance(part, Tensor) else part)
         mt.scale_(rest[0], rest[1])
 
     def _unscale_and_clip(self, gathered: list, flat_plans: list, grad_scale: Tensor | None,
@@ -269,7 +271,7 @@ class GradientsMixin:
                 c64 = mt.clip_factor(n_all.to(torch.float64), c, inv=inv64).unbind()
                 coefs = [b if x.dtype == torch.float64 else a
                          for a, b, x in zip(coef_vec.unbind(), c64, ns)]
-                mt.scale_(dense_grads, coefs)
+                self._scale_per_tensor(gathered, flat_plans, coefs)
             else:
                 self._scale_per_tensor(gathered, flat_plans, coef_vec)
             k = k64 = None
