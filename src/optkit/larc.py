@@ -27,9 +27,11 @@ vector (no host sync, no per-parameter Python arithmetic). With an optkit inner 
 in the same loop (:func:`optkit._core.chain.norm_sums`, as LARS's ``jit_compile``; the eager norms if it fails
 to compile). optkit inner optimizers receive the ratios as ``grad_multipliers`` and fold them into their own
 pass (optkit ``SGD`` into its fused kernel's ``grad_scale``, one call per tensor; others as an in-cache
-multiply per block); other optimizers get the gradients scaled in place. Over flat buffers
-(:func:`optkit.flat_parameters`, an optkit inner optimizer whose groups all run over their flat part) the
-norms are row norms of the buffer's runs of equal-sized parameters and the ratios go in as one vector per
+multiply per block; off the CPU, float32/float64 tensors as one multi-tensor multiply by the ratios expanded
+to the elements, :class:`optkit._multi_tensor.ElementFactors`, into copies of the gradients unless they are
+scratch: a fixed number of kernels per step); other optimizers get the gradients scaled in place. Over flat
+buffers (:func:`optkit.flat_parameters`, an optkit inner optimizer whose groups all run over their flat part)
+the norms are row norms of the buffer's runs of equal-sized parameters and the ratios go in as one vector per
 group (:class:`optkit._core.plan.RowMultipliers`): O(#runs) kernels per step, not O(#params). Off the CPU
 (CUDA) the norms of a flat part whose sizes vary come from one grouped norm call, and the inner optimizer
 multiplies the flat gradient by the ratios expanded to the elements

@@ -37,8 +37,11 @@ parameters' sizes), so a step is a fixed number of kernels whatever the number a
 the norms (one grouped norm call and one stack, or one row norm per run of equal sizes), the trust ratios as
 vector arithmetic, one expansion of ``s``, ``u = (k·g + wd·w)·S`` in two elementwise kernels into a new buffer
 (a second expansion, of ``s·wd``, when some parameters skip the decay) and the fused momentum kernel. Over
-separate tensors the decay is one multi-tensor call and the factor ``s`` one multiply per tensor (no
-multi-tensor op takes a device vector of per-tensor factors): use flat parameters on the GPU. Either way the
+separate tensors the decay is one multi-tensor call and the factor ``s`` one multi-tensor multiply by ``s``
+expanded into an element vector kept with the group, whose views have the tensors' shapes and strides
+(:class:`optkit._multi_tensor.ElementFactors`: torch's multi-tensor route takes no list of 0-d factors in one
+launch; about 16 B per element more than over a flat buffer). Half-precision tensors keep one multiply per
+tensor there (their factor stays float32). Either way the
 gradients only take ``k·g`` (what the fused kernels' ``grad_scale`` leaves), so no copies of them are made.
 """
 
@@ -415,7 +418,7 @@ class LARS(Optimizer):
             elif b15 and not _cpu_forms(device):
                 # off the CPU (one block of whole tensors; the gradients only take k·g): u = s·(k·g + wd·w),
                 # the decay in one multi-tensor call over the decayed tensors into new buffers, then one
-                # per-tensor multiply by s (no multi-tensor op takes a device vector of per-tensor factors),
+                # multiply by s expanded to the elements (mt.ElementFactors; per tensor for half precision),
                 # then the fused momentum pass
                 s_ = f1
                 if k is not None:
