@@ -135,18 +135,15 @@ def test_clipnorm_element_factors_match_the_cpu_path(monkeypatch, dtype, scale, 
     _same(*out)
 
 
-def test_views_keep_the_tensors_strides():
+def test_views_keep_the_tensors_strides(monkeypatch):
     """The views of the element vector have each tensor's strides (channels-last stays channels-last), so
     torch's multi-tensor fast route (equal sizes and strides at each position) holds."""
     ts = [torch.zeros(2, 3, 4, 5).contiguous(memory_format=torch.channels_last), torch.zeros(7),
           torch.zeros(3, 4).t()]
     cache: dict = {}
-    mt.ElementFactors.applies = staticmethod(lambda device, dtype: True)
-    try:
-        ef = mt.ElementFactors.cached(cache, 0, ts)
-        assert ef is not None and mt.ElementFactors.cached(cache, 0, ts) is ef
-        views = ef.expand(torch.tensor([2.0, 3.0, 5.0]))
-    finally:
-        del mt.ElementFactors.applies
+    monkeypatch.setattr(mt.ElementFactors, "applies", staticmethod(lambda device, dtype: True))
+    ef = mt.ElementFactors.cached(cache, 0, ts)
+    assert ef is not None and mt.ElementFactors.cached(cache, 0, ts) is ef
+    views = ef.expand(torch.tensor([2.0, 3.0, 5.0]))
     assert [v.stride() for v in views] == [t.stride() for t in ts]
     assert [float(v.unique()) for v in views] == [2.0, 3.0, 5.0]
