@@ -326,15 +326,15 @@ _DONE = (None, None, None, None, False, "done")
 
 
 class _DeviceInfo:
-    """Per plan, for :meth:`LAMB._device_step` (made once; memory, not state): the segment sizes as an
-    int32 device vector (int64 from 2^31 elements; ``counts``; ``counts_b``: in blocks of ``B``, their
-    greatest common divisor, ``nb`` blocks), the norms' output vector and its 0-d views, the weight decay as
+    """Per plan, for :meth:`LAMB._device_step` (made once; memory, not state): the segment sizes in blocks of
+    ``B``, their greatest common divisor, as an int32 device vector (int64 from 2^31 elements; ``counts_b``,
+    ``nb`` blocks), the norms' output vector and its 0-d views, the weight decay as
     a host number or list (per tensor) or a per-block vector (flat), and per form the scratch: flat, ``U``
-    (the direction) and its segment views with the weights'; per tensor, ``S`` (the expanded step sizes) and
-    its views shaped like the weights."""
+    (the direction) and its segment views with the weights' (per tensor, the expanded step sizes are a
+    :class:`optkit._multi_tensor.ElementFactors` kept per group)."""
 
-    __slots__ = ("n", "total", "counts", "block", "nb", "counts_b", "sel", "vec", "vec_views", "wd_arg",
-                 "wd_b", "flat", "u_flat", "segs", "s_flat", "s_views")
+    __slots__ = ("n", "total", "block", "nb", "counts_b", "sel", "vec", "vec_views", "wd_arg",
+                 "wd_b", "flat", "u_flat", "segs")
 
 
 class LAMB(Optimizer):
@@ -805,7 +805,6 @@ class LAMB(Optimizer):
             info.block = functools.reduce(math.gcd, numels, 0) or 1
             info.nb = info.total // info.block
             index = torch.int32 if info.total < 2**31 else torch.int64  # (the expansion's index dtype)
-            info.counts = torch.tensor(numels, dtype=index, device=dev)
             info.counts_b = torch.tensor([c // info.block for c in numels], dtype=index, device=dev)
             info.sel = [i for i, a in enumerate(st.adapt_of) if a >= 0]
             acc = mt.acc_dtype(dtype)
@@ -816,7 +815,7 @@ class LAMB(Optimizer):
             info.wd_arg = wds[0] if uniform else wds
             info.wd_b = None if uniform else mt.segment_expand(st.wd_vec.to(device=dev, dtype=acc),
                                                                info.counts_b, info.nb)
-            info.flat = info.u_flat = info.segs = info.s_flat = info.s_views = None
+            info.flat = info.u_flat = info.segs = None
             if info.total == 0:
                 info = None
         self._device_cache[id(group)] = (plan, st, info)
@@ -855,11 +854,15 @@ class LAMB(Optimizer):
         if info is None:
             return False
         flat = plan.flat if plan.flat_active else None
-        if flat is None and not (info.vec.dtype == params[0].dtype and all(map(Tensor.is_contiguous, params))
-                                 and all(map(Tensor.is_contiguous, grads))
-                                 and all(t.is_contiguous() for s in ("exp_avg", "exp_avg_sq")
-                                         for t in plan.slots[s])):
-            return False
+        ef = None
+        if flat is None:
+            if not (info.vec.dtype == params[0].dtype and all(map(Tensor.is_contiguous, params))
+                    and all(map(Tensor.is_contiguous, grads))
+                    and all(t.is_contiguous() for s in ("exp_avg", "exp_avg_sq") for t in plan.slots[s])):
+                return False
+            ef = mt.ElementFactors.cached(self._factor_cache, id(group), params)
+            if ef is None:
+                return False
         beta1, beta2, eps, t, k, skip = hyper
         fi = None if skip is None else skip.to(dev)
         nb, b = info.nb, info.block
@@ -894,14 +897,7 @@ class LAMB(Optimizer):
             factor = mt.segment_expand(neg, info.counts_b, nb).unsqueeze(1)
             w.view(nb, b).addcmul_(factor, info.u_flat.view(nb, b))
             return True
-        if info.s_flat is None:
-            info.s_flat = torch.empty(info.total, dtype=dtype, device=dev)
-            info.s_views, offset = [], 0
-            for p in params:
-                info.s_views.append(info.s_flat[offset:offset + p.numel()].view(p.shape))
-                offset += p.numel()
-        mt.segment_expand(neg, info.counts, info.total, out=info.s_flat)
-        torch._foreach_addcmul_(list(ws), info.s_views, u_l)
+        ef.addcmul_(ws, u_l, neg)  # (the expanded −s: mt.ElementFactors)
         return True
 
     # ------------------------------------------------------------------------------ flat buffers: row runs
