@@ -461,6 +461,10 @@ def global_norm_and_found_inf(
     dtype, _ = _common_result(l2)
     sq = _stack(l2, torch.float64)
     flag = _local_non_finite(_values_list(ts)) if _all_plain(ts) else None  # plain: no mesh sums below
+    if flag is not None and group is None:
+        # nothing to reduce: the same fp64 sum of squares as below, and the 0/1 flag is its own
+        # isnan(Σ z) (a few one-element kernels fewer: they are the cost on a GPU)
+        return (sq * sq).sum().sqrt().to(dtype), flag
     if flag is None:
         z = _stack(_local_norms(ts, math.inf), torch.float64) * 0.0
     else:  # NaN in one entry when some element is non-finite, as the per-tensor 0·max|t| would give

@@ -384,6 +384,7 @@ class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
         if isinstance(self._lr_now, Tensor):  # a tensor's value is checked once, here (no reads per step)
             check_lr_value("`learning_rate_decay_fn`", float(self._lr_now.detach().reshape(())), 0)
         self._lr_t = self._lr_tensor(self._lr_now, device)
+        self._lr_t_version = self._lr_t._version  # (a write into it since: made anew, see _same_lr_tensor)
         #: the schedule's error for the next update (it is evaluated right after an update; the call that
         #: would make that update raises it, before anything changes)
         self._lr_error: Exception | None = None
@@ -425,6 +426,29 @@ class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
             return lr.detach().to(device=device, dtype=torch.float32).reshape(())
         return mt.scalar(lr, torch.float32, device)
 
+    def _same_lr_tensor(self, lr: Any) -> Tensor | None:
+        """The current learning-rate tensor when ``lr`` is the same host number it holds and nothing wrote
+        into it since it was made (its version counter): a constant learning rate costs no fill kernel per
+        update. None otherwise."""
+        prev, t = self._lr_now, self._lr_t
+        if isinstance(lr, Tensor) or isinstance(prev, Tensor) or not isinstance(lr, numbers.Real) \
+                or not isinstance(prev, numbers.Real) or float(lr) != float(prev) \
+                or math.copysign(1.0, lr) != math.copysign(1.0, prev) \
+                or t._version != getattr(self, "_lr_t_version", None) or t.device != self._step.device:
+            return None
+        return t
+
+    def _clip_tensor(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``clip_gradients`` as a 0-d tensor of ``dtype`` on ``device`` (what :func:`~optkit.clipping.
+        clip_coefficient` makes of the number), made once; not kept when made inside a CUDA graph capture."""
+        cache = self.__dict__.setdefault("_clip_t", {})
+        t = cache.get((dtype, device))
+        if t is None:
+            t = mt.scalar(self.clip_gradients, dtype, device)
+            if not mt.capturing(device) and not torch.compiler.is_compiling():
+                cache[(dtype, device)] = t
+        return t
+
     def _host_step_exact(self) -> bool:
         """Whether the host's count still equals ``global_step`` as far as the host can tell without reading
         the device: no update could have been skipped, and the count tensor's version counter shows no write
@@ -442,7 +466,10 @@ class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
 
     def _refresh_lr(self) -> None:
         lr_now = self._lr_at_step()
-        lr_t = self._lr_tensor(lr_now, self._step.device)
+        lr_t = self._same_lr_tensor(lr_now)
+        if lr_t is None:
+            lr_t = self._lr_tensor(lr_now, self._step.device)
+            self._lr_t_version = lr_t._version
         # (only now is a write into global_step taken into account: a schedule that raised is asked again)
         self._lr_now, self._lr_t, self._step_seen = lr_now, lr_t, self._step._version
         if not self._optkit:
@@ -624,9 +651,14 @@ class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
         # (6) the raw gradients are divided by grad_scale = denom / coef (mean, unscale, clip in one factor)
         coef = None
         if self.clip_gradients is not None:
-            coef = clip_coefficient(norm, self.clip_gradients, nan_on_nonfinite=False)
-        grad_scale = denom if coef is None else (1.0 / coef if denom is None else denom / coef)
-        factor = None if grad_scale is None else torch.reciprocal(grad_scale)
+            clip_t = self._clip_tensor(torch.float64 if norm.dtype == torch.float64 else torch.float32,
+                                       norm.device)
+            coef = clip_coefficient(norm, clip_t, nan_on_nonfinite=False)
+        # (reciprocal(coef) is 1.0 / coef: torch's 1 / t is reciprocal(t)·1, exact)
+        grad_scale = denom if coef is None else (torch.reciprocal(coef) if denom is None else denom / coef)
+        # (1/grad_scale: only the summaries and LogMax's max|g| read it)
+        factor = None if grad_scale is None or not (due or (self._checks and self.scaler.needs_amax)) \
+            else torch.reciprocal(grad_scale)
 
         # (7) summaries of the gradients the update will use (LARC's after the step, from its own record)
         step_now = None
@@ -634,7 +666,8 @@ class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
             step_now = int(self._step)
             self._write_summaries(step_now, idx, qs, grads, lr_t, norm, factor, coef, scale)
 
-        # (8) non-finite check: whether the scaler lets this update apply
+        # (8) non-finite check: whether the scaler lets this update apply (the skip flag the step takes;
+        # ``applied`` is the scaler's update's own answer, below: what would_apply gives, with no kernel)
         found = None
         applied = self._true
         if self._checks:
@@ -648,24 +681,22 @@ class TrainOp(TrainOpBuild, TrainOpWindow, TrainOpCheckpoint):
             if self.clip_gradients is not None and not isinstance(self.scaler, FixedLossScale):
                 too_large = ~torch.isfinite(raw) & (scale.to(raw.device) > 1)
                 overflow = torch.maximum(overflow, too_large.to(overflow.dtype))
-            applied = self.scaler.would_apply(overflow, amax)
-            found = (~applied).to(torch.float32)
+            found = self.scaler.skip_flag(overflow, amax)
 
         # (9) LARC (inside the wrapper stack), the update, p16 ← saturate(master) ("mixed"); then the scaler,
         # so an update that raises leaves the scale as it was
         refused = self._step_optimizer(grads, grad_scale, found, seen)
         if refused is not None:  # the optimizer's own clip norm overflowed: an overflow, the scale backs off
             overflow = torch.maximum(overflow, refused.to(overflow.dtype))
-            applied = applied & (refused < 0.5).to(applied.device)
-        if self._checks:
-            self.scaler.update(overflow, amax)
+        if self._checks:  # should_apply: not an overflow (nor a refused step)
+            applied = self.scaler.update(overflow, amax)
 
         if self._host_step_exact():
             self._step.add_(1)
             self._host_step += 1
             self._step_seen = self._step._version
         else:
-            self._step.add_(applied.to(torch.int64))
+            self._step.add_(applied)  # (int64 plus bool: no cast kernel)
             self._step_seen = self._step._version
         self._clear_grads()
         try:
