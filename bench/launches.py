@@ -73,14 +73,17 @@ def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(s == 1 or x == y for s, x, y in zip(a.shape, a.stride(), b.stride()))
 
 
-def foreach_fast_route(lists: list[list[torch.Tensor]], scalars: list[torch.Tensor]) -> bool:
+def foreach_fast_route(lists: list[list[torch.Tensor]], scalars: list[torch.Tensor],
+                       cross_dtype: bool = False) -> bool:
     """Whether torch's multi-tensor kernels take their one-launch route for these arguments (the model
-    above)."""
+    above). ``cross_dtype``: the lists may differ in dtype (``_foreach_copy_``, which casts: torch's
+    ``foreach_tensor_copy_list_kernel_cuda_`` asks one dtype within each list only)."""
     first = lists[0][0]
     for ts in lists:
         if any(t.device != first.device or not _dense(t) or t.dtype != ts[0].dtype for t in ts):
             return False
-        if ts[0].dtype != first.dtype and ts[0].dtype not in (torch.float32, torch.float64):
+        if ts[0].dtype != first.dtype and ts[0].dtype not in (torch.float32, torch.float64) \
+                and not cross_dtype:
             return False  # (state steps and the like ride along as float; other cross-list dtypes do not)
     for ts in lists[1:]:
         if len(ts) == len(lists[0]) and any(
@@ -133,7 +136,8 @@ class LaunchCounter(TorchDispatchMode):
         elif name.startswith("_foreach_"):
             lists, scalars = _tensor_lists(args, kwargs)
             n = len(lists[0]) if lists else 0
-            self._count(name, 1 if n and foreach_fast_route(lists, scalars) else n)
+            fast = n and foreach_fast_route(lists, scalars, cross_dtype=name == "_foreach_copy_")
+            self._count(name, 1 if fast else n)
         elif name in ("cat", "stack"):
             self._count(name, -(-len(args[0]) // _CAT_BATCH))
         else:
