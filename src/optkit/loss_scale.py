@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 import sys
 import warnings
 from abc import ABC, abstractmethod
@@ -89,7 +90,7 @@ _F32 = torch.float32
 _F64 = torch.float64
 # attributes that are run-time bookkeeping, not hyperparameters (see LossScale._adopt_hyperparameters)
 _RUNTIME_ATTRS = frozenset({"_state", "last_amax", "_updates", "_floor_seen", "floor_check_interval",
-                            "_amp_domain"})
+                            "_amp_domain", "_tracker"})
 # what LossScale.load_state_dict accepts: integer dtypes of a counter, ranges of the floating state entries
 _INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 _STATE_BOUNDS: dict[str, dict[str, Any]] = {
@@ -655,11 +656,65 @@ class BackoffScaler(LossScale):
             "last_overflow_iteration": torch.full((), -1, dtype=_INT),
             "floor_overflows": torch.zeros((), dtype=_INT),
         }
+        #: torch's AMP growth tracker (int32): ``(iteration − last_overflow_iteration − 1) mod step_window``,
+        #: the clean attempts since the last overflow or growth; derived from the state (not in
+        #: ``state_dict``) when None: at the first AMP update, after a load, a move or a generic update
+        self._tracker: Tensor | None = None
+        self._amp_domain = self._amp_key()  # (the scale starts at scale_max)
 
     @property
     def iteration(self) -> Tensor:
         """Update attempts so far (0-d int64)."""
         return self._state["iteration"].clone()
+
+    def _amp_key(self) -> tuple | None:
+        """The hyperparameters under which torch's AMP scale update (:meth:`update`) is this rule exactly, or
+        None: a power-of-two ``step_factor`` (``S·f`` and ``S·(1/f)`` exact in float32 and in the kernel's
+        double arithmetic), a ``step_window`` below 2^31 (the kernel's counter is 32-bit) and a finite
+        ``scale_max·f`` (the kernel keeps ``S`` where ``S·f`` is infinite; the clamp would give
+        ``scale_max``). Kept in ``_amp_domain`` while the scale is in ``[scale_min, scale_max]`` (true at
+        construction and kept by every update; checked again by :meth:`load_state_dict`)."""
+        f = self.step_factor
+        # (scale_max in float32, read on the host: struct rounds as the state's tensor does; ·f is exact)
+        if math.frexp(f)[0] != 0.5 or self.step_window >= 2**31 - 1 \
+                or struct.unpack("f", struct.pack("f", self.scale_max))[0] * f > _FP32_MAX:
+            return None
+        return (self.step_window, f, self.scale_min, self.scale_max)
+
+    def _loaded(self, values: Mapping[str, Tensor]) -> None:
+        self._tracker = None
+        inside = self.scale_min <= float(values["scale"]) <= self.scale_max
+        self._amp_domain = self._amp_key() if inside else None
+
+    def to(self, device: torch.device | str) -> BackoffScaler:
+        super().to(device)
+        self._tracker = None
+        return self
+
+    def update(self, found_inf: Tensor, amax: Tensor | None = None) -> Tensor:
+        """As :meth:`LossScale.update`; under the hyperparameters and in the state domain of
+        :meth:`_amp_key`, the scale's transition is torch's ``_amp_update_scale_`` (overflow ``S ← S·(1/f)``,
+        tracker 0; clean: tracker + 1, and at ``step_window`` ``S ← S·f``, tracker 0) and one
+        ``clamp_(scale_min, scale_max)``: the rule of :meth:`_transition` exactly (growth is due when
+        ``(iteration − last_overflow_iteration) mod step_window = 0``, i.e. on the ``step_window``-th clean
+        attempt since the last overflow or growth), in fewer one-element kernels."""
+        if amax is None and self._amp_domain is not None and self._amp_domain == self._amp_key():
+            found = self._as_state_tensor("found_inf", found_inf).to(_F32)
+            self.last_amax = None
+            st = self._state
+            scale, it, last = st["scale"], st["iteration"], st["last_overflow_iteration"]
+            if self._tracker is None:  # (torch.remainder: non-negative, as Python's %)
+                self._tracker = torch.remainder(it - last - 1, self.step_window).to(torch.int32)
+            overflow = found != 0
+            floor_hit = overflow & (scale <= self.scale_min)
+            torch._amp_update_scale_(scale, self._tracker, found, self.step_factor, 1.0 / self.step_factor,
+                                     self.step_window)
+            scale.clamp_(self.scale_min, self.scale_max)
+            last.copy_(torch.where(overflow, it, last))
+            it.add_(1)
+            self._count_floor(floor_hit)
+            return ~overflow
+        return super().update(found_inf, amax)
 
     def _transition(self, overflow: Tensor, amax: Tensor | None) -> tuple[Tensor, Tensor]:
         st = self._state
@@ -673,6 +728,7 @@ class BackoffScaler(LossScale):
         scale.copy_(new_scale)
         last.copy_(new_last)
         it.add_(1)
+        self._tracker = None  # (the AMP form's tracker is derived again when next needed)
         return ~overflow, floor_hit
 
     def get_config(self) -> dict[str, Any]:
