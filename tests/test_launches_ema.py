@@ -1,6 +1,6 @@
 """Kernel launches per step of the EMA on the CUDA path (counted on the CPU over ``meta`` tensors, which take
 optkit's CUDA branches; see ``bench/launches.py``): O(1) per (device, dtype) group, the same on 161
-ResNet-50 tensors as on 10,000, with and without flat buffers, and no host read.
+ResNet-50 tensors as on 1,000, with and without flat buffers, and no host read.
 
 The host's weight (no skip flag this step) is one Scalar ``_foreach_lerp_``; under a device skip flag
 (a LossScaleOptimizer) the device weight goes as views of one filled buffer: one fill and one lerp, plus the
@@ -13,7 +13,7 @@ from bench.launches import count, make_params
 
 import optkit
 
-SETS = ("resnet50", "tiny_10k")
+SETS = ("resnet50", "tiny_1k")
 
 
 def _sgd_wd_ema(warmup):
@@ -51,7 +51,7 @@ def test_sgd_wd_ema_launches_do_not_grow_with_the_tensors(flat, warmup):
 @pytest.mark.parametrize("flat", [False, True])
 def test_ema_under_a_device_skip_flag_launches_do_not_grow_with_the_tensors(flat):
     """Under a LossScaleOptimizer (the weight is a device value): what the EMA adds to a step is the same
-    few launches on 161 tensors as on 10,000 (one lerp), and no host read."""
+    few launches on 161 tensors as on 1,000 (one lerp), and no host read."""
     added = []
     for s in SETS:
         with_ema, without = (count(_lso(e)(make_params(s, flat=flat))) for e in (True, False))

@@ -16,11 +16,11 @@ import optkit
 #: a small bound for a flat step: the norms, the trust-ratio vector arithmetic, the expansion, two
 #: elementwise passes and the fused kernel
 FLAT_BOUND = 32
-SETS = ("resnet50", "tiny_10k", "tiny_20k")
+SETS = ("resnet50", "tiny_1k", "tiny_2k")
 
 
 def _params(set_name: str, flat: bool = False) -> list:
-    """``bench.launches.make_params``'s ResNet-50 shapes, or 10,000 (20,000) tensors of 256 elements that
+    """``bench.launches.make_params``'s ResNet-50 shapes, or 1,000 (2,000) tensors of 256 elements that
     alternate between ``(16, 16)`` and ``(256,)`` (so that ``exclude_1d`` and the skip lists leave half of
     them to the trust ratio)."""
     if set_name == "resnet50":
@@ -81,7 +81,7 @@ def _flat_counts(build, named=False) -> list[int]:
 @pytest.mark.parametrize("case", list(FLAT_CASES))
 def test_flat_step_is_o1_launches(case):
     """The same small number of launches on 161 ResNet-50 tensors (sizes vary: one grouped norm call and
-    one stack) as on 10,000 and 20,000 equal sizes (row norms); the counts of the two norm routes differ by
+    one stack) as on 1,000 and 2,000 equal sizes (row norms); the counts of the two norm routes differ by
     at most a few vector operations on the norms."""
     counts = _flat_counts(*FLAT_CASES[case])
     assert counts[1] == counts[2], counts  # independent of the number of tensors
@@ -109,7 +109,7 @@ def test_flat_lars_under_a_loss_scale_is_o1_launches():
 def test_separate_tensors_are_o1_launches(variant, nesterov):
     """Without flat buffers the per-tensor factors go over the elements as one vector kept with the group
     (:class:`optkit._multi_tensor.ElementFactors`) and the norms into a vector by one copy: the same small
-    number of launches on 161 ResNet-50 tensors as on 10,000 and 20,000 (no multiply per tensor)."""
+    number of launches on 161 ResNet-50 tensors as on 1,000 and 2,000 (no multiply per tensor)."""
     counts = []
     for set_name in SETS:
         c = count(_lars(variant=variant, nesterov=nesterov)(_params(set_name)))

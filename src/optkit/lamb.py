@@ -872,7 +872,8 @@ class LAMB(Optimizer):
             if info.u_flat is None:
                 info.u_flat = torch.empty_like(w)
                 n = [p.numel() for p in params]
-                info.segs = ([info.u_flat.split(n)[i] for i in info.sel], [w.split(n)[i] for i in info.sel])
+                u_segs, w_segs = info.u_flat.split(n), w.split(n)
+                info.segs = ([u_segs[i] for i in info.sel], [w_segs[i] for i in info.sel])
             u_l = [info.u_flat]
             if info.wd_b is None:
                 torch.mul(w, info.wd_arg, out=info.u_flat)
