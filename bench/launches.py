@@ -34,6 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from optkit._tensors import is_dense
+
 #: ops that allocate or alias without a kernel
 _NO_KERNEL = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "set_",
@@ -56,17 +58,8 @@ def _tensor_lists(args: tuple, kwargs: dict) -> tuple[list[list[torch.Tensor]], 
 
 
 def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: the strides, sorted, are those of a contiguous tensor."""
-    if t.layout != torch.strided:
-        return False
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    """Non-overlapping and dense, strided (torch's ``is_non_overlapping_and_dense``)."""
+    return t.layout == torch.strided and is_dense(t)
 
 
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -310,8 +303,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {n:6d}  {name}")
         return
     print(table())
-
-
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from ._tensors import (  # noqa: F401 (capturing, with_grads: mt's API)
     acc_dtype,
     capturing,
     group_by_device_dtype,
+    is_dense,
     is_dtensor,
     local,
     present,
@@ -679,19 +680,6 @@ def stack_scalars(values: Sequence[Tensor]) -> Tensor:
     return out
 
 
-def _is_dense(t: Tensor) -> bool:
-    """Whether ``t``'s elements fill ``numel`` consecutive storage places (non-overlapping and dense, any
-    order of strides, none negative): a view with its strides fits over a segment of a vector."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 class ElementFactors:
     """Per-tensor factors applied to separate tensors in O(1) kernel launches (off the CPU).
 
@@ -752,7 +740,7 @@ class ElementFactors:
                         for t, v in zip(tensors, hit.views)):
             return hit
         if any(map(is_dtensor, tensors)) \
-                or not all(t.layout == torch.strided and t.device == dev and t.dtype == dtype and _is_dense(t)
+                or not all(t.layout == torch.strided and t.device == dev and t.dtype == dtype and is_dense(t)
                            for t in tensors) \
                 or any(t.numel() == 0 for t in tensors):
             cache.pop(key, None)

@@ -157,3 +157,17 @@ def _unstack(vec: Tensor, dtypes: list[torch.dtype]) -> list[Tensor]:
     if all(d == dtypes[0] for d in dtypes):
         return list(vec.to(dtypes[0]).unbind(0))
     return [v.to(d) for v, d in zip(vec.unbind(0), dtypes)]
+
+
+def is_dense(t: Tensor) -> bool:
+    """Whether ``t`` covers its storage span exactly once (non-overlapping and dense: contiguous,
+    channels_last, a transpose of a contiguous tensor, ...), so memory order is a permutation of its
+    elements and a view with its strides fits over ``numel`` consecutive places."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import _multi_tensor as mt
+from .._tensors import is_dense
 
 __all__ = [
     "KERNELS", "Call", "Part", "kernel_calls", "partition", "is_dense", "native_dtype_ok", "staged",
@@ -57,20 +58,6 @@ def native_dtype_ok(kernel: str, device: torch.device, dtype: torch.dtype) -> bo
 
 def _available(kernel: str, device: torch.device) -> bool:
     return kernel == "foreach" or device.type in KERNELS[kernel]
-
-
-def is_dense(t: Tensor) -> bool:
-    """Whether ``t`` covers its storage span exactly once (non-overlapping and dense: contiguous,
-    channels_last, a transpose of a contiguous tensor, ...), so memory order is a permutation of its
-    elements."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _position_ok(ts: Sequence[Tensor]) -> bool:
