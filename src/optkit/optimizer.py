@@ -242,7 +242,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         self._fold_cache: dict[int, tuple] = {}  # id(group) -> (params list, its length, _folds_mult)
         # (id(group), dtype) -> mt.ElementFactors: per-tensor factors over separate tensors off the CPU
         # (clipnorm, LARS, LARC's multipliers), one element vector per group while its tensors' layout stays
-        self._factor_cache: dict[int, Any] = {}
+        self._factor_cache: dict[tuple, Any] = {}
         self._plan_version = 0
         self._fp64_cache: dict[int, tuple] = {}
         #: id(group) -> ((lr value, dtype, device), its 0-d tensor): a constant lr is filled once

@@ -205,9 +205,9 @@ class GradientsMixin:
 
     def _scale_per_tensor(self, gathered: list, flat_plans: list, factors: Tensor) -> None:
         """Each gathered gradient times its entry of ``factors`` (one vector over them, in order, or a list
-        of 0-d tensors). A flat
-        part whose per-parameter values go as element vectors (:meth:`~optkit._core.plan.FlatPart.expands`:
-        off the CPU) takes one multiply of its flat gradient by the expanded vector; off the CPU a group's
+        of 0-d tensors). A flat part whose per-parameter values go as element vectors
+        (:meth:`~optkit._core.plan.FlatPart.expands`: off the CPU) takes one multiply of its flat gradient
+        by the expanded vector; off the CPU a group's
         separate float32/float64 gradients take one multi-tensor multiply by the factors expanded over
         their elements (:class:`optkit._multi_tensor.ElementFactors`, kept per group): a fixed number of
         kernels whatever the number of parameters. The other gradients (the CPU, half precision) take one
