@@ -12,8 +12,9 @@ keyword (``betas=``) and a wrong type (``learning_rate="fast"``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
+import torch
 from torch import Tensor, nn
 from typing_extensions import TypeAlias, TypedDict  # noqa: UP035 (TypeAlias: Python 3.10)
 
@@ -54,3 +55,6 @@ class OptimizerOptions(TypedDict, total=False):
     name: str | None
     block_numel: int
     scratch_grads: bool
+    precision: Literal["split", "kahan", "stochastic"] | None
+    state_dtype: str | torch.dtype | None
+    rounding_seed: int

@@ -60,7 +60,7 @@ class Adagrad(Optimizer):
     """
 
     slot_names = ("sum",)
-    traits = Traits(writes_grads=False, decoupled_weight_decay=False, sparse=True)
+    traits = Traits(writes_grads=False, decoupled_weight_decay=False, sparse=True, unsigned_slots=("sum",))
     #: torch.optim.Adagrad's name for epsilon (its checkpoints load)
     _torch_group_keys = {"eps": ("epsilon",)}
     _loads_torch_checkpoints = True

@@ -79,7 +79,8 @@ class Adam(Optimizer):
     ``params`` and the learning rate are the only positional arguments: ``Adam(params, 3e-4)``.
     """
 
-    traits = Traits(decoupled_weight_decay=False, writes_grads=False)
+    traits = Traits(decoupled_weight_decay=False, writes_grads=False,
+                    unsigned_slots=("exp_avg_sq", "max_exp_avg_sq"))
     _kernel_name = "adam"
 
     def __init__(self, params: ParamsT, learning_rate: LearningRate = 0.001, *, beta1: float = 0.9,

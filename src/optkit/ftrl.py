@@ -77,7 +77,8 @@ class Ftrl(Optimizer):
     """
 
     slot_names = ("accum", "linear")
-    traits = Traits(blocks="always", writes_grads=False, sparse=True)
+    traits = Traits(blocks="always", writes_grads=False, sparse=True, unsigned_slots=("accum",),
+                    exact_slots=("linear",))
 
     def __init__(
         self,

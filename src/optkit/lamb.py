@@ -368,7 +368,7 @@ class LAMB(Optimizer):
     #: torch's (and timm's) names of these hyperparameters: refused in a param group, which would ignore them
     _torch_group_keys = {"betas": ("beta1", "beta2"), "eps": ("epsilon",)}
     traits = Traits(decoupled_weight_decay=False, blocks="always", prepare_reads_grads=True,
-                    keeps_values_in_grads=True)
+                    keeps_values_in_grads=True, unsigned_slots=("exp_avg_sq",))
     #: the direction kept in the gradient chunks on CPU (module doc); False runs the forms of other devices
     #: (:meth:`_device_step`, the scratch-and-rebuild chain) on the CPU too (for tests)
     _cpu_direct = True

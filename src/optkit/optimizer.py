@@ -64,6 +64,7 @@ from ._core.ema import EmaMixin
 from ._core.gradients import GradientsMixin
 from ._core.groups import GroupsMixin
 from ._core.interface import EngineInterface
+from ._core.lean import LeanMixin
 from ._core.learning_rate import LearningRateMixin
 from ._core.params import normalize_param_groups
 from ._core.passes import PassesMixin
@@ -90,8 +91,8 @@ _PARAMS = operator.itemgetter("params")
 
 
 
-class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, PassesMixin, CompiledMixin,
-                EmaMixin, CheckpointMixin, AmpProtocol, TFSurface, torch.optim.Optimizer):
+class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, LeanMixin, PassesMixin,
+                CompiledMixin, EmaMixin, CheckpointMixin, AmpProtocol, TFSurface, torch.optim.Optimizer):
     """Base class of optkit optimizers (Keras 3 semantics on a ``torch.optim.Optimizer``).
 
     Args:
@@ -127,6 +128,16 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
             gradients hold unspecified values after ``step()`` (clear them before the next backward), which
             spares the in-cache copies some update rules (LARS, LAMB, Nesterov SGD) otherwise work on; the
             train op (:func:`optkit.optimize_loss`), which clears the gradients after each update, sets it.
+        precision: bfloat16 parameters without fp32 master copies (default None: updated in bfloat16):
+            ``"split"`` keeps each weight's low 16 bits (2 B/param) so the fp32 trajectory is exactly an fp32
+            master's; ``"kahan"`` keeps a bfloat16 compensation (2 B/param); ``"stochastic"`` rounds
+            stochastically (0 B). Other parameters step as usual (:mod:`optkit._core.lowp`).
+        state_dtype: the slots' storage: None (float32 under a ``precision``, else the parameter's dtype),
+            ``"float32"``, ``"bfloat16"`` or
+            ``"int8"`` (block-wise 8-bit, tensors of 4,096 elements or more; the rest float32). The rule
+            computes in float32 either way; state dicts keep the stored form and load into any other.
+        rounding_seed: seed of the stochastic rounding (``precision="stochastic"``); with the step count
+            saved in the state dict, a resumed run rounds bit for bit as the uninterrupted one.
 
     Every optimizer takes ``params`` and then the learning rate positionally; everything else is keyword-only.
     A keyword of torch.optim, timm, apex or Keras that optkit spells otherwise (``betas``, ``eps``,
@@ -172,6 +183,9 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         amsgrad: bool = False,
         block_numel: int = 1 << 20,
         scratch_grads: bool = False,
+        precision: str | None = None,
+        state_dtype: str | torch.dtype | None = None,
+        rounding_seed: int = 0,
         **hyper: Any,
     ) -> None:
         # ---- validation first: nothing is created if an argument is bad (aliases and hints: see __new__)
@@ -206,6 +220,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         check_number("block_numel", block_numel, low=1, integer=True)
         if not isinstance(scratch_grads, bool):
             raise TypeError(f"`scratch_grads` must be a bool, got {scratch_grads!r}")
+        self._lean_setup(precision, state_dtype, rounding_seed)
         declared = accepted_keywords(type(self), Optimizer)
         unknown = sorted(k for k in hyper if k not in declared)
         if unknown:  # a typo such as LARS(eta=...) must not train silently with the default
@@ -216,6 +231,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
             self._check_group_keys(g, hyper)
         if mesh is not None:
             self._check_mesh(mesh, groups)
+        self._check_lean_params(self.precision, groups)
 
         self.name = name or type(self).__name__
         self.clipnorm = clipnorm
@@ -401,7 +417,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
         if not torch.compiler.is_compiling():
             for i, (group, (idx, params, grads), fp, mult) in enumerate(
                     zip(self.param_groups, gathered, flat_plans, mults)):
-                if fp is None and params:
+                if fp is None and params and not self._lean_group(group):
                     pre_plans[i] = self._check_group_plan(group, idx, params, grads, sparse_handled, mult)
 
         # unscale and clip: the factor k (k64 for float64 groups) folded into the kernels, or applied here
@@ -409,6 +425,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Pass
                                                                overflow)
 
         applied = None if found_inf is None else (1.0 - found_inf)
+        self._rounding_step += 1  # (stochastic rounding's seed: one per step call, skipped or not)
         for group, (idx, params, grads), fp, mult, pre in zip(self.param_groups, gathered, flat_plans, mults,
                                                               pre_plans):
             if not params:

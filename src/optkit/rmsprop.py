@@ -68,7 +68,7 @@ class RMSProp(Optimizer):
     State per parameter: ``rms`` (starts at 1), ``momentum`` and, centered, ``mg`` (TF's slot names).
     """
 
-    traits = Traits(blocks="always", writes_grads=False, sparse=True)
+    traits = Traits(blocks="always", writes_grads=False, sparse=True, unsigned_slots=("rms",))
     #: every slot a group may keep; a group keeps ``mg`` when its ``centered`` is on
     slot_names = ("rms", "momentum", "mg")
     #: torch.optim.RMSprop's names of these hyperparameters (its rule differs): refused in a param group

@@ -22,6 +22,8 @@ module doc. The parts, one concern each:
 ``fused``          the gate every call of a torch fused kernel passes (layouts, dtypes, devices)
 ``chain``          the pointwise rule run tensor by tensor: the ``jit_compile`` chain and the fallback
 ``compiled``       ``jit_compile``: the chain ``torch.compile``-d per group, with its fallback
+``lowp``           low-precision formats: split fp32 masters, Kahan, stochastic rounding, 8-bit blocks
+``lean``           the lean pass: bfloat16 weights without masters, slots in bfloat16 or 8 bits, checkpoints
 ``ema``            moving averages of the parameters and buffers (Keras ``use_ema``)
 ``checkpoint``     ``state_dict`` / ``load_state_dict`` and pickling
 ``state_dict``     a loaded state dict checked before anything changes; torch checkpoints' group keys

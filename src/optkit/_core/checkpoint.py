@@ -38,6 +38,8 @@ class CheckpointMixin:
         if self._ema_buffers:
             sd = {**sd, "ema_buffers": {n: a.detach().clone() for (n, _), a in
                                         zip(self._ema_buffers, self._ema_buffer_avgs)}}
+        if self.precision == "stochastic":  # (a resumed run rounds as the uninterrupted one)
+            sd = {**sd, "rounding_step": self._rounding_step}
         for hook in posts.values():
             result = hook(self, sd)
             if result is not None:
@@ -80,7 +82,7 @@ class CheckpointMixin:
         state["_ema_swapped"] = False  # a copy taken inside ema_weights() holds the averages as its weights
         # caches keyed by group ids or storage addresses, which a copy does not keep
         for key in ("_plans", "_fold_cache", "_factor_cache", "_fp64_cache", "_fit_seen", "_slots_seen",
-                    "_flat_slots", "_lr_written", "_lr_scalars"):
+                    "_flat_slots", "_lr_written", "_lr_scalars", "_lean_cache"):
             state[key] = {}
         # parameters excluded from decay by identity travel as the tensors themselves (a copy's are new)
         ids = state.pop("_wd_exclude_ids", set())
@@ -128,6 +130,11 @@ class CheckpointMixin:
         """
         sd = dict(run_load_pre_hooks(self, state_dict))
         buffer_avgs = self._check_ema_buffers(sd.pop("ema_buffers", None))
+        rounding_step = sd.pop("rounding_step", None)
+        if rounding_step is not None and (isinstance(rounding_step, bool) or not isinstance(
+                rounding_step, int) or rounding_step < 0):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: 'rounding_step' must be a "
+                             f"non-negative int, got {rounding_step!r}")
         sd = adopt_torch_groups(self, sd)
         if isinstance(sd.get("param_groups"), list):  # keys a group would ignore, as for given groups
             for saved, live in zip(sd["param_groups"], self.param_groups):
@@ -140,6 +147,7 @@ class CheckpointMixin:
         ids = {i for g in sd["param_groups"] for i in g["params"]}
         own = {key: {s: v.detach().clone() if isinstance(v, Tensor) else v for s, v in e.items()}
                if key in ids else e for key, e in sd["state"].items()}
+        held = self._hold_lean_entries(sd, own)  # (torch's load would cast them to the parameter's dtype)
         sd = {**sd, "state": own}
         names = [list(g["param_names"]) for g in self.param_groups]
         pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
@@ -165,8 +173,9 @@ class CheckpointMixin:
                     st["average"] = p.detach().clone(memory_format=torch.preserve_format)
                 self._init_state(p, g)
                 in_flat = flat_buffer_of(p) is not None
+                lean = self._lean_keys(p, g)
                 for key, v in st.items():
-                    if key == "step" or not isinstance(v, Tensor) or mt.is_dtensor(v):
+                    if key == "step" or not isinstance(v, Tensor) or mt.is_dtensor(v) or key in lean:
                         continue
                     if in_flat and v.shape == p.shape:
                         # back into this slot's flat buffer (the loaded tensor is a separate one), so that a
@@ -174,6 +183,9 @@ class CheckpointMixin:
                         st[key] = self._new_slot(p, key, 0.0).copy_(v)
                     elif v.stride() != mt.local(p).stride():
                         st[key] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(v)
+        self._load_lean_entries(held)
+        if rounding_step is not None:
+            self._rounding_step = rounding_step
         self._host_iterations = int(self._iterations)
         self._host_exact = True
         self._mark_host_count()

@@ -98,8 +98,8 @@ class PassesMixin:
         group, and only when the flat part's row runs pay."""
         plan = self._plans.get(id(group))
         rows = isinstance(multipliers, RowMultipliers) and id(group) in multipliers.rows
-        if plan is None or plan.flat is None or (multipliers is not None and not rows) \
-                or torch.compiler.is_compiling():
+        if plan is None or plan.flat is None or self._lean_group(group) \
+                or (multipliers is not None and not rows) or torch.compiler.is_compiling():
             return None
         key = (len(idx), self._plan_version, self._blocked(group, multipliers), self.block_numel)
         if plan.key[1:] != key[1:] or len(plan.key[0]) != key[0] or len(idx) != len(group["params"]):
@@ -122,7 +122,7 @@ class PassesMixin:
         idx, params, grads = self._gather(group)
         if seen is not None:
             seen[id(group)] = (idx, params, grads)
-        if not params:
+        if not params or self._lean_group(group):
             return None
         probe = RowMultipliers([(group, torch.empty(0))])
         plan = self._flat_plan(group, idx, params, grads, probe)
@@ -144,6 +144,9 @@ class PassesMixin:
     ) -> None:
         """``plan``: a flat plan checked this step; ``checked``: the per-tensor plan :meth:`_apply` built
         for these arguments before any group was updated (:meth:`_check_group_plan`)."""
+        if self._lean_group(group):  # bfloat16 weights without masters or low-precision slots
+            self._run_lean(group, idx, params, grads, lr, k, found_inf, applied, mult, unscale)
+            return
         if isinstance(mult, list) and all(m is None for m in mult):
             mult = None
         if plan is not None:  # a flat plan, checked this step: no sparse gradients, nothing to re-plan

@@ -86,7 +86,12 @@ class SlotsMixin:
         st["step"] = self._iterations
         for slot in self._active_slots(group):
             if slot not in st:
-                st[slot] = self._new_slot(p, slot, self._slot_fill(slot, group))
+                form = self._slot_form(p, slot)
+                if form is None:
+                    st[slot] = self._new_slot(p, slot, self._slot_fill(slot, group))
+                else:
+                    self._lean_new_slot(st, p, slot, form, self._slot_fill(slot, group))
+        self._lean_init_extras(st, p)
         if self.use_ema and "average" not in st:  # from the weights: a group added later has no first step
             with torch.no_grad():
                 st["average"] = self._new_slot(p, "average", 0.0).copy_(p.detach())

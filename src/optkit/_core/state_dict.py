@@ -30,6 +30,8 @@ from torch import Tensor
 from .. import _multi_tensor as mt
 from .._arguments import GROUP_ALIASES
 from .._validation import check_count, is_number
+from .lean import LEAN_EXTRAS, scales_key
+from .lowp import scales_shape
 
 __all__ = ["TORCH_PARAM_SHAPED", "adopt_torch_groups", "check_group_hyperparameters", "check_loaded_slot",
            "run_load_pre_hooks", "torch_required", "validate_state_dict", "validate_torch_state_dict"]
@@ -54,6 +56,9 @@ def validate_state_dict(opt: Any, sd: dict) -> int:
     where = f"{type(opt).__name__}.load_state_dict"
     id_to_param = _check_structure(where, opt, sd)
     allowed = set(opt.slot_names) | {"step"} | ({"average"} if opt.use_ema else set())
+    # the lean forms' entries (optkit._core.lean): 8-bit block scales, split-master low halves, Kahan sums
+    lean_keys = {scales_key(s) for s in opt.slot_names} | set(LEAN_EXTRAS.values())
+    allowed |= lean_keys
     steps = set()
     for key, entry in sd["state"].items():
         if key not in id_to_param:  # not a parameter's state (torch's contract): loaded as it is
@@ -68,6 +73,9 @@ def validate_state_dict(opt: Any, sd: dict) -> int:
         for slot, value in entry.items():
             if slot == "step":
                 steps.add(_check_step(where, name, value))
+                continue
+            if slot in lean_keys or (isinstance(value, Tensor) and value.dtype == torch.uint8):
+                check_lean_entry(where, name, slot, p, value, entry)
                 continue
             check_loaded_slot(where, name, slot, p, value)
     if len(steps) > 1:
@@ -347,3 +355,40 @@ def check_loaded_slot(where: str, name: str, slot: str, p: Tensor, value: Any) -
     if tuple(value.shape) != tuple(p.shape):
         raise ValueError(f"{where}: slot {slot!r} of parameter {name!r} has shape {tuple(value.shape)}, the "
                          f"parameter {tuple(p.shape)}")
+
+
+def check_lean_entry(where: str, name: str, key: str, p: Tensor, value: Any, entry: dict) -> None:
+    """An entry of a lean form (:mod:`optkit._core.lean`): an 8-bit slot (uint8 codes of the parameter's
+    shape with float32 block scales, finite and non-negative, under ``<slot>_absmax``), a split master's
+    low halves (int16 of the parameter's shape) or a Kahan compensation (floating, the parameter's shape);
+    each a DTensor exactly when the parameter is one."""
+    if not isinstance(value, Tensor) or value.is_sparse or value.layout != torch.strided or value.is_meta:
+        raise ValueError(f"{where}: {key!r} of parameter {name!r} must be a dense tensor with data")
+    if mt.is_dtensor(value) != mt.is_dtensor(p):
+        kind = "a DTensor" if mt.is_dtensor(p) else "a plain tensor"
+        raise ValueError(f"{where}: {key!r} of parameter {name!r} must be {kind}, like the parameter")
+    if key.endswith("_absmax"):
+        codes = entry.get(key[:-len("_absmax")])
+        if not isinstance(codes, Tensor) or codes.dtype != torch.uint8:
+            raise ValueError(f"{where}: {key!r} of parameter {name!r} has no 8-bit slot (uint8 codes) "
+                             "beside it")
+        expect = scales_shape(tuple(p.shape))
+        if value.dtype != torch.float32 or tuple(value.shape) != expect:
+            raise ValueError(f"{where}: {key!r} of parameter {name!r} must be float32 of shape {expect}, got "
+                             f"{value.dtype} {tuple(value.shape)}")
+        local = mt.local(value)
+        if not bool(torch.isfinite(local).all()) or bool((local < 0).any()):
+            raise ValueError(f"{where}: {key!r} of parameter {name!r} holds negative or non-finite scales")
+        return
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"{where}: {key!r} of parameter {name!r} has shape {tuple(value.shape)}, the "
+                         f"parameter {tuple(p.shape)}")
+    if key == LEAN_EXTRAS["split"]:
+        if value.dtype != torch.int16:
+            raise ValueError(f"{where}: {key!r} of parameter {name!r} must be int16, got {value.dtype}")
+    elif key == LEAN_EXTRAS["kahan"]:
+        if not value.is_floating_point():
+            raise ValueError(f"{where}: {key!r} of parameter {name!r} must be floating, got {value.dtype}")
+    elif scales_key(key) not in entry:  # uint8 codes of a slot
+        raise ValueError(f"{where}: 8-bit slot {key!r} of parameter {name!r} has no block scales "
+                         f"{scales_key(key)!r} beside it")

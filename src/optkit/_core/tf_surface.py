@@ -229,6 +229,9 @@ class TFSurface:
             ema_warmup=self.ema_warmup,
             jit_compile=self.jit_compile,
         )
+        if self.precision is not None or self.state_dtype is not None:
+            cfg.update(precision=self.precision, state_dtype=self.state_dtype,
+                       rounding_seed=self.rounding_seed)
         cfg.update(self._hyper_config())
         return cfg
 

@@ -42,6 +42,11 @@ class Traits:
         keeps_values_in_grads: the rule keeps values in its gradients from ``_prepare`` to ``_update``
             (LAMB's direction ``u``): the engine gives it one buffer kept with the plan instead of per-chunk
             copies (its ``_prepare`` fills it while copying).
+        unsigned_slots: slots that are never negative (second moments, accumulators): under
+            ``state_dtype="int8"`` they take the unsigned dynamic map, whose 8 bits all go to magnitudes
+            (:mod:`optkit._core.lowp`); every other slot takes the signed one.
+        exact_slots: slots never stored below float32 under ``state_dtype`` (FTRL's ``linear``, a sum
+            whose rounding error would not decay).
     """
 
     decoupled_weight_decay: bool = True
@@ -51,11 +56,16 @@ class Traits:
     multipliers_in_kernel: bool = False
     writes_grads: bool = True
     keeps_values_in_grads: bool = False
+    unsigned_slots: tuple[str, ...] = ()
+    exact_slots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "blocks":
+            if field.name in ("unsigned_slots", "exact_slots"):
+                if not isinstance(value, tuple) or not all(isinstance(s, str) for s in value):
+                    raise TypeError(f"Traits: `{field.name}` must be a tuple of slot names, got {value!r}")
+            elif field.name == "blocks":
                 if value not in ("auto", "always"):
                     raise ValueError(f"Traits: `blocks` must be 'auto' or 'always', got {value!r}")
             elif not isinstance(value, bool):

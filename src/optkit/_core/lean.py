@@ -1,0 +1,414 @@
+"""Lean-memory precision: bfloat16 weights without fp32 masters, and slots kept in bfloat16 or 8 bits, for
+every optkit optimizer (``precision=`` and ``state_dtype=``; the formats are :mod:`optkit._core.lowp`'s).
+
+A param group that uses either runs the *lean pass* instead of the planned passes: bunch by bunch (tensors
+taken in order until :attr:`block_numel` elements; a larger tensor alone), each weight and slot is decoded
+into an fp32 (float64 for float64 parameters) contiguous scratch tensor, the gradient copied into another,
+and the optimizer's own rule runs on them exactly as on fp32 tensors (``_prepare``, the decoupled decay,
+``_update`` with its fused kernel); then each is encoded back. A weight or slot already in the working dtype
+and contiguous is updated in place, without a copy. Only the rule's math is needed: the engine brings the
+rest (unscale and clip, decay, skip, EMA, checkpoints).
+
+A skipped step (``found_inf``) changes nothing: the rule leaves the scratch values as they were, the split,
+stochastic and bfloat16 encodings give back the same bits, and the Kahan and 8-bit encodings (whose
+re-encoding of unchanged values is not the identity) are selected against the old ones under the flag.
+
+Stochastic rounding draws its bits from a generator seeded by ``(rounding_seed, step call, group)``; the
+count of step calls is in the state dict (``"rounding_step"``), so a resumed run rounds as the uninterrupted
+one did.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _multi_tensor as mt
+from . import lowp
+from .plan import Block, PlanView
+
+__all__ = ["LeanMixin", "PRECISIONS", "STATE_DTYPES", "normalize_precision", "normalize_state_dtype",
+           "scales_key", "LEAN_EXTRAS"]
+
+#: master-free weight formats for bfloat16 parameters
+PRECISIONS = ("split", "kahan", "stochastic")
+#: slot storage options (None: the parameter's dtype)
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+#: per-parameter entries the weight formats keep besides the slots
+LEAN_EXTRAS = {"split": "master_low", "kahan": "kahan_comp"}
+
+_STATE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                  "int8": "int8", "8bit": "int8"}
+_DTYPE_OF = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def scales_key(slot: str) -> str:
+    """The state key of an 8-bit slot's block scales."""
+    return f"{slot}_absmax"
+
+
+def normalize_precision(value: Any, where: str = "precision") -> str | None:
+    """``None`` or one of :data:`PRECISIONS` (``"fp32-masters"`` is the mixed-precision wrapper's and is
+    not a per-optimizer choice); ``ValueError`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in PRECISIONS:
+        raise ValueError(f"`{where}` must be None or one of {list(PRECISIONS)}, got {value!r}")
+    return value
+
+
+def normalize_state_dtype(value: Any, where: str = "state_dtype") -> str | None:
+    """``None`` (the parameter's dtype), ``"float32"``, ``"bfloat16"`` or ``"int8"``, from those names,
+    their short forms (``"fp32"``, ``"bf16"``) or ``torch.float32`` / ``torch.bfloat16`` /
+    ``torch.int8`` / ``torch.uint8``."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        named = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8",
+                 torch.uint8: "int8"}.get(value)
+        if named is not None:
+            return named
+    elif isinstance(value, str) and value in _STATE_ALIASES:
+        return _STATE_ALIASES[value]
+    raise ValueError(f"`{where}` must be None, 'float32', 'bfloat16' or 'int8' (or torch.float32, "
+                     f"torch.bfloat16, torch.int8), got {value!r}")
+
+
+def _quantizable(p: Tensor) -> bool:
+    """Whether a parameter's slots may be 8-bit: enough elements (:data:`~optkit._core.lowp.MIN_QUANT_NUMEL`),
+    and, for a DTensor, sharded only along dim 0 of a 2-d or larger tensor (the block scales then shard
+    along with the rows: FSDP2) or replicated."""
+    if mt.local(p).numel() < lowp.MIN_QUANT_NUMEL:
+        return False
+    if not mt.is_dtensor(p):
+        return True
+    from torch.distributed.tensor import Replicate, Shard
+    if any(not isinstance(pl, Replicate) for pl in p.placements) and p.dim() < 2:
+        return False
+    return all(isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0) for pl in p.placements)
+
+
+def _like_placement(p: Tensor, local: Tensor, global_shape: tuple[int, ...]) -> Tensor:
+    """``local`` as a DTensor placed as ``p`` (rows along dim 0), or itself for a plain ``p``."""
+    if not mt.is_dtensor(p):
+        return local
+    from torch.distributed.tensor import DTensor
+    stride = tuple(int(s) for s in torch.empty(global_shape, device="meta").stride())
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(
+        global_shape), stride=stride)
+
+
+class LeanMixin:
+    """Master-free bfloat16 weights and low-precision slots (module doc). A part of
+    :class:`optkit.optimizer.Optimizer`."""
+
+    def _lean_setup(self, precision: Any, state_dtype: Any, rounding_seed: Any) -> None:
+        """Validate and keep the options (nothing built yet)."""
+        self.precision = normalize_precision(precision)
+        self.state_dtype = normalize_state_dtype(state_dtype)
+        if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int) or rounding_seed < 0:
+            raise ValueError(f"`rounding_seed` must be a non-negative int, got {rounding_seed!r}")
+        self.rounding_seed = int(rounding_seed)
+        self._rounding_step = 0
+        self._lean_cache: dict[int, tuple] = {}
+
+    @staticmethod
+    def _check_lean_params(precision: str | None, groups: list[dict]) -> None:
+        """``ValueError`` for a master-free precision over float16 parameters (its formats are bfloat16's:
+        float16 trains with fp32 masters and a loss scale, :class:`optkit.MixedPrecisionOptimizerWrapper`)."""
+        if precision is None:
+            return
+        if any(p.dtype == torch.float16 for g in groups for p in g["params"]):
+            raise ValueError(f"precision={precision!r} is for bfloat16 parameters; float16 parameters train "
+                             "with fp32 master weights (MixedPrecisionOptimizerWrapper)")
+
+    # ---------------------------------------------------------------------------------------- the forms
+
+    def _weight_form(self, p: Tensor) -> str | None:
+        """How parameter ``p`` is updated: one of :data:`PRECISIONS` for a bfloat16 parameter under a
+        master-free precision, else None (in its own dtype)."""
+        return self.precision if self.precision is not None and p.dtype == torch.bfloat16 else None
+
+    def _slot_form(self, p: Tensor, slot: str) -> str | None:
+        """How slot ``slot`` of ``p`` is stored: None (like ``p``, as without ``state_dtype``),
+        ``"float32"``, ``"bfloat16"`` or ``"int8"``. 8-bit only for slots the rule does not declare exact
+        (``Traits.exact_slots``) of parameters large enough (:func:`_quantizable`); the others keep
+        float32 (or their parameter's dtype when that is float32 or float64). A slot the rule declares exact
+        is never stored below float32. Without ``state_dtype``: float32 under a master-free ``precision`` (the
+        state of the fp32 run it stands for), else like ``p``."""
+        sd = self.state_dtype
+        if sd is None:
+            if self.precision is None:
+                return None
+            sd = "float32"
+        exact = slot in self.traits.exact_slots
+        if sd == "int8" and not exact and _quantizable(p):
+            return "int8"
+        if sd == "int8" or exact:
+            return None if p.dtype in (torch.float32, torch.float64) else "float32"
+        return None if p.dtype == _DTYPE_OF[sd] else sd
+
+    def _lean_group(self, group: dict) -> bool:
+        """Whether ``group`` runs the lean pass (a weight or a slot kept in a lean form); cached while its
+        parameter list stays."""
+        if self.precision is None and self.state_dtype is None:
+            return False
+        ps = group["params"]
+        hit = self._lean_cache.get(id(group))
+        if hit is not None and hit[0] is ps and hit[1] == len(ps):
+            return hit[2]
+        slots = self._active_slots(group)
+        lean = any(self._weight_form(p) is not None or any(self._slot_form(p, s) is not None for s in slots)
+                   for p in ps)
+        self._lean_cache[id(group)] = (ps, len(ps), lean)
+        return lean
+
+    # ---------------------------------------------------------------------------------------- the state
+
+    def _lean_new_slot(self, st: dict, p: Tensor, slot: str, form: str, fill: float) -> None:
+        """Make slot ``slot`` of ``p`` in ``form`` holding ``fill`` everywhere, into ``st``."""
+        if form != "int8":
+            st[slot] = torch.full_like(p, fill, dtype=_DTYPE_OF[form], memory_format=torch.contiguous_format)
+            return
+        codes = torch.empty_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+        lc = mt.local(codes)
+        scales = torch.empty(lowp.scales_shape(lc.shape), dtype=torch.float32, device=lc.device)
+        lowp.quantize_(torch.full(lc.shape, fill, dtype=torch.float32, device=lc.device), lc, scales,
+                       slot not in self.traits.unsigned_slots)
+        st[slot] = codes
+        st[scales_key(slot)] = _like_placement(p, scales, lowp.scales_shape(tuple(p.shape)))
+
+    def _lean_init_extras(self, st: dict, p: Tensor) -> None:
+        """The weight format's own per-parameter entry (the split master's low halves, the Kahan
+        compensation), zero: the master starts as the bfloat16 weight."""
+        form = self._weight_form(p)
+        key = LEAN_EXTRAS.get(form or "")
+        if key is not None and key not in st:
+            dtype = torch.int16 if form == "split" else torch.bfloat16
+            st[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+
+    def _read_slot(self, p: Tensor, slot: str, st: dict, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Slot ``slot`` of ``p`` as a new contiguous local tensor of ``dtype`` (8-bit slots decoded)."""
+        v = st[slot]
+        lv = mt.local(v)
+        if lv.dtype == torch.uint8:
+            x = lowp.dequantize(lv, mt.local(st[scales_key(slot)]), slot not in self.traits.unsigned_slots)
+            return x if dtype == torch.float32 else x.to(dtype)
+        return lv.to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+    def _write_slot(self, p: Tensor, slot: str, st: dict, x: Tensor) -> None:
+        """Store the values ``x`` (local, ``p``'s local shape) into slot ``slot`` of ``p`` in its form."""
+        lv = mt.local(st[slot])
+        if lv.dtype == torch.uint8:
+            lowp.quantize_(x.float(), lv, mt.local(st[scales_key(slot)]),
+                           slot not in self.traits.unsigned_slots)
+        else:
+            lv.copy_(x.view(lv.shape) if x.is_contiguous() else x)
+
+    def lean_slot_values(self, p: Tensor, slot: str) -> Tensor:
+        """Slot ``slot`` of parameter ``p`` as float32 values (8-bit slots decoded; local shard)."""
+        return self._read_slot(p, slot, self.state[p])
+
+    # ---------------------------------------------------------------------------------------- the pass
+
+    def _rounding_generator(self, device: torch.device, gi: int) -> torch.Generator | None:
+        """This step's generator for group ``gi`` on ``device`` (stochastic rounding; module doc)."""
+        if device.type not in ("cpu", "cuda"):
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(hash((self.rounding_seed, self._rounding_step, gi)) & ((1 << 63) - 1))
+        return gen
+
+    def _run_lean(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor], lr: Tensor,
+                  k: Tensor | None, found_inf: Tensor | None, applied: Tensor | None, mult: Any,
+                  unscale: Tensor | None) -> None:
+        """Decay → rule → encode, bunch by bunch, over fp32 scratch copies (module doc); then the caller's
+        gradients get their 1/S and the EMA its update."""
+        if isinstance(mult, Tensor):  # (RowMultipliers: one factor per parameter)
+            mult = list(mult.unbind())
+        if isinstance(mult, list) and all(m is None for m in mult):
+            mult = None
+        names = [group["param_names"][i] for i in idx]
+        use_wd = [self._use_weight_decay(p, n) for p, n in zip(params, names)]
+        wd = group.get("weight_decay", 0.0) if self.traits.decoupled_weight_decay else 0.0
+        decay = None
+        if wd and any(use_wd):
+            decay = 1.0 - lr * wd if applied is None else 1.0 - lr * wd * applied
+        keep = None if found_inf is None else found_inf > 0.5
+        active = self._active_slots(group)
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        gens: dict[torch.device, torch.Generator | None] = {}
+        budget = self.block_numel if mt.local(params[0]).device.type == "cpu" else max(self.block_numel,
+                                                                                        1 << 24)
+        start = 0
+        while start < len(params):
+            stop, total = start, 0
+            dev = mt.local(params[start]).device
+            while stop < len(params) and (stop == start or (total + mt.local(params[stop]).numel() <= budget
+                                                            and mt.local(params[stop]).device == dev)):
+                total += mt.local(params[stop]).numel()
+                stop += 1
+            sel = range(start, stop)
+            start = stop
+            self._lean_bunch(group, [params[j] for j in sel], [grads[j] for j in sel],
+                             [names[j] for j in sel], [use_wd[j] for j in sel],
+                             None if mult is None else [mult[j] for j in sel], active, lr, k, found_inf, keep,
+                             decay, gens, gi)
+        if unscale is not None:
+            dense = [g for g in grads if not g.is_sparse]
+            if dense:
+                mt.scale_(dense, unscale)
+        if self.use_ema:
+            self._ema_group(group, idx, applied)
+            self._ema_rest(group, idx, applied)
+
+    def _lean_bunch(self, group, ps, gs, names, use_wd, mult, active, lr, k, found_inf, keep, decay, gens,
+                    gi) -> None:
+        """One bunch of the lean pass (:meth:`_run_lean`)."""
+        ws: list[Tensor] = []
+        g32: list[Tensor] = []
+        slots32: dict[str, list[Tensor]] = {s: [] for s in active}
+        writes: list[tuple] = []  # (kind, parameter, local tensor, scratch): what goes back after the rule
+        for j, p in enumerate(ps):
+            lp = mt.local(p)
+            st = self.state[p]
+            work = torch.float64 if lp.dtype == torch.float64 else torch.float32
+            g = mt.local(gs[j])
+            if g.is_sparse:
+                g = g.to_dense()
+            gc = torch.empty(lp.shape, dtype=work, device=lp.device)
+            gc.copy_(g)
+            if mult is not None and mult[j] is not None:
+                gc.mul_(mult[j].to(device=gc.device, dtype=work))
+            g32.append(gc)
+            form = self._weight_form(p)
+            if form is None and lp.dtype == work and lp.is_contiguous():
+                w = lp  # (in place)
+            elif form == "split":
+                w = lowp.split_decode(lp, mt.local(st["master_low"]))
+                writes.append(("split", p, lp, w))
+            else:
+                w = torch.empty(lp.shape, dtype=work, device=lp.device)
+                w.copy_(lp)
+                writes.append((form or "plain", p, lp, w))
+            ws.append(w)
+            for s in active:
+                v = mt.local(st[s])
+                if v.dtype == work and v.is_contiguous():
+                    slots32[s].append(v)
+                else:
+                    x = self._read_slot(p, s, st, work)
+                    slots32[s].append(x)
+                    writes.append(("slot", p, s, x))
+        aux = self._prepare(group, PlanView(names, slots32, use_wd), ws, g32, lr, k)
+        if decay is not None:
+            dp = [w for w, u in zip(ws, use_wd) if u]
+            if dp:
+                mt.scale_(dp, decay)
+        # the rule runs as in the planned pass over one block of whole tensors (its kernel forms read the
+        # block's hints: one (device, dtype), contiguous chunks, the owners' per-tensor values)
+        blk = Block()
+        blk.owners, blk.params, blk.slots = list(range(len(ws))), ws, slots32
+        blk.averages = blk.split = None
+        kinds = {(t.device, t.dtype) for t in ws}
+        blk.key = next(iter(kinds)) if len(kinds) == 1 else None
+        blk.identity, blk.all_wd, blk.static_contiguous = True, all(use_wd), True
+        self._block = blk
+        try:
+            self._update(group, ws, g32, slots32, lr, k, found_inf, aux)
+        finally:
+            self._block = None
+        for kind, p, target, x in writes:
+            st = self.state[p]
+            if kind == "slot":
+                if keep is not None and mt.local(st[target]).dtype == torch.uint8:
+                    self._write_slot_unless(p, target, st, x, keep)
+                else:
+                    self._write_slot(p, target, st, x)
+            elif kind == "split":
+                lowp.split_encode_(x, target, mt.local(st["master_low"]))
+            elif kind == "stochastic":
+                dev = target.device
+                if dev not in gens:
+                    gens[dev] = self._rounding_generator(dev, gi)
+                lowp.stochastic_round_(x, target, gens[dev])
+            elif kind == "kahan":
+                comp = mt.local(st["kahan_comp"])
+                old = torch.empty(target.shape, dtype=torch.float32, device=target.device).copy_(target)
+                if keep is None:
+                    lowp.kahan_encode_(old, x, target, comp)
+                else:
+                    p_old, c_old = target.clone(), comp.clone()
+                    lowp.kahan_encode_(old, x, target, comp)
+                    torch.where(keep, p_old, target, out=target)
+                    torch.where(keep, c_old, comp, out=comp)
+            else:  # a plain low-precision (or non-contiguous) weight: rounded to nearest
+                target.copy_(x)
+
+    def _write_slot_unless(self, p: Tensor, slot: str, st: dict, x: Tensor, keep: Tensor) -> None:
+        """:meth:`_write_slot` of an 8-bit slot, its old codes and scales kept where ``keep`` (a skipped
+        step: re-quantising unchanged values need not give the same codes)."""
+        codes, scales = mt.local(st[slot]), mt.local(st[scales_key(slot)])
+        old_c, old_s = codes.clone(), scales.clone()
+        self._write_slot(p, slot, st, x)
+        torch.where(keep, old_c, codes, out=codes)
+        torch.where(keep, old_s, scales, out=scales)
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+
+    def _lean_keys(self, p: Tensor, group: dict) -> set[str]:
+        """The state keys of ``p`` kept in a lean form (slots, their scales, the weight format's entry)."""
+        keys = {s for s in self._active_slots(group) if self._slot_form(p, s) is not None}
+        keys |= {scales_key(s) for s in self.slot_names}
+        keys |= set(LEAN_EXTRAS.values())
+        return keys
+
+    def _hold_lean_entries(self, sd: dict, own: dict) -> list[tuple[Tensor, dict]]:
+        """Take out of ``own`` (the state a load hands to torch, which would cast every tensor to its
+        parameter's dtype) the entries of lean forms, saved or live: 8-bit codes and scales, the weight
+        formats' entries, and any slot this optimizer keeps in a lean form. Returned with their parameters
+        for :meth:`_load_lean_entries`."""
+        held: list[tuple[Tensor, dict]] = []
+        extras = set(LEAN_EXTRAS.values()) | {scales_key(s) for s in self.slot_names}
+        for sg, g in zip(sd["param_groups"], self.param_groups):
+            for i, p in zip(sg["params"], g["params"]):
+                entry = own.get(i)
+                if not isinstance(entry, dict):
+                    continue
+                take = {}
+                for key in list(entry):
+                    v = entry[key]
+                    if key in extras or (key in self.slot_names and isinstance(v, Tensor) and (
+                            v.dtype == torch.uint8 or self._slot_form(p, key) is not None)):
+                        take[key] = entry.pop(key)
+                if take:
+                    held.append((p, take))
+        return held
+
+    @torch.no_grad()
+    def _load_lean_entries(self, held: list[tuple[Tensor, dict]]) -> None:
+        """Write held entries (:meth:`_hold_lean_entries`, validated) into the live forms: each slot decoded
+        from its saved form (any float dtype, or 8 bits) and stored in this optimizer's form; a weight
+        format's entry kept when this optimizer uses that format (else dropped: the master is then the
+        bfloat16 weight)."""
+        for p, values in held:
+            st = self.state[p]
+            work = torch.float64 if p.dtype == torch.float64 else torch.float32
+            for key, v in values.items():
+                if key in self.slot_names:
+                    if key not in st:  # (a slot this group does not use)
+                        continue
+                    if v.dtype == torch.uint8 and mt.local(st[key]).dtype == torch.uint8:  # (as it was)
+                        mt.local(st[key]).copy_(mt.local(v))
+                        mt.local(st[scales_key(key)]).copy_(mt.local(values[scales_key(key)]))
+                        continue
+                    if v.dtype == torch.uint8:
+                        x = lowp.dequantize(mt.local(v), mt.local(values[scales_key(key)]),
+                                            key not in self.traits.unsigned_slots).to(work)
+                    else:
+                        x = mt.local(v).to(work)
+                    self._write_slot(p, key, st, x)
+                elif key in LEAN_EXTRAS.values() and key in st:
+                    mt.local(st[key]).copy_(mt.local(v))
