@@ -100,6 +100,82 @@ def _like_placement(p: Tensor, local: Tensor, global_shape: tuple[int, ...]) -> 
         global_shape), stride=stride)
 
 
+#: elements per bunch of the lean pass on the CPU (:meth:`LeanMixin._lean_budget`)
+LEAN_BUNCH_CPU = 1 << 18
+
+
+def _decode(v: Tensor, scales: Tensor | None, signed: bool, dtype: torch.dtype) -> Tensor:
+    """A slot's stored values ``v`` (8-bit codes with ``scales``, or a floating tensor) as a new contiguous
+    tensor of ``dtype``."""
+    if scales is not None:
+        x = lowp.dequantize(v, scales, signed)
+        return x if dtype == torch.float32 else x.to(dtype)
+    return v.to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _encode(x: Tensor, v: Tensor, scales: Tensor | None, signed: bool) -> None:
+    """Store the values ``x`` into a slot's storage ``v`` (8-bit with ``scales``, or a floating tensor)."""
+    if scales is not None:
+        lowp.quantize_(x.float(), v, scales, signed)
+    else:
+        v.copy_(x.view(v.shape) if x.is_contiguous() else x)
+
+
+def _pieces(t: Tensor, budget: int) -> list:
+    """Ranges that cut ``t`` into pieces of about ``budget`` elements along its 8-bit blocks' rows: row
+    ranges along dim 0 (2-d and more), element ranges of whole 256-element blocks (1-d); ``[None]`` (the
+    whole tensor) when it fits."""
+    n = t.numel()
+    if n <= budget or t.dim() == 0:
+        return [None]
+    if t.dim() == 1:
+        step = max(lowp.BLOCK, budget // lowp.BLOCK * lowp.BLOCK)
+    else:
+        step = max(1, budget // max(1, n // t.shape[0]))
+        n = t.shape[0]
+    if step >= n:
+        return [None]
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _piece_numel(t: Tensor, rng: tuple[int, int]) -> int:
+    return (rng[1] - rng[0]) * (t.numel() // t.shape[0] if t.dim() > 1 else 1)
+
+
+def _piece(t: Tensor, rng: tuple[int, int] | None) -> Tensor:
+    """The piece ``rng`` of ``t`` (a view; :func:`_pieces`)."""
+    return t if rng is None else t[rng[0]:rng[1]]
+
+
+def _scales_piece(scales: Tensor, t: Tensor, rng: tuple[int, int] | None) -> Tensor:
+    """The block scales of the piece ``rng`` of ``t`` (rows of them; for 1-d, the blocks of its range)."""
+    if rng is None:
+        return scales
+    if t.dim() == 1:
+        return scales[rng[0] // lowp.BLOCK:-(-rng[1] // lowp.BLOCK)]
+    return scales[rng[0]:rng[1]]
+
+
+class _Unit:
+    """A tensor, or a piece of one, in a bunch of the lean pass."""
+
+    __slots__ = ("param", "local", "grad", "rng", "name", "use_wd", "mult")
+
+    def __init__(self, param, local, grad, rng, name, use_wd, mult) -> None:
+        self.param, self.local, self.grad, self.rng = param, local, grad, rng
+        self.name, self.use_wd, self.mult = name, use_wd, mult
+
+
+class _LeanRun:
+    """What every bunch of one group's lean pass shares."""
+
+    __slots__ = ("group", "active", "lr", "k", "found_inf", "keep", "decay", "gens", "gi")
+
+    def __init__(self, group, active, lr, k, found_inf, keep, decay, gens, gi) -> None:
+        self.group, self.active, self.lr, self.k = group, active, lr, k
+        self.found_inf, self.keep, self.decay, self.gens, self.gi = found_inf, keep, decay, gens, gi
+
+
 class LeanMixin:
     """Master-free bfloat16 weights and low-precision slots (module doc). A part of
     :class:`optkit.optimizer.Optimizer`."""
@@ -189,23 +265,20 @@ class LeanMixin:
             dtype = torch.int16 if form == "split" else torch.bfloat16
             st[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
 
+    def _signed(self, slot: str) -> bool:
+        return slot not in self.traits.unsigned_slots
+
     def _read_slot(self, p: Tensor, slot: str, st: dict, dtype: torch.dtype = torch.float32) -> Tensor:
         """Slot ``slot`` of ``p`` as a new contiguous local tensor of ``dtype`` (8-bit slots decoded)."""
-        v = st[slot]
-        lv = mt.local(v)
-        if lv.dtype == torch.uint8:
-            x = lowp.dequantize(lv, mt.local(st[scales_key(slot)]), slot not in self.traits.unsigned_slots)
-            return x if dtype == torch.float32 else x.to(dtype)
-        return lv.to(dtype, memory_format=torch.contiguous_format, copy=True)
+        v = mt.local(st[slot])
+        scales = mt.local(st[scales_key(slot)]) if v.dtype == torch.uint8 else None
+        return _decode(v, scales, self._signed(slot), dtype)
 
     def _write_slot(self, p: Tensor, slot: str, st: dict, x: Tensor) -> None:
         """Store the values ``x`` (local, ``p``'s local shape) into slot ``slot`` of ``p`` in its form."""
-        lv = mt.local(st[slot])
-        if lv.dtype == torch.uint8:
-            lowp.quantize_(x.float(), lv, mt.local(st[scales_key(slot)]),
-                           slot not in self.traits.unsigned_slots)
-        else:
-            lv.copy_(x.view(lv.shape) if x.is_contiguous() else x)
+        v = mt.local(st[slot])
+        scales = mt.local(st[scales_key(slot)]) if v.dtype == torch.uint8 else None
+        _encode(x, v, scales, self._signed(slot))
 
     def lean_slot_values(self, p: Tensor, slot: str) -> Tensor:
         """Slot ``slot`` of parameter ``p`` as float32 values (8-bit slots decoded; local shard)."""
@@ -221,11 +294,18 @@ class LeanMixin:
         gen.manual_seed(hash((self.rounding_seed, self._rounding_step, gi)) & ((1 << 63) - 1))
         return gen
 
+    def _lean_budget(self, device: torch.device) -> int:
+        """Elements per bunch of the lean pass: :data:`LEAN_BUNCH_CPU` on the CPU (the scratch copies of a
+        bunch stay in cache through the chain), else ``max(block_numel, 2**24)`` (few launches)."""
+        return LEAN_BUNCH_CPU if device.type == "cpu" else max(self.block_numel, 1 << 24)
+
     def _run_lean(self, group: dict, idx: list[int], params: list[Tensor], grads: list[Tensor], lr: Tensor,
                   k: Tensor | None, found_inf: Tensor | None, applied: Tensor | None, mult: Any,
                   unscale: Tensor | None) -> None:
         """Decay → rule → encode, bunch by bunch, over fp32 scratch copies (module doc); then the caller's
-        gradients get their 1/S and the EMA its update."""
+        gradients get their 1/S and the EMA its update. A rule that reads no whole-tensor quantity of its
+        gradients (no LARS/LAMB norms) also takes large tensors in pieces (rows along dim 0, or ranges of
+        256-element blocks for 1-d tensors), so that every bunch stays near the budget."""
         if isinstance(mult, Tensor):  # (RowMultipliers: one factor per parameter)
             mult = list(mult.unbind())
         if isinstance(mult, list) and all(m is None for m in mult):
@@ -240,22 +320,23 @@ class LeanMixin:
         active = self._active_slots(group)
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         gens: dict[torch.device, torch.Generator | None] = {}
-        budget = self.block_numel if mt.local(params[0]).device.type == "cpu" else max(self.block_numel,
-                                                                                        1 << 24)
-        start = 0
-        while start < len(params):
-            stop, total = start, 0
-            dev = mt.local(params[start]).device
-            while stop < len(params) and (stop == start or (total + mt.local(params[stop]).numel() <= budget
-                                                            and mt.local(params[stop]).device == dev)):
-                total += mt.local(params[stop]).numel()
-                stop += 1
-            sel = range(start, stop)
-            start = stop
-            self._lean_bunch(group, [params[j] for j in sel], [grads[j] for j in sel],
-                             [names[j] for j in sel], [use_wd[j] for j in sel],
-                             None if mult is None else [mult[j] for j in sel], active, lr, k, found_inf, keep,
-                             decay, gens, gi)
+        splits = not (self.traits.prepare_reads_grads or self.traits.keeps_values_in_grads)
+        run = _LeanRun(group, active, lr, k, found_inf, keep, decay, gens, gi)
+        bunch: list[_Unit] = []
+        total, dev = 0, None
+        for j, p in enumerate(params):
+            lp = mt.local(p)
+            budget = self._lean_budget(lp.device)
+            for rng in (_pieces(lp, budget) if splits else (None,)):
+                n = lp.numel() if rng is None else _piece_numel(lp, rng)
+                if bunch and (total + n > budget or lp.device != dev):
+                    self._lean_bunch(run, bunch)
+                    bunch, total = [], 0
+                bunch.append(_Unit(p, lp, grads[j], rng, names[j], use_wd[j],
+                                   None if mult is None else mult[j]))
+                total, dev = total + n, lp.device
+        if bunch:
+            self._lean_bunch(run, bunch)
         if unscale is not None:
             dense = [g for g in grads if not g.is_sparse]
             if dense:
@@ -264,49 +345,57 @@ class LeanMixin:
             self._ema_group(group, idx, applied)
             self._ema_rest(group, idx, applied)
 
-    def _lean_bunch(self, group, ps, gs, names, use_wd, mult, active, lr, k, found_inf, keep, decay, gens,
-                    gi) -> None:
-        """One bunch of the lean pass (:meth:`_run_lean`)."""
+    def _lean_bunch(self, run: _LeanRun, units: list[_Unit]) -> None:
+        """One bunch of the lean pass (:meth:`_run_lean`): decode, the rule, encode."""
         ws: list[Tensor] = []
         g32: list[Tensor] = []
-        slots32: dict[str, list[Tensor]] = {s: [] for s in active}
-        writes: list[tuple] = []  # (kind, parameter, local tensor, scratch): what goes back after the rule
-        for j, p in enumerate(ps):
-            lp = mt.local(p)
-            st = self.state[p]
+        slots32: dict[str, list[Tensor]] = {s: [] for s in run.active}
+        writes: list[tuple] = []  # (kind, target views, scratch): what goes back after the rule
+        for u in units:
+            lp, st = u.local, self.state[u.param]
             work = torch.float64 if lp.dtype == torch.float64 else torch.float32
-            g = mt.local(gs[j])
+            g = mt.local(u.grad)
             if g.is_sparse:
                 g = g.to_dense()
-            gc = torch.empty(lp.shape, dtype=work, device=lp.device)
+            g = _piece(g, u.rng)
+            gc = torch.empty(g.shape, dtype=work, device=g.device)
             gc.copy_(g)
-            if mult is not None and mult[j] is not None:
-                gc.mul_(mult[j].to(device=gc.device, dtype=work))
+            if u.mult is not None:
+                gc.mul_(u.mult.to(device=gc.device, dtype=work))
             g32.append(gc)
-            form = self._weight_form(p)
-            if form is None and lp.dtype == work and lp.is_contiguous():
-                w = lp  # (in place)
+            pv = _piece(lp, u.rng)
+            form = self._weight_form(u.param)
+            if form is None and pv.dtype == work and pv.is_contiguous():
+                w = pv  # (in place)
             elif form == "split":
-                w = lowp.split_decode(lp, mt.local(st["master_low"]))
-                writes.append(("split", p, lp, w))
+                low = _piece(mt.local(st["master_low"]), u.rng)
+                w = lowp.split_decode(pv, low)
+                writes.append(("split", (pv, low), w))
             else:
-                w = torch.empty(lp.shape, dtype=work, device=lp.device)
-                w.copy_(lp)
-                writes.append((form or "plain", p, lp, w))
+                w = torch.empty(pv.shape, dtype=work, device=pv.device)
+                w.copy_(pv)
+                extra = _piece(mt.local(st["kahan_comp"]), u.rng) if form == "kahan" else None
+                writes.append((form or "plain", (pv, extra), w))
             ws.append(w)
-            for s in active:
-                v = mt.local(st[s])
+            for s in run.active:
+                v = _piece(mt.local(st[s]), u.rng)
                 if v.dtype == work and v.is_contiguous():
                     slots32[s].append(v)
-                else:
-                    x = self._read_slot(p, s, st, work)
-                    slots32[s].append(x)
-                    writes.append(("slot", p, s, x))
+                    continue
+                scales = None
+                if v.dtype == torch.uint8:
+                    scales = _scales_piece(mt.local(st[scales_key(s)]), lp, u.rng)
+                x = _decode(v, scales, self._signed(s), work)
+                slots32[s].append(x)
+                writes.append(("slot", (v, scales, self._signed(s)), x))
+        names = [u.name for u in units]
+        use_wd = [u.use_wd for u in units]
+        group, lr, k = run.group, run.lr, run.k
         aux = self._prepare(group, PlanView(names, slots32, use_wd), ws, g32, lr, k)
-        if decay is not None:
-            dp = [w for w, u in zip(ws, use_wd) if u]
+        if run.decay is not None:
+            dp = [w for w, d in zip(ws, use_wd) if d]
             if dp:
-                mt.scale_(dp, decay)
+                mt.scale_(dp, run.decay)
         # the rule runs as in the planned pass over one block of whole tensors (its kernel forms read the
         # block's hints: one (device, dtype), contiguous chunks, the owners' per-tensor values)
         blk = Block()
@@ -317,44 +406,39 @@ class LeanMixin:
         blk.identity, blk.all_wd, blk.static_contiguous = True, all(use_wd), True
         self._block = blk
         try:
-            self._update(group, ws, g32, slots32, lr, k, found_inf, aux)
+            self._update(group, ws, g32, slots32, lr, k, run.found_inf, aux)
         finally:
             self._block = None
-        for kind, p, target, x in writes:
-            st = self.state[p]
+        keep = run.keep
+        for kind, target, x in writes:
             if kind == "slot":
-                if keep is not None and mt.local(st[target]).dtype == torch.uint8:
-                    self._write_slot_unless(p, target, st, x, keep)
+                v, scales, signed = target
+                if keep is not None and scales is not None:
+                    old_c, old_s = v.clone(), scales.clone()
+                    _encode(x, v, scales, signed)
+                    torch.where(keep, old_c, v, out=v)
+                    torch.where(keep, old_s, scales, out=scales)
                 else:
-                    self._write_slot(p, target, st, x)
+                    _encode(x, v, scales, signed)
             elif kind == "split":
-                lowp.split_encode_(x, target, mt.local(st["master_low"]))
+                lowp.split_encode_(x, target[0], target[1])
             elif kind == "stochastic":
-                dev = target.device
-                if dev not in gens:
-                    gens[dev] = self._rounding_generator(dev, gi)
-                lowp.stochastic_round_(x, target, gens[dev])
+                dev = x.device
+                if dev not in run.gens:
+                    run.gens[dev] = self._rounding_generator(dev, run.gi)
+                lowp.stochastic_round_(x, target[0], run.gens[dev])
             elif kind == "kahan":
-                comp = mt.local(st["kahan_comp"])
-                old = torch.empty(target.shape, dtype=torch.float32, device=target.device).copy_(target)
+                pv, comp = target
+                old = torch.empty(pv.shape, dtype=torch.float32, device=pv.device).copy_(pv)
                 if keep is None:
-                    lowp.kahan_encode_(old, x, target, comp)
+                    lowp.kahan_encode_(old, x, pv, comp)
                 else:
-                    p_old, c_old = target.clone(), comp.clone()
-                    lowp.kahan_encode_(old, x, target, comp)
-                    torch.where(keep, p_old, target, out=target)
+                    p_old, c_old = pv.clone(), comp.clone()
+                    lowp.kahan_encode_(old, x, pv, comp)
+                    torch.where(keep, p_old, pv, out=pv)
                     torch.where(keep, c_old, comp, out=comp)
             else:  # a plain low-precision (or non-contiguous) weight: rounded to nearest
-                target.copy_(x)
-
-    def _write_slot_unless(self, p: Tensor, slot: str, st: dict, x: Tensor, keep: Tensor) -> None:
-        """:meth:`_write_slot` of an 8-bit slot, its old codes and scales kept where ``keep`` (a skipped
-        step: re-quantising unchanged values need not give the same codes)."""
-        codes, scales = mt.local(st[slot]), mt.local(st[scales_key(slot)])
-        old_c, old_s = codes.clone(), scales.clone()
-        self._write_slot(p, slot, st, x)
-        torch.where(keep, old_c, codes, out=codes)
-        torch.where(keep, old_s, scales, out=scales)
+                target[0].copy_(x)
 
     # ---------------------------------------------------------------------------------------- checkpoints
 

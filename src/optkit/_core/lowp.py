@@ -76,6 +76,35 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> Tensor:
     return hit
 
 
+_luts: dict[tuple[bool, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _nearest_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Tables for the nearest map index of an fp32 ``v`` from the high 16 bits of its pattern ``h`` (index
+    ``h + 32768``): ``base[h]``, the count of the map's midpoints below every fp32 value with those high
+    bits, and ``mid[h]``, the one midpoint among them (+inf if none), so that the index is ``base + (mid <
+    v)``: the count of midpoints below ``v``, which is what a binary search returns. Exact because the
+    map's midpoints are further apart than such a range of values is wide (at most one in each: checked)."""
+    key = (bool(signed), torch.device(device))
+    hit = _luts.get(key)
+    if hit is None:
+        q = dynamic_map(signed)
+        mids = (q[1:] + q[:-1]) * 0.5
+        high = torch.arange(-32768, 32768, dtype=torch.int32) << 16
+        a, b = high.view(torch.float32), (high | 0xFFFF).view(torch.float32)
+        lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+        base = torch.searchsorted(mids, lo)
+        count = torch.searchsorted(mids, hi, right=True) - base
+        finite = lo.isfinite() & hi.isfinite()
+        if bool((count[finite] > 1).any()):  # pragma: no cover - a property of the map, checked once
+            raise AssertionError("dynamic map midpoints closer than a bfloat16 range")
+        mid = torch.where(finite & (count == 1), mids[base.clamp(max=mids.numel() - 1)],
+                          torch.full_like(lo, float("inf")))
+        base = torch.where(finite, base, torch.zeros_like(base))
+        hit = _luts[key] = (base.to(torch.uint8).to(key[1]), mid.to(key[1]))
+    return hit
+
+
 def _rows(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     """``(rows, row length)``: a tensor's elements as rows along dim 0 (one row for 0-d and 1-d)."""
     n = math.prod(shape)
@@ -105,9 +134,8 @@ def _blocks(x: Tensor) -> tuple[Tensor, Tensor | None]:
 def quantize_(x: Tensor, codes: Tensor, scales: Tensor, signed: bool) -> None:
     """Write the 8-bit form of fp32 ``x`` into ``codes`` (uint8, ``x``'s shape, contiguous) and ``scales``
     (fp32, :func:`scales_shape`): each block's absolute maximum, each element the index of the map value
-    nearest to ``x/a`` (ties to the lower index; an all-zero block gets ``a = 0`` and codes of 0)."""
-    q = dynamic_map(signed, x.device)
-    mids = (q[1:] + q[:-1]) * 0.5
+    nearest to ``x/a`` (ties to the lower index; an all-zero block gets ``a = 0`` and the code of 0)."""
+    base_t, mid_t = _nearest_tables(signed, x.device)
     x = x.contiguous()
     main, tail = _blocks(x)
     c_main, c_tail = _blocks(codes)
@@ -120,9 +148,13 @@ def quantize_(x: Tensor, codes: Tensor, scales: Tensor, signed: bool) -> None:
             continue
         a = xs.abs().amax(dim=2)
         ss.copy_(a)
-        inv = torch.where(a > 0, 1.0 / a, torch.zeros((), dtype=a.dtype, device=a.device)).unsqueeze(2)
-        idx = torch.searchsorted(mids, (xs * inv).reshape(-1))
-        cs.copy_(idx.view(cs.shape))
+        safe = torch.where(a > 0, a, torch.ones((), dtype=a.dtype, device=a.device)).unsqueeze(2)
+        v = torch.div(xs, safe).view(-1)
+        # the nearest map value's index: the count of midpoints below v (_nearest_tables)
+        idx = _halves(v)[1].to(torch.int32).add_(32768)
+        code = torch.index_select(base_t, 0, idx)
+        code.add_(torch.index_select(mid_t, 0, idx).lt_(v).to(torch.uint8))
+        cs.copy_(code.view(cs.shape))
 
 
 def quantize(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
