@@ -34,7 +34,6 @@ Slots (fp32 values ``x`` of a slot, kept as):
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 from torch import Tensor
@@ -48,7 +47,6 @@ BLOCK = 256
 #: block scales would cost more than the bytes saved, and they are the norms and biases
 MIN_QUANT_NUMEL = 4096
 
-_LITTLE = sys.byteorder == "little"
 _maps: dict[tuple[bool, torch.device], Tensor] = {}
 
 
@@ -151,7 +149,7 @@ def quantize_(x: Tensor, codes: Tensor, scales: Tensor, signed: bool) -> None:
         safe = torch.where(a > 0, a, torch.ones((), dtype=a.dtype, device=a.device)).unsqueeze(2)
         v = torch.div(xs, safe).view(-1)
         # the nearest map value's index: the count of midpoints below v (_nearest_tables)
-        idx = _halves(v)[1].to(torch.int32).add_(32768)
+        idx = v.view(torch.int32).bitwise_right_shift(16).add_(32768)
         code = torch.index_select(base_t, 0, idx)
         code.add_(torch.index_select(mid_t, 0, idx).lt_(v).to(torch.uint8))
         cs.copy_(code.view(cs.shape))
@@ -179,29 +177,23 @@ def dequantize(codes: Tensor, scales: Tensor, signed: bool, out: Tensor | None =
     return out
 
 
-def _halves(bits32: Tensor) -> tuple[Tensor, Tensor]:
-    """The (low, high) int16 halves of a contiguous 32-bit tensor, as strided views."""
-    pairs = bits32.reshape(-1).view(torch.int16).view(-1, 2)
-    return (pairs[:, 0], pairs[:, 1]) if _LITTLE else (pairs[:, 1], pairs[:, 0])
-
-
 def split_decode(hi: Tensor, lo: Tensor, out: Tensor | None = None) -> Tensor:
     """The fp32 master whose high half is the bfloat16 ``hi`` and low half the int16 ``lo`` (contiguous,
     ``hi``'s shape; into ``out`` if given)."""
     if out is None:
         out = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
-    low, high = _halves(out)
-    high.view(hi.shape).copy_(hi.view(torch.int16))
-    low.view(lo.shape).copy_(lo)
+    out.copy_(hi)  # (exact: the bfloat16's bits become the high half, the low half zero)
+    # (integer arithmetic over contiguous tensors: a copy into every other int16 is a slow strided loop)
+    out.view(torch.int32).bitwise_or_(lo.to(torch.int32).bitwise_and_(0xFFFF).view(out.shape))
     return out
 
 
 def split_encode_(w: Tensor, hi: Tensor, lo: Tensor) -> None:
     """Cut the fp32 ``w`` (contiguous) into its high half, written into the bfloat16 ``hi`` (any layout: the
     weight rounded toward zero), and its low half, into the int16 ``lo``."""
-    low, high = _halves(w)
-    hi.view(torch.int16).copy_(high.view(hi.shape))
-    lo.copy_(low.view(lo.shape))
+    bits = w.view(torch.int32)
+    hi.view(torch.int16).copy_(bits.bitwise_right_shift(16).view(hi.shape))  # (fits: an arithmetic shift)
+    lo.copy_(bits.view(lo.shape))  # (int32 → int16 keeps the low 16 bits, two's complement)
 
 
 def stochastic_round_(w: Tensor, out: Tensor, generator: torch.Generator | None) -> None:
@@ -212,9 +204,8 @@ def stochastic_round_(w: Tensor, out: Tensor, generator: torch.Generator | None)
     bits = w.view(torch.int32)
     r = torch.randint(0, 1 << 16, w.shape, dtype=torch.int32, device=w.device, generator=generator)
     r.masked_fill_(w.isnan(), 0)
-    r.add_(bits)
-    _, high = _halves(r)
-    out.view(torch.int16).copy_(high.view(out.shape))
+    r.add_(bits).bitwise_right_shift_(16)
+    out.view(torch.int16).copy_(r.view(out.shape))
 
 
 def kahan_encode_(old: Tensor, new: Tensor, p: Tensor, comp: Tensor) -> None:
