@@ -132,7 +132,8 @@ def _blocks(x: Tensor) -> tuple[Tensor, Tensor | None]:
 def quantize_(x: Tensor, codes: Tensor, scales: Tensor, signed: bool) -> None:
     """Write the 8-bit form of fp32 ``x`` into ``codes`` (uint8, ``x``'s shape, contiguous) and ``scales``
     (fp32, :func:`scales_shape`): each block's absolute maximum, each element the index of the map value
-    nearest to ``x/a`` (ties to the lower index; an all-zero block gets ``a = 0`` and the code of 0)."""
+    nearest to ``x/a`` (ties to the lower index; an all-zero block gets ``a = 0`` and every code the index
+    of the map's 0: 127 signed, 0 unsigned)."""
     base_t, mid_t = _nearest_tables(signed, x.device)
     x = x.contiguous()
     main, tail = _blocks(x)
