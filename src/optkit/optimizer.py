@@ -395,7 +395,11 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Lean
             if grad_scale is not None:
                 callers = [g for _, _, gs in gathered for g in gs]
             one = torch.ones((), dtype=torch.float32, device=dev)
-            gathered = [(idx, ps, mt.scaled_copies(gs, one)) for idx, ps, gs in gathered]
+            # (a master-free bfloat16 weight's copy is float32: the clip factor is applied as on its fp32
+            # master's gradient, not rounded to bfloat16 again)
+            gathered = [(idx, ps, mt.scaled_copies(gs, one, [
+                torch.float32 if self._weight_form(p) is not None and not g.is_sparse else g.dtype
+                for p, g in zip(ps, gs)])) for idx, ps, gs in gathered]
         sparse_callers: list[Tensor] | None = None
         if grad_scale is not None and not self.scratch_grads and not own:
             callers = sparse_callers = []  # (the sparse ones: _handle_sparse collects them)
