@@ -470,6 +470,12 @@ def tp_sequence_parallel(rank: int, world: int, workdir: str) -> dict:
     return run_sp(rank, world)
 
 
+def lean_modes(rank: int, world: int, workdir: str) -> dict:
+    from .lean_scenarios import run_lean
+
+    return run_lean(rank, world, workdir)
+
+
 def _train_op_scenario(name: str):
     def run(rank: int, world: int, workdir: str) -> Any:
         from . import train_op_scenarios
@@ -496,6 +502,7 @@ SCENARIOS = {
     "collectives_per_step": collectives_per_step,
     "mesh_argument": mesh_argument,
     "all_reduce_gradients": all_reduce_gradients,
+    "lean_modes": lean_modes,
 }
 
 

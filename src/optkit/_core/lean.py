@@ -77,10 +77,11 @@ def normalize_state_dtype(value: Any, where: str = "state_dtype") -> str | None:
 
 
 def _quantizable(p: Tensor) -> bool:
-    """Whether a parameter's slots may be 8-bit: enough elements (:data:`~optkit._core.lowp.MIN_QUANT_NUMEL`),
-    and, for a DTensor, sharded only along dim 0 of a 2-d or larger tensor (the block scales then shard
-    along with the rows: FSDP2) or replicated."""
-    if mt.local(p).numel() < lowp.MIN_QUANT_NUMEL:
+    """Whether a parameter's slots may be 8-bit: enough elements (:data:`~optkit._core.lowp.MIN_QUANT_NUMEL`,
+    counted over the whole tensor, so that every shard and the unsharded run decide alike), and, for a
+    DTensor, sharded only along dim 0 of a 2-d or larger tensor (the block scales then shard along with the
+    rows: FSDP2) or replicated."""
+    if p.numel() < lowp.MIN_QUANT_NUMEL:
         return False
     if not mt.is_dtensor(p):
         return True
@@ -327,8 +328,11 @@ class LeanMixin:
         for j, p in enumerate(params):
             lp = mt.local(p)
             budget = self._lean_budget(lp.device)
-            for rng in (_pieces(lp, budget) if splits else (None,)):
-                n = lp.numel() if rng is None else _piece_numel(lp, rng)
+            # (a sharded parameter is never cut, and counts with its whole size: every rank then cuts the
+            # same bunches, and the rules' mesh reductions of each bunch match across ranks)
+            dt = mt.is_dtensor(p)
+            for rng in (_pieces(lp, budget) if splits and not dt else (None,)):
+                n = p.numel() if rng is None else _piece_numel(lp, rng)
                 if bunch and (total + n > budget or lp.device != dev):
                     self._lean_bunch(run, bunch)
                     bunch, total = [], 0
@@ -391,7 +395,14 @@ class LeanMixin:
         names = [u.name for u in units]
         use_wd = [u.use_wd for u in units]
         group, lr, k = run.group, run.lr, run.k
-        aux = self._prepare(group, PlanView(names, slots32, use_wd), ws, g32, lr, k)
+        # the rule's _prepare sees the scratch laid out as the parameters (DTensors over the same local
+        # storage), as the planned pass shows it the parameters: its whole-tensor norms (LARS, LAMB) are then
+        # reduced across the mesh
+        pw, pg = ws, g32
+        if any(mt.is_dtensor(u.param) for u in units):
+            pw = [_like_placement(u.param, w, tuple(u.param.shape)) for u, w in zip(units, ws)]
+            pg = [_like_placement(u.param, g, tuple(u.param.shape)) for u, g in zip(units, g32)]
+        aux = self._prepare(group, PlanView(names, slots32, use_wd), pw, pg, lr, k)
         if run.decay is not None:
             dp = [w for w, d in zip(ws, use_wd) if d]
             if dp:

@@ -104,10 +104,11 @@ def _nearest_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]
 
 
 def _rows(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """``(rows, row length)``: a tensor's elements as rows along dim 0 (one row for 0-d and 1-d)."""
-    n = math.prod(shape)
-    rows = shape[0] if len(shape) >= 2 else 1
-    return rows, (n // rows if rows else 0)
+    """``(rows, row length)``: a tensor's elements as rows along dim 0 (one row for 0-d and 1-d); a shard
+    with no rows keeps the row length (its block scales keep their columns)."""
+    if len(shape) >= 2:
+        return shape[0], math.prod(shape[1:])
+    return 1, math.prod(shape)
 
 
 def scales_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
@@ -134,6 +135,8 @@ def quantize_(x: Tensor, codes: Tensor, scales: Tensor, signed: bool) -> None:
     (fp32, :func:`scales_shape`): each block's absolute maximum, each element the index of the map value
     nearest to ``x/a`` (ties to the lower index; an all-zero block gets ``a = 0`` and every code the index
     of the map's 0: 127 signed, 0 unsigned)."""
+    if x.numel() == 0:  # (a shard with no rows)
+        return
     base_t, mid_t = _nearest_tables(signed, x.device)
     x = x.contiguous()
     main, tail = _blocks(x)
@@ -170,6 +173,8 @@ def dequantize(codes: Tensor, scales: Tensor, signed: bool, out: Tensor | None =
     if out is None:
         out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     torch.index_select(q, 0, codes.reshape(-1).to(torch.int32), out=out.view(-1))
+    if out.numel() == 0:  # (a shard with no rows)
+        return out
     main, tail = _blocks(out)
     s = scales.view(main.shape[0], -1)
     main.mul_(s[:, :main.shape[1]].unsqueeze(2))
