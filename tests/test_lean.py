@@ -133,7 +133,7 @@ def test_split_master_is_the_fp32_run(name, variant):
     ob, pb, _ = _run(name, BF16, gs, ws, precision="split", **extra)
     for p, q in zip(pb, p32):
         st = ob.state[p]
-        assert p.dtype == BF16 and st["master_low"].dtype == torch.int16
+        assert p.dtype == BF16 and st["master_low"].dtype == torch.bfloat16
         master = lowp.split_decode(p.detach(), st["master_low"])
         assert torch.equal(_bits(master), _bits(q)), name
         assert torch.equal(_bits(p.float()), _bits(q) & ~0xFFFF)  # the high half: truncated toward zero

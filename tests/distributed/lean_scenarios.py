@@ -79,7 +79,8 @@ class LeanNet(nn.Module):
             self.register_parameter(n, nn.Parameter(t.clone()))
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
+def _np(t: torch.Tensor, raw: bool = False) -> np.ndarray:
+    """``t`` gathered, as NumPy; ``raw``: a 16-bit tensor's bits as int16 (``master_low``)."""
     if mt.is_dtensor(t):
         if t.dtype == torch.int16:  # (gloo and NCCL gather no int16: the values travel as int32)
             from torch.distributed.tensor import DTensor
@@ -90,6 +91,8 @@ def _np(t: torch.Tensor) -> np.ndarray:
         else:
             t = t.full_tensor()
     t = t.detach().cpu()
+    if raw:
+        return t.view(torch.int16).numpy().copy()
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
 
 
@@ -107,7 +110,7 @@ def lean_snapshot(named: dict[str, torch.Tensor], opt: Any) -> dict:
     for n, p in named.items():
         st = opt.state[p]
         out["params"][n] = _np(p)
-        out["state"][n] = {k: _np(v) for k, v in sorted(st.items())
+        out["state"][n] = {k: _np(v, raw=k == "master_low") for k, v in sorted(st.items())
                            if isinstance(v, torch.Tensor) and k != "step"}
         out["layout"][n] = {k: (str(v.dtype), *_layout(v)) for k, v in sorted(st.items())
                             if isinstance(v, torch.Tensor) and v.ndim > 0}
@@ -244,7 +247,8 @@ def _dcp_case(opt_name: str, mode: str, workdir: str, full_sd: bool) -> dict:
 
 def _plain(sd: dict) -> dict:
     """A full optimizer state dict as picklable NumPy values (dtype names beside them)."""
-    return {"state": {k: {s: _np(v) if isinstance(v, torch.Tensor) else v for s, v in st.items()}
+    return {"state": {k: {s: _np(v, raw=s == "master_low") if isinstance(v, torch.Tensor) else v
+                          for s, v in st.items()}
                       for k, st in sd["state"].items()},
             "dtypes": {k: {s: str(v.dtype) for s, v in st.items() if isinstance(v, torch.Tensor)}
                        for k, st in sd["state"].items()},
@@ -259,7 +263,7 @@ def run_lean(rank: int, world: int, workdir: str) -> dict:
             out[f"fsdp/{name}/{mode}"] = _case_runner(fsdp_case)(name, mode)
     out["tp/adam/split_int8"] = _case_runner(tp_case)("adam", "split_int8")
     out["tp/lars/split_int8"] = _case_runner(tp_case)("lars", "split_int8")
-    out["dcp/adam/split_int8"] = _case_runner(_dcp_case)("adam", "split_int8", workdir + "_adam", False)
+    out["dcp/adam/split_int8"] = _case_runner(_dcp_case)("adam", "split_int8", workdir + "_adam", True)
     out["dcp/adam/kahan_int8"] = _case_runner(_dcp_case)("adam", "kahan_int8", workdir + "_adamk", True)
     out["dcp/sgd/kahan_bf16"] = _case_runner(_dcp_case)("sgd", "kahan_bf16", workdir + "_sgd", True)
     return out

@@ -258,13 +258,14 @@ class LeanMixin:
         st[scales_key(slot)] = _like_placement(p, scales, lowp.scales_shape(tuple(p.shape)))
 
     def _lean_init_extras(self, st: dict, p: Tensor) -> None:
-        """The weight format's own per-parameter entry (the split master's low halves, the Kahan
-        compensation), zero: the master starts as the bfloat16 weight."""
+        """The weight format's own per-parameter entry, zero (the master starts as the bfloat16 weight): the
+        split master's low halves, 16 raw bits per element kept in a bfloat16 tensor (int16 has no
+        collective on NCCL or gloo, so an int16 DTensor could not be gathered into a full state dict), or the
+        Kahan compensation."""
         form = self._weight_form(p)
         key = LEAN_EXTRAS.get(form or "")
         if key is not None and key not in st:
-            dtype = torch.int16 if form == "split" else torch.bfloat16
-            st[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+            st[key] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
 
     def _signed(self, slot: str) -> bool:
         return slot not in self.traits.unsigned_slots
@@ -505,5 +506,7 @@ class LeanMixin:
                     else:
                         x = mt.local(v).to(work)
                     self._write_slot(p, key, st, x)
+                elif key == LEAN_EXTRAS["split"] and key in st:  # (raw bits: copied, never converted)
+                    mt.local(st[key]).view(torch.int16).copy_(mt.local(v).view(torch.int16))
                 elif key in LEAN_EXTRAS.values() and key in st:
                     mt.local(st[key]).copy_(mt.local(v))

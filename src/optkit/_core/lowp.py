@@ -5,7 +5,7 @@ the optimizers' rules through them.
 Weights (a bfloat16 parameter ``p``; the rule updates an fp32 value ``w``):
 
 * **split master** (exact). An fp32 number is 32 bits; a bfloat16 number is its high 16 bits. Keeping the
-  low 16 bits ``l`` (int16, 2 B/param) beside ``p`` keeps the whole fp32 master: ``w = bits⁻¹(hi=p, lo=l)``,
+  low 16 bits ``l`` (2 B/param, raw bits) beside ``p`` keeps the whole fp32 master, ``w = bits⁻¹(p, l)``,
   updated in fp32 and cut again. The fp32 trajectory is bit for bit the one of an fp32 master; the model sees
   ``p``, the master rounded toward zero (as in Zamirai et al. 2020, "Revisiting BFloat16 Training", and the
   bf16-fused-adam package's split form).
@@ -184,22 +184,25 @@ def dequantize(codes: Tensor, scales: Tensor, signed: bool, out: Tensor | None =
 
 
 def split_decode(hi: Tensor, lo: Tensor, out: Tensor | None = None) -> Tensor:
-    """The fp32 master whose high half is the bfloat16 ``hi`` and low half the int16 ``lo`` (contiguous,
+    """The fp32 master whose high half is the bfloat16 ``hi`` and low half the 16 bits of ``lo`` (int16, or
+    any 16-bit tensor read as raw bits; contiguous,
     ``hi``'s shape; into ``out`` if given)."""
     if out is None:
         out = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
     out.copy_(hi)  # (exact: the bfloat16's bits become the high half, the low half zero)
     # (integer arithmetic over contiguous tensors: a copy into every other int16 is a slow strided loop)
-    out.view(torch.int32).bitwise_or_(lo.to(torch.int32).bitwise_and_(0xFFFF).view(out.shape))
+    out.view(torch.int32).bitwise_or_(lo.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF).view(
+        out.shape))
     return out
 
 
 def split_encode_(w: Tensor, hi: Tensor, lo: Tensor) -> None:
     """Cut the fp32 ``w`` (contiguous) into its high half, written into the bfloat16 ``hi`` (any layout: the
-    weight rounded toward zero), and its low half, into the int16 ``lo``."""
+    weight rounded toward zero), and its low half, into the 16 bits of ``lo`` (int16, or any 16-bit tensor
+    written as raw bits)."""
     bits = w.view(torch.int32)
     hi.view(torch.int16).copy_(bits.bitwise_right_shift(16).view(hi.shape))  # (fits: an arithmetic shift)
-    lo.copy_(bits.view(lo.shape))  # (int32 → int16 keeps the low 16 bits, two's complement)
+    lo.view(torch.int16).copy_(bits.view(lo.shape))  # (int32 → int16 keeps the low 16 bits)
 
 
 def stochastic_round_(w: Tensor, out: Tensor, generator: torch.Generator | None) -> None:

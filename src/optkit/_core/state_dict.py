@@ -360,7 +360,8 @@ def check_loaded_slot(where: str, name: str, slot: str, p: Tensor, value: Any) -
 def check_lean_entry(where: str, name: str, key: str, p: Tensor, value: Any, entry: dict) -> None:
     """An entry of a lean form (:mod:`optkit._core.lean`): an 8-bit slot (uint8 codes of the parameter's
     shape with float32 block scales, finite and non-negative, under ``<slot>_absmax``), a split master's
-    low halves (int16 of the parameter's shape) or a Kahan compensation (floating, the parameter's shape);
+    low halves (16-bit raw bits, bfloat16 or int16, of the parameter's shape) or a Kahan compensation
+    (floating, the parameter's shape);
     each a DTensor exactly when the parameter is one."""
     if not isinstance(value, Tensor) or value.is_sparse or value.layout != torch.strided or value.is_meta:
         raise ValueError(f"{where}: {key!r} of parameter {name!r} must be a dense tensor with data")
@@ -384,8 +385,9 @@ def check_lean_entry(where: str, name: str, key: str, p: Tensor, value: Any, ent
         raise ValueError(f"{where}: {key!r} of parameter {name!r} has shape {tuple(value.shape)}, the "
                          f"parameter {tuple(p.shape)}")
     if key == LEAN_EXTRAS["split"]:
-        if value.dtype != torch.int16:
-            raise ValueError(f"{where}: {key!r} of parameter {name!r} must be int16, got {value.dtype}")
+        if value.dtype not in (torch.bfloat16, torch.int16):
+            raise ValueError(f"{where}: {key!r} of parameter {name!r} must hold 16-bit raw bits (bfloat16 "
+                             f"or int16), got {value.dtype}")
     elif key == LEAN_EXTRAS["kahan"]:
         if not value.is_floating_point():
             raise ValueError(f"{where}: {key!r} of parameter {name!r} must be floating, got {value.dtype}")
