@@ -1,6 +1,6 @@
 """Every ```python block of README.md, and of the docs pages that hold runnable examples (``DOC_PAGES``: the
-flat-buffer page and the migration guide, whose snippets moved out of or point from the README, and the guide
-to writing an optimizer), runs as written (each in a fresh namespace, in a temporary folder)."""
+flat-buffer page and the migration guide, whose snippets moved out of or point from the README, the guide
+to writing an optimizer and the lean-precision page), runs as written (each in a fresh namespace, in a temporary folder)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: docs pages whose ```python blocks are complete examples (docs/api.md's blocks are signatures)
-DOC_PAGES = ("docs/flat_buffers.md", "docs/migrating.md", "docs/extending.md")
+DOC_PAGES = ("docs/flat_buffers.md", "docs/migrating.md", "docs/extending.md", "docs/precision.md")
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
