@@ -1,6 +1,7 @@
 """Every ```python block of README.md, and of the docs pages that hold runnable examples (``DOC_PAGES``: the
 flat-buffer page and the migration guide, whose snippets moved out of or point from the README, the guide
-to writing an optimizer and the lean-precision page), runs as written (each in a fresh namespace, in a temporary folder)."""
+to writing an optimizer and the lean-precision page), runs as written (each in a fresh namespace, in a
+temporary folder)."""
 
 from __future__ import annotations
 

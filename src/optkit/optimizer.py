@@ -533,7 +533,7 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Lean
         """The rule on one parameter with gradient ``g`` (Keras ``update_step``)."""
         name = group["param_names"][index]
         slots = {s: [self.state[p][s]] for s in self._active_slots(group)}
-        plan = PlanView([name], slots, [self._use_weight_decay(p, name)])
+        plan = PlanView([name], slots, [self._use_weight_decay(p, name)], mt.is_dtensor(p))
         aux = self._prepare(group, plan, [p], [g], lr, None)
         self._update(group, [mt.local(p)], [mt.local(g)],
                      {s: [mt.local(t) for t in v] for s, v in slots.items()}, lr, None, None, aux)

@@ -20,6 +20,7 @@ one did.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -175,6 +176,36 @@ class _LeanRun:
     def __init__(self, group, active, lr, k, found_inf, keep, decay, gens, gi) -> None:
         self.group, self.active, self.lr, self.k = group, active, lr, k
         self.found_inf, self.keep, self.decay, self.gens, self.gi = found_inf, keep, decay, gens, gi
+
+
+class _Flat:
+    """One flat scratch buffer and a contiguous view of it per shape (``pair``: two such buffers)."""
+
+    __slots__ = ("buf", "views", "pair")
+
+    def __init__(self, shapes: list, dtype: torch.dtype, device: torch.device, pair: bool = False) -> None:
+        sizes = [math.prod(sh) for sh in shapes]
+        if pair:
+            self.pair = (_Flat(shapes, dtype, device), _Flat(shapes, dtype, device))
+            return
+        self.buf = torch.empty(sum(sizes), dtype=dtype, device=device)
+        self.views = _views(self.buf, shapes)
+
+
+def _views(buf: Tensor, like: list) -> list[Tensor]:
+    """Consecutive views of the flat ``buf`` shaped as ``like`` (tensors or shapes)."""
+    out, o = [], 0
+    for t in like:
+        sh = t.shape if isinstance(t, Tensor) else t
+        m = math.prod(sh)
+        out.append(buf[o:o + m].view(sh))
+        o += m
+    return out
+
+
+def _cat(ts: list[Tensor]) -> Tensor:
+    """The tensors' values in order, flat (one copy)."""
+    return torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()
 
 
 class LeanMixin:
@@ -334,12 +365,13 @@ class LeanMixin:
             dt = mt.is_dtensor(p)
             for rng in (_pieces(lp, budget) if splits and not dt else (None,)):
                 n = p.numel() if rng is None else _piece_numel(lp, rng)
-                if bunch and (total + n > budget or lp.device != dev):
+                kind = (lp.device, lp.dtype == torch.float64)  # (one device and working dtype a bunch)
+                if bunch and (total + n > budget or kind != dev):
                     self._lean_bunch(run, bunch)
                     bunch, total = [], 0
                 bunch.append(_Unit(p, lp, grads[j], rng, names[j], use_wd[j],
                                    None if mult is None else mult[j]))
-                total, dev = total + n, lp.device
+                total, dev = total + n, kind
         if bunch:
             self._lean_bunch(run, bunch)
         if unscale is not None:
@@ -351,106 +383,148 @@ class LeanMixin:
             self._ema_rest(group, idx, applied)
 
     def _lean_bunch(self, run: _LeanRun, units: list[_Unit]) -> None:
-        """One bunch of the lean pass (:meth:`_run_lean`): decode, the rule, encode."""
-        ws: list[Tensor] = []
-        g32: list[Tensor] = []
-        slots32: dict[str, list[Tensor]] = {s: [] for s in run.active}
-        writes: list[tuple] = []  # (kind, target views, scratch): what goes back after the rule
+        """One bunch of the lean pass (:meth:`_run_lean`): decode, the rule, encode. Every decoded list is
+        views of one flat scratch buffer, so that each format's decoding and encoding is a few multi-tensor
+        or whole-buffer kernels for the bunch, whatever its number of tensors (8-bit slots: a few per
+        tensor)."""
+        dev = units[0].local.device
+        work = torch.float64 if units[0].local.dtype == torch.float64 else torch.float32
+        n = len(units)
+        pvs = [_piece(u.local, u.rng) for u in units]
+        states = [self.state[u.param] for u in units]
+        # gradients: float copies (the rule may write its gradients), multiplied by a wrapper's factors
+        gsrc = []
         for u in units:
-            lp, st = u.local, self.state[u.param]
-            work = torch.float64 if lp.dtype == torch.float64 else torch.float32
             g = mt.local(u.grad)
-            if g.is_sparse:
-                g = g.to_dense()
-            g = _piece(g, u.rng)
-            gc = torch.empty(g.shape, dtype=work, device=g.device)
-            gc.copy_(g)
-            if u.mult is not None:
-                gc.mul_(u.mult.to(device=gc.device, dtype=work))
-            g32.append(gc)
-            pv = _piece(lp, u.rng)
+            gsrc.append(_piece(g.to_dense() if g.is_sparse else g, u.rng))
+        g32 = _Flat([g.shape for g in gsrc], work, dev).views
+        torch._foreach_copy_(g32, gsrc)
+        sel = [(g32[i], u.mult) for i, u in enumerate(units) if u.mult is not None]
+        if sel:
+            mt.scale_([t for t, _ in sel], [m.to(device=dev, dtype=work) for _, m in sel])
+        # weights: in place (already contiguous in the working dtype), or decoded per format
+        ws: list[Tensor | None] = [None] * n
+        kinds: dict[str, list[int]] = {}
+        for i, (u, pv) in enumerate(zip(units, pvs)):
             form = self._weight_form(u.param)
             if form is None and pv.dtype == work and pv.is_contiguous():
-                w = pv  # (in place)
-            elif form == "split":
-                low = _piece(mt.local(st["master_low"]), u.rng)
-                w = lowp.split_decode(pv, low)
-                writes.append(("split", (pv, low), w))
+                ws[i] = pv
             else:
-                w = torch.empty(pv.shape, dtype=work, device=pv.device)
-                w.copy_(pv)
-                extra = _piece(mt.local(st["kahan_comp"]), u.rng) if form == "kahan" else None
-                writes.append((form or "plain", (pv, extra), w))
-            ws.append(w)
-            for s in run.active:
-                v = _piece(mt.local(st[s]), u.rng)
-                if v.dtype == work and v.is_contiguous():
-                    slots32[s].append(v)
-                    continue
-                scales = None
-                if v.dtype == torch.uint8:
-                    scales = _scales_piece(mt.local(st[scales_key(s)]), lp, u.rng)
-                x = _decode(v, scales, self._signed(s), work)
-                slots32[s].append(x)
-                writes.append(("slot", (v, scales, self._signed(s)), x))
+                kinds.setdefault(form or "plain", []).append(i)
+        flats: dict[str, _Flat] = {}
+        for kind, ix in kinds.items():
+            f = flats[kind] = _Flat([pvs[i].shape for i in ix], work, dev)
+            if kind == "split":
+                lows = [self._extra(states[i], "master_low", units[i]) for i in ix]
+                lowp.split_decode(_cat([pvs[i] for i in ix]), _cat(lows), out=f.buf)
+            else:
+                torch._foreach_copy_(f.views, [pvs[i] for i in ix])
+            for i, v in zip(ix, f.views):
+                ws[i] = v
+        # slots: in place (contiguous in the working dtype), copied (another float dtype) or 8-bit decoded
+        slots32: dict[str, list[Tensor]] = {}
+        slot_writes: list[tuple] = []
+        for s in run.active:
+            stored = [_piece(mt.local(st[s]), u.rng) for st, u in zip(states, units)]
+            out: list[Tensor | None] = [v if v.dtype == work and v.is_contiguous() else None for v in stored]
+            ix = [i for i, v in enumerate(out) if v is None]
+            if ix:
+                f = _Flat([stored[i].shape for i in ix], work, dev)
+                floats = [(i, v) for i, v in zip(ix, f.views) if stored[i].dtype != torch.uint8]
+                if floats:
+                    torch._foreach_copy_([v for _, v in floats], [stored[i] for i, _ in floats])
+                    slot_writes.append(("float", [stored[i] for i, _ in floats], [v for _, v in floats]))
+                for i, v in zip(ix, f.views):
+                    out[i] = v
+                    if stored[i].dtype == torch.uint8:
+                        u = units[i]
+                        scales = _scales_piece(mt.local(states[i][scales_key(s)]), u.local, u.rng)
+                        lowp.dequantize(stored[i], scales, self._signed(s), out=v)
+                        slot_writes.append(("int8", (stored[i], scales, self._signed(s)), v))
+            slots32[s] = out  # type: ignore[assignment]
         names = [u.name for u in units]
         use_wd = [u.use_wd for u in units]
         group, lr, k = run.group, run.lr, run.k
+        wlist: list[Tensor] = ws  # type: ignore[assignment]
         # the rule's _prepare sees the scratch laid out as the parameters (DTensors over the same local
         # storage), as the planned pass shows it the parameters: its whole-tensor norms (LARS, LAMB) are then
         # reduced across the mesh
-        pw, pg = ws, g32
-        if any(mt.is_dtensor(u.param) for u in units):
-            pw = [_like_placement(u.param, w, tuple(u.param.shape)) for u, w in zip(units, ws)]
+        pw, pg = wlist, g32
+        dtensors = any(mt.is_dtensor(u.param) for u in units)
+        if dtensors:
+            pw = [_like_placement(u.param, w, tuple(u.param.shape)) for u, w in zip(units, wlist)]
             pg = [_like_placement(u.param, g, tuple(u.param.shape)) for u, g in zip(units, g32)]
-        aux = self._prepare(group, PlanView(names, slots32, use_wd), pw, pg, lr, k)
+        aux = self._prepare(group, PlanView(names, slots32, use_wd, dtensors), pw, pg, lr, k)
         if run.decay is not None:
-            dp = [w for w, d in zip(ws, use_wd) if d]
+            dp = [w for w, d in zip(wlist, use_wd) if d]
             if dp:
                 mt.scale_(dp, run.decay)
         # the rule runs as in the planned pass over one block of whole tensors (its kernel forms read the
         # block's hints: one (device, dtype), contiguous chunks, the owners' per-tensor values)
         blk = Block()
-        blk.owners, blk.params, blk.slots = list(range(len(ws))), ws, slots32
+        blk.owners, blk.params, blk.slots = list(range(n)), wlist, slots32
         blk.averages = blk.split = None
-        kinds = {(t.device, t.dtype) for t in ws}
-        blk.key = next(iter(kinds)) if len(kinds) == 1 else None
+        blk.key = (dev, work)
         blk.identity, blk.all_wd, blk.static_contiguous = True, all(use_wd), True
         self._block = blk
         try:
-            self._update(group, ws, g32, slots32, lr, k, run.found_inf, aux)
+            self._update(group, wlist, g32, slots32, lr, k, run.found_inf, aux)
         finally:
             self._block = None
+        self._lean_encode(run, units, pvs, states, kinds, flats, slot_writes)
+
+    def _extra(self, st: dict, key: str, u: _Unit) -> Tensor:
+        """The weight format's entry ``key`` of a unit's parameter, cut to the unit's piece."""
+        return _piece(mt.local(st[key]), u.rng)
+
+    def _lean_encode(self, run, units, pvs, states, kinds, flats, slot_writes) -> None:
+        """The encoding half of :meth:`_lean_bunch`: each format's results back into the weights and their
+        entries, then the slots. A skipped step leaves every bit: the rule left the scratch as decoded, which
+        the split, stochastic, plain and bfloat16 encodings give back exactly; the Kahan and 8-bit ones are
+        selected against the old values."""
         keep = run.keep
-        for kind, target, x in writes:
-            if kind == "slot":
-                v, scales, signed = target
-                if keep is not None and scales is not None:
-                    old_c, old_s = v.clone(), scales.clone()
-                    _encode(x, v, scales, signed)
-                    torch.where(keep, old_c, v, out=v)
-                    torch.where(keep, old_s, scales, out=scales)
-                else:
-                    _encode(x, v, scales, signed)
-            elif kind == "split":
-                lowp.split_encode_(x, target[0], target[1])
+        for kind, ix in kinds.items():
+            f = flats[kind]
+            targets = [pvs[i] for i in ix]
+            if kind == "split":
+                hi, lo = _Flat([t.shape for t in targets], torch.bfloat16, f.buf.device, pair=True).pair
+                lowp.split_encode_(f.buf, hi.buf, lo.buf)
+                torch._foreach_copy_(targets, hi.views)
+                torch._foreach_copy_([self._extra(states[i], "master_low", units[i]) for i in ix], lo.views)
             elif kind == "stochastic":
-                dev = x.device
+                out = _Flat([t.shape for t in targets], torch.bfloat16, f.buf.device)
+                dev = f.buf.device
                 if dev not in run.gens:
                     run.gens[dev] = self._rounding_generator(dev, run.gi)
-                lowp.stochastic_round_(x, target[0], run.gens[dev])
+                lowp.stochastic_round_(f.buf, out.buf, run.gens[dev])
+                torch._foreach_copy_(targets, out.views)
             elif kind == "kahan":
-                pv, comp = target
-                old = torch.empty(pv.shape, dtype=torch.float32, device=pv.device).copy_(pv)
+                comps = [self._extra(states[i], "kahan_comp", units[i]) for i in ix]
+                p_flat, c_flat = _cat(targets), _cat(comps)
+                old = p_flat.float()
                 if keep is None:
-                    lowp.kahan_encode_(old, x, pv, comp)
+                    lowp.kahan_encode_(old, f.buf, p_flat, c_flat)
                 else:
-                    p_old, c_old = pv.clone(), comp.clone()
-                    lowp.kahan_encode_(old, x, pv, comp)
-                    torch.where(keep, p_old, pv, out=pv)
-                    torch.where(keep, c_old, comp, out=comp)
+                    p_old, c_old = p_flat.clone(), c_flat.clone()
+                    lowp.kahan_encode_(old, f.buf, p_flat, c_flat)
+                    torch.where(keep, p_old, p_flat, out=p_flat)
+                    torch.where(keep, c_old, c_flat, out=c_flat)
+                torch._foreach_copy_(targets, _views(p_flat, targets))
+                torch._foreach_copy_(comps, _views(c_flat, comps))
             else:  # a plain low-precision (or non-contiguous) weight: rounded to nearest
-                target[0].copy_(x)
+                torch._foreach_copy_(targets, f.views)
+        for kind, target, x in slot_writes:
+            if kind == "float":
+                torch._foreach_copy_(target, x)
+                continue
+            v, scales, signed = target
+            if keep is not None:
+                old_c, old_s = v.clone(), scales.clone()
+                _encode(x, v, scales, signed)
+                torch.where(keep, old_c, v, out=v)
+                torch.where(keep, old_s, scales, out=scales)
+            else:
+                _encode(x, v, scales, signed)
 
     # ---------------------------------------------------------------------------------------- checkpoints
 

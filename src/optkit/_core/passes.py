@@ -535,4 +535,4 @@ class PassesMixin:
         names = [group["param_names"][i] for i in idx]
         use_wd = [self._use_weight_decay(p, n) for p, n in zip(params, names)]
         slots = {s: [self.state[p][s] for p in params] for s in self._active_slots(group)}
-        return PlanView(names, slots, use_wd)
+        return PlanView(names, slots, use_wd, any(map(mt.is_dtensor, params)))

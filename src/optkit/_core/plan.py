@@ -112,10 +112,13 @@ def scratch_view(pool: Tensor, offset: int, like: Tensor) -> Tensor:
 
 class PlanView:
     """What an optimizer's ``_prepare`` reads of a plan (names, slot lists, weight-decay mask), built without
-    storage pointers or blocks: for one parameter (``update_step``) and for ``torch.compile`` tracing."""
+    storage pointers or blocks: for one parameter (``update_step``), for ``torch.compile`` tracing and for the
+    lean pass's bunches (:mod:`optkit._core.lean`). ``any_dtensor``: whether a parameter is a DTensor."""
 
-    def __init__(self, names: list[str], slots: dict[str, list[Tensor]], use_wd: list[bool]) -> None:
+    def __init__(self, names: list[str], slots: dict[str, list[Tensor]], use_wd: list[bool],
+                 any_dtensor: bool = False) -> None:
         self.names = names
+        self.any_dtensor = any_dtensor
         self.slots = slots
         self.use_wd = use_wd
         self.any_wd = any(use_wd)
