@@ -244,11 +244,12 @@ class LeanMixin:
         ``"float32"``, ``"bfloat16"`` or ``"int8"``. 8-bit only for slots the rule does not declare exact
         (``Traits.exact_slots``) of parameters large enough (:func:`_quantizable`); the others keep
         float32 (or their parameter's dtype when that is float32 or float64). A slot the rule declares exact
-        is never stored below float32. Without ``state_dtype``: float32 under a master-free ``precision`` (the
-        state of the fp32 run it stands for), else like ``p``."""
+        is never stored below float32. Without ``state_dtype``: float32 for a parameter the master-free
+        ``precision`` updates (the state of the fp32 run it stands for), else like ``p`` (a float32 or float64
+        parameter under a ``precision`` steps as without it)."""
         sd = self.state_dtype
         if sd is None:
-            if self.precision is None:
+            if self._weight_form(p) is None:
                 return None
             sd = "float32"
         exact = slot in self.traits.exact_slots
