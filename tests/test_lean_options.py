@@ -45,3 +45,25 @@ def test_other_dtypes_under_a_precision_step_as_without_it(dtype):
         assert opt.state[ps[0]]["exp_avg"].dtype == dtype
         runs.append([ps[0].detach().clone(), opt.state[ps[0]]["exp_avg"].clone()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("kind", ["adam"])  # (one: each compile costs seconds here)
+def test_torch_compile_of_step_runs_the_lean_pass(kind):
+    """``torch.compile(opt.step)`` over a lean group traces the rule's pointwise form (torch's fused kernels
+    have no fake implementation) and matches the eager step (float32 tolerance on the split master; the
+    ``aot_eager`` backend, no C++ build)."""
+    make = {"sgd": lambda ps: optkit.SGD(ps, learning_rate=0.1, momentum=0.9, precision="split"),
+            "adam": lambda ps: optkit.Adam(ps, 0.01, precision="split", state_dtype="bfloat16"),
+            "lamb": lambda ps: optkit.LAMB(ps, 0.01, weight_decay=0.01, precision="split")}[kind]
+    w0 = _t((64, 80), 0)
+    a, b = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    oa, ob = make([a]), make([b])
+    torch._dynamo.reset()
+    step = torch.compile(ob.step, backend="aot_eager")
+    for k in range(3):
+        a.grad = _t(a.shape, 10 + k, scale=1.0)
+        b.grad = a.grad.clone()
+        oa.step()
+        step()
+    torch.testing.assert_close(master(ob, b), master(oa, a), rtol=1e-5, atol=1e-6)
+    assert int(ob.iterations) == 3

@@ -469,7 +469,11 @@ class LeanMixin:
         blk.identity, blk.all_wd, blk.static_contiguous = True, all(use_wd), True
         self._block = blk
         try:
-            self._update(group, wlist, g32, slots32, lr, k, run.found_inf, aux)
+            if torch.compiler.is_compiling():  # (torch.compile(opt.step): fused kernels have no fake impl)
+                self._pointwise_fallback(group, wlist, g32, [slots32[s] for s in run.active], lr, k,
+                                         run.found_inf, aux)
+            else:
+                self._update(group, wlist, g32, slots32, lr, k, run.found_inf, aux)
         finally:
             self._block = None
         self._lean_encode(run, units, pvs, states, kinds, flats, slot_writes)
