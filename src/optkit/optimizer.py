@@ -532,6 +532,9 @@ class Optimizer(GroupsMixin, SlotsMixin, LearningRateMixin, GradientsMixin, Lean
     def _update_one(self, group: dict, index: int, p: Tensor, g: Tensor, lr: Tensor) -> None:
         """The rule on one parameter with gradient ``g`` (Keras ``update_step``)."""
         name = group["param_names"][index]
+        if self._lean_group(group):  # (decoded into fp32 scratch, the rule, encoded back: optkit._core.lean)
+            self._lean_update_one(group, index, p, g, lr)
+            return
         slots = {s: [self.state[p][s]] for s in self._active_slots(group)}
         plan = PlanView([name], slots, [self._use_weight_decay(p, name)], mt.is_dtensor(p))
         aux = self._prepare(group, plan, [p], [g], lr, None)

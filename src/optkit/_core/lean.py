@@ -158,6 +158,20 @@ def _scales_piece(scales: Tensor, t: Tensor, rng: tuple[int, int] | None) -> Ten
     return scales[rng[0]:rng[1]]
 
 
+def _untouched_blocks(t: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """Masks of the 8-bit blocks of ``t`` that the coalesced sparse gradient ``g`` touches no element of:
+    ``(codes' shape, scales' shape)``. Blocks lie within rows along dim 0 (2-d and more: the rows of ``g``'s
+    indices); a 1-d tensor's blocks are 256 consecutive elements."""
+    index = g._indices()[0]
+    touched = torch.zeros(lowp.scales_shape(tuple(t.shape)), dtype=torch.bool, device=t.device)
+    if t.dim() >= 2:
+        touched[index] = True
+        rows = (t.shape[0],) + (1,) * (t.dim() - 1)
+        return (~touched.any(1)).view(rows).expand(t.shape), ~touched
+    touched[torch.div(index, lowp.BLOCK, rounding_mode="floor")] = True
+    return (~touched).repeat_interleave(lowp.BLOCK)[:t.numel()], ~touched
+
+
 class _Unit:
     """A tensor, or a piece of one, in a bunch of the lean pass."""
 
@@ -356,9 +370,15 @@ class LeanMixin:
         gens: dict[torch.device, torch.Generator | None] = {}
         splits = not (self.traits.prepare_reads_grads or self.traits.keeps_values_in_grads)
         run = _LeanRun(group, active, lr, k, found_inf, keep, decay, gens, gi)
+        sparse = [_Unit(p, mt.local(p), g, None, n, u, None if mult is None else mult[j])
+                  for j, (p, g, n, u) in enumerate(zip(params, grads, names, use_wd)) if g.is_sparse]
+        if sparse:  # coalesced gradients of a rule with a sparse form (TF's touched rows): one bunch of them
+            self._lean_bunch(run, sparse, sparse=True)
         bunch: list[_Unit] = []
         total, dev = 0, None
         for j, p in enumerate(params):
+            if grads[j].is_sparse:
+                continue
             lp = mt.local(p)
             budget = self._lean_budget(lp.device)
             # (a sharded parameter is never cut, and counts with its whole size: every rank then cuts the
@@ -383,26 +403,43 @@ class LeanMixin:
             self._ema_group(group, idx, applied)
             self._ema_rest(group, idx, applied)
 
-    def _lean_bunch(self, run: _LeanRun, units: list[_Unit]) -> None:
+    def _lean_update_one(self, group: dict, index: int, p: Tensor, g: Tensor, lr: Tensor) -> None:
+        """The rule on one parameter of a lean group with gradient ``g`` (Keras ``update_step``: no clip,
+        decay, skip or EMA): decoded, the rule, encoded, as one bunch."""
+        gi = next(i for i, other in enumerate(self.param_groups) if other is group)
+        name = group["param_names"][index]
+        run = _LeanRun(group, self._active_slots(group), lr, None, None, None, None, {}, gi)
+        unit = _Unit(p, mt.local(p), g, None, name, self._use_weight_decay(p, name), None)
+        self._lean_bunch(run, [unit], sparse=g.is_sparse and self.traits.sparse)
+
+    def _lean_bunch(self, run: _LeanRun, units: list[_Unit], sparse: bool = False) -> None:
         """One bunch of the lean pass (:meth:`_run_lean`): decode, the rule, encode. Every decoded list is
         views of one flat scratch buffer, so that each format's decoding and encoding is a few multi-tensor
         or whole-buffer kernels for the bunch, whatever its number of tensors (8-bit slots: a few per
-        tensor)."""
+        tensor). ``sparse``: whole tensors with coalesced sparse gradients, which the rule's sparse form
+        (``_sparse_update``: the touched rows only) applies to the decoded values, as the planned pass
+        applies it to the tensors (no decoupled decay there either); 8-bit blocks no row of the gradient
+        touches keep their codes and scales (re-encoding unchanged values need not give them back)."""
         dev = units[0].local.device
         work = torch.float64 if units[0].local.dtype == torch.float64 else torch.float32
         n = len(units)
         pvs = [_piece(u.local, u.rng) for u in units]
         states = [self.state[u.param] for u in units]
         # gradients: float copies (the rule may write its gradients), multiplied by a wrapper's factors
-        gsrc = []
-        for u in units:
-            g = mt.local(u.grad)
-            gsrc.append(_piece(g.to_dense() if g.is_sparse else g, u.rng))
-        g32 = _Flat([g.shape for g in gsrc], work, dev).views
-        torch._foreach_copy_(g32, gsrc)
-        sel = [(g32[i], u.mult) for i, u in enumerate(units) if u.mult is not None]
-        if sel:
-            mt.scale_([t for t, _ in sel], [m.to(device=dev, dtype=work) for _, m in sel])
+        if sparse:
+            g32 = [mt.local(u.grad).to(work) for u in units]
+            g32 = [g if u.mult is None else g * u.mult.to(device=g.device, dtype=work)
+                   for g, u in zip(g32, units)]
+        else:
+            gsrc = []
+            for u in units:
+                g = mt.local(u.grad)
+                gsrc.append(_piece(g.to_dense() if g.is_sparse else g, u.rng))
+            g32 = _Flat([g.shape for g in gsrc], work, dev).views
+            torch._foreach_copy_(g32, gsrc)
+            sel = [(g32[i], u.mult) for i, u in enumerate(units) if u.mult is not None]
+            if sel:
+                mt.scale_([t for t, _ in sel], [m.to(device=dev, dtype=work) for _, m in sel])
         # weights: in place (already contiguous in the working dtype), or decoded per format
         ws: list[Tensor | None] = [None] * n
         kinds: dict[str, list[int]] = {}
@@ -441,12 +478,17 @@ class LeanMixin:
                         u = units[i]
                         scales = _scales_piece(mt.local(states[i][scales_key(s)]), u.local, u.rng)
                         lowp.dequantize(stored[i], scales, self._signed(s), out=v)
-                        slot_writes.append(("int8", (stored[i], scales, self._signed(s)), v))
+                        kept = _untouched_blocks(u.local, g32[i]) if sparse else None
+                        slot_writes.append(("int8", (stored[i], scales, self._signed(s), kept), v))
             slots32[s] = out  # type: ignore[assignment]
         names = [u.name for u in units]
         use_wd = [u.use_wd for u in units]
         group, lr, k = run.group, run.lr, run.k
         wlist: list[Tensor] = ws  # type: ignore[assignment]
+        if sparse:
+            self._sparse_update(group, wlist, g32, slots32, lr, k, run.found_inf)
+            self._lean_encode(run, units, pvs, states, kinds, flats, slot_writes)
+            return
         # the rule's _prepare sees the scratch laid out as the parameters (DTensors over the same local
         # storage), as the planned pass shows it the parameters: its whole-tensor norms (LARS, LAMB) are then
         # reduced across the mesh
@@ -522,12 +564,16 @@ class LeanMixin:
             if kind == "float":
                 torch._foreach_copy_(target, x)
                 continue
-            v, scales, signed = target
-            if keep is not None:
+            v, scales, signed, kept = target
+            if kept is not None:  # (8-bit blocks a sparse gradient left alone, and the skip)
+                c_keep, s_keep = kept if keep is None else (kept[0] | keep, kept[1] | keep)
+            else:
+                c_keep = s_keep = keep
+            if c_keep is not None:
                 old_c, old_s = v.clone(), scales.clone()
                 _encode(x, v, scales, signed)
-                torch.where(keep, old_c, v, out=v)
-                torch.where(keep, old_s, scales, out=scales)
+                torch.where(c_keep, old_c, v, out=v)
+                torch.where(s_keep, old_s, scales, out=scales)
             else:
                 _encode(x, v, scales, signed)
 

@@ -156,7 +156,9 @@ class TFSurface:
         return [s for s in self.slot_names if s in used] + (["average"] if self.use_ema else [])
 
     def get_slot(self, var: Tensor, name: str) -> Tensor:
-        """The slot ``name`` of parameter ``var``."""
+        """The slot ``name`` of parameter ``var``: the stored tensor, or, for a slot kept in 8 bits
+        (``state_dtype="int8"``), its values decoded into a new float32 tensor (:meth:`lean_slot_values`;
+        writing into it does not change the slot)."""
         if name not in self.get_slot_names():
             raise ValueError(f"unknown slot {name!r}; slots are {self.get_slot_names()}")
         if var not in self.state:
@@ -164,30 +166,40 @@ class TFSurface:
         if name not in self.state[var]:  # a per-group slot (Adam's amsgrad, RMSProp's centered) it lacks
             raise ValueError(f"get_slot(): this parameter's group keeps no {name!r} slot; it keeps "
                              f"{[s for s in self.state[var] if s != 'step']}")
-        return self.state[var][name]
+        slot = self.state[var][name]
+        if mt.local(slot).dtype == torch.uint8:  # (8-bit codes: Keras users read a slot's values)
+            return self.lean_slot_values(var, name)
+        return slot
+
+    def _variable_entries(self) -> list[tuple[Tensor, Tensor | None, str | None]]:
+        """:meth:`variables` with, for each slot, its parameter and name (None for the others)."""
+        ps = self._all_params()
+        out: list[tuple[Tensor, Tensor | None, str | None]] = [(self._iterations, None, None)]
+        if self.use_ema:
+            out += [(self.state[p]["average"], None, None) for p in ps]
+        for s in self.slot_names:
+            out += [(self.state[p][s], p, s) for p in ps if s in self.state[p]]
+        return out + [(v, None, None) for v in self._extra_variables]
 
     def variables(self) -> list[Tensor]:
-        """Optimizer variables in Keras order: iterations, averages, then each slot per variable."""
-        ps = self._all_params()
-        out: list[Tensor] = [self._iterations]
-        if self.use_ema:
-            out += [self.state[p]["average"] for p in ps]
-        for s in self.slot_names:
-            out += [self.state[p][s] for p in ps if s in self.state[p]]
-        return out + list(self._extra_variables)
+        """Optimizer variables in Keras order: iterations, averages, then each slot per variable (as stored:
+        an 8-bit slot's uint8 codes)."""
+        return [v for v, _, _ in self._variable_entries()]
 
     def get_weights(self) -> list[Tensor]:
-        """Copies of :meth:`variables`."""
-        return [v.detach().clone() for v in self.variables()]
+        """Copies of :meth:`variables`; an 8-bit slot as its values (float32, :meth:`lean_slot_values`)."""
+        return [self.lean_slot_values(p, s) if s is not None and mt.local(v).dtype == torch.uint8
+                else v.detach().clone() for v, p, s in self._variable_entries()]
 
     def set_weights(self, weights: Sequence[Tensor]) -> None:
-        """Set :meth:`variables` from a list (same order, count and shapes; checked before any change)."""
-        vs = self.variables()
+        """Set :meth:`variables` from a list (same order, count and shapes; checked before any change); an
+        8-bit slot takes values (as :meth:`get_weights` gives them), quantised."""
+        entries = self._variable_entries()
         ws = list(weights)
-        if len(ws) != len(vs):
-            raise ValueError(f"set_weights(): expected {len(vs)} weights, got {len(ws)}")
+        if len(ws) != len(entries):
+            raise ValueError(f"set_weights(): expected {len(entries)} weights, got {len(ws)}")
         converted = []
-        for v, w in zip(vs, ws):
+        for (v, _, _), w in zip(entries, ws):
             w = torch.as_tensor(w)
             if tuple(w.shape) != tuple(v.shape):
                 raise ValueError(f"set_weights(): shape {tuple(w.shape)} does not match {tuple(v.shape)}")
@@ -195,8 +207,12 @@ class TFSurface:
                 raise ValueError(f"set_weights(): dtype {w.dtype} does not fit {v.dtype}")
             converted.append(w)
         with torch.no_grad():
-            for v, w in zip(vs, converted):
-                mt.local(v).copy_(w)
+            for (v, p, s), w in zip(entries, converted):
+                if s is not None and mt.local(v).dtype == torch.uint8:
+                    self._write_slot(p, s, self.state[p], w.to(device=mt.local(v).device,
+                                                              dtype=torch.float32).contiguous())
+                else:
+                    mt.local(v).copy_(w)
         self._host_iterations = int(self._iterations)
         self._mark_host_count()
 
