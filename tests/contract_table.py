@@ -30,6 +30,9 @@ SHAPES = {"enc.weight": (6, 4), "enc.bias": (4,), "conv.weight": (4, 3, 3, 3)}
 #: the sparse case: an embedding whose gradient touches rows 1, 4 (twice) and 7
 SPARSE_SHAPE = (10, 3)
 SPARSE_ROWS = [1, 4, 4, 7]
+#: the lean rows' parameter set: SHAPES and a weight large enough for 8-bit slots (4,608 elements, at least
+#: ``optkit._core.lowp.MIN_QUANT_NUMEL``; rows of 576 along dim 0: two full blocks of 256 and a partial one)
+LEAN_SHAPES = {**SHAPES, "big.weight": (8, 16, 6, 6)}
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class Row:
     wrapper does around the rule. ``sparse``: ``"rows"`` (TF's touched-rows rule, reference ``sparse_rule``
     on the touched rows), ``"dense"`` (densified: same as the dense gradient), or an exception type (a clear
     refusal). ``dtypes``: parameter dtypes it takes; ``half_masters``: half parameters with fp32 masters.
+    ``shapes``: the parameter set. ``lean_tol``: a lean row (``precision``/``state_dtype``) whose slots are
+    stored below float32 states its bound against the float64 reference, relative to the largest weight
+    (None: the dtype's usual tolerance).
     """
 
     id: str
@@ -61,6 +67,8 @@ class Row:
     half_masters: bool = False
     uses_names: bool = False
     torch_twin: Callable | None = None  # torch.optim equivalent (params, lr) -> optimizer, if any
+    shapes: dict = field(default_factory=lambda: SHAPES)  # the parameter set ({name: shape})
+    lean_tol: float | None = None  # lean rows' bound, relative to the largest weight (module doc)
 
     def reference(self, names: list[str], ws: list[np.ndarray], lr: float = LR) -> Reference:
         base = {"lr": lr, **self.base}
@@ -374,6 +382,32 @@ ROWS: list[Row] = [
     Row("LossScale(SGD,fixed 3)-fp64", lambda ps, lr: optkit.LossScaleOptimizer(
         optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9), 3.0),
         "keras_sgd", {"momentum": 0.9}, feed_scale=3.0, dtypes=(torch.float64, torch.float32)),
+]
+
+# ---- lean rows (optkit._core.lean): bfloat16 weights without fp32 masters (precision=, which only bfloat16
+# parameters take: bfloat16 comes first, so every crossing that takes the row's default dtype runs the lean
+# pass; float16 parameters are refused, test_lean_rows_refuse_float16) and slots stored in bfloat16 or 8 bits
+# (state_dtype=; 8-bit only for big.weight, the others keep float32). LAMB's bfloat16 moments and the 8-bit
+# slots are lossy by design: their rows state the bound they keep against the float64 reference over the
+# matrix's 3 steps at lr 0.05 (measured, float32 and float64 parameters: Adam 8-bit 1.53e-3, LAMB bfloat16
+# moments 1.48e-4, LARS 8-bit momentum 9.9e-6; bfloat16 parameters stay within bfloat16's own tolerance)
+_PRECISION_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+ROWS += [
+    Row("SGD-momentum-split", lambda ps, lr: optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9,
+                                                        precision="split"),
+        "keras_sgd", {"momentum": 0.9}, dtypes=_PRECISION_DTYPES),
+    Row("Adam-kahan-int8", lambda ps, lr: optkit.Adam(_plain(ps), lr, precision="kahan", state_dtype="int8"),
+        "adam", dtypes=_PRECISION_DTYPES, shapes=LEAN_SHAPES, lean_tol=2e-3),
+    Row("LAMB-stochastic-bf16", lambda ps, lr: optkit.LAMB(_plain(ps), lr, weight_decay=0.01,
+                                                           precision="stochastic", state_dtype="bfloat16"),
+        "lamb", {"weight_decay": 0.01}, dtypes=_PRECISION_DTYPES, lean_tol=3e-4),
+    Row("LARS-int8", lambda ps, lr: optkit.LARS(_named(ps), lr, eeta=0.01, skip_list=["bias"],
+                                                state_dtype="int8"),
+        "lars", {"eeta": 0.01}, per_tensor=_lars_skip_bias, sparse="rows", sparse_rule="momentum",
+        sparse_hp={"momentum": 0.9}, uses_names=True, shapes=LEAN_SHAPES, lean_tol=2e-5),
+    Row("LossScale(Adam-kahan-int8,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
+        optkit.Adam(_plain(ps), lr, precision="kahan", state_dtype="int8"), optkit.DynamicLossScale(256.0)),
+        "adam", feed_scale=256.0, dtypes=_PRECISION_DTYPES, shapes=LEAN_SHAPES, lean_tol=2e-3),
 ]
 
 ROW_IDS = [r.id for r in ROWS]

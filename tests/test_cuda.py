@@ -116,16 +116,23 @@ def test_cuda_sparse_gradients(row_id):
 @pytest.mark.parametrize("row_id", ROW_IDS)
 def test_cuda_skip_changes_nothing(row_id, at):
     """``found_inf`` = 1 on the device (GradScaler's protocol): nothing changes, and the run goes on bit for
-    bit as the run without the skipped step."""
+    bit as the run without the skipped step (stochastic rounding: the run whose ``rounding_step`` counts the
+    skipped call, as on the CPU)."""
     row = BY_ID[row_id]
     dtype = default_dtype(row)
-    plain_params, plain_opt = train(row, dtype, steps=4, device=CUDA)
-    params = make_params(dtype, device=CUDA)
+    plain_params, plain_opt = train(row, dtype, steps=at, device=CUDA)
+    inner = innermost(plain_opt)
+    if getattr(inner, "precision", None) == "stochastic" and dtype == torch.bfloat16:
+        sd = inner.state_dict()
+        sd["rounding_step"] += 1
+        inner.load_state_dict(sd)
+    train(row, dtype, steps=4 - at, params=plain_params, opt=plain_opt, start=at, device=CUDA)
+    params = make_params(dtype, device=CUDA, shapes=row.shapes)
     opt = row.build(params, LR)
     if at:
         train(row, dtype, steps=at, params=params, opt=opt, device=CUDA)
     before = optimizer_snapshot(params, opt)
-    garbage = grads_at(99, dtype, device=CUDA)
+    garbage = grads_at(99, dtype, device=CUDA, shapes=row.shapes)
     garbage[0].view(-1)[0] = float("inf")
     set_grads(params, garbage, scale=feed_scale(row, opt), opt=opt)
     opt.found_inf = torch.ones((), device=CUDA)
@@ -144,7 +151,7 @@ def test_cuda_skip_changes_nothing(row_id, at):
 
 def _scaled_grads(row, opt, dtype, steps, start=0, layout="contiguous"):
     scale = feed_scale(row, opt)
-    return [[(g.double() * scale).to(dtype) for g in grads_at(k, dtype, device=CUDA)]
+    return [[(g.double() * scale).to(dtype) for g in grads_at(k, dtype, device=CUDA, shapes=row.shapes)]
             for k in range(start, start + steps)]
 
 
@@ -165,7 +172,7 @@ def test_step_makes_no_host_sync(row_id, layout):
     (``set_sync_debug_mode("error")`` raises at any synchronizing call)."""
     row = BY_ID[row_id]
     dtype = default_dtype(row)
-    params = make_params(dtype, layout, device=CUDA)
+    params = make_params(dtype, layout, device=CUDA, shapes=row.shapes)
     opt = row.build(params, LR)
     feeds = _scaled_grads(row, opt, dtype, 5)
     for g in feeds[:2]:
@@ -189,7 +196,7 @@ def test_torch_optimizer_under_a_loss_scale_reads_the_skip_on_the_host(row_id):
     """The documented exception: a torch.optim optimizer cannot take a device-side skip."""
     row = BY_ID[row_id]
     dtype = default_dtype(row)
-    params = make_params(dtype, device=CUDA)
+    params = make_params(dtype, device=CUDA, shapes=row.shapes)
     opt = row.build(params, LR)
     feeds = _scaled_grads(row, opt, dtype, 2)
     _feed(params, feeds[0], opt)
@@ -251,13 +258,13 @@ def test_step_captured_in_a_cuda_graph_matches_eager(row_id):
     overwrites at the right replays (its count lives on the device)."""
     row = BY_ID[row_id]
     dtype = default_dtype(row)
-    ref_params = make_params(dtype, device=CUDA)
+    ref_params = make_params(dtype, device=CUDA, shapes=row.shapes)
     ref_opt = row.build(ref_params, LR)
     feeds = _scaled_grads(row, ref_opt, dtype, 8)
     for g in feeds:
         _feed(ref_params, g, ref_opt)
         ref_opt.step()
-    params = make_params(dtype, device=CUDA)
+    params = make_params(dtype, device=CUDA, shapes=row.shapes)
     opt = row.build(params, LR)
     graph = _capture(opt, params, feeds[:3])
     _replay(graph, params, feeds[3:], opt)
