@@ -170,6 +170,8 @@ def quantize(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
 def dequantize(codes: Tensor, scales: Tensor, signed: bool, out: Tensor | None = None) -> Tensor:
     """fp32 values of an 8-bit slot: ``Q[code]·a`` (contiguous, ``codes``' shape; into ``out`` if given)."""
     q = dynamic_map(signed, codes.device)
+    if out is not None and out.dtype != torch.float32:  # (the float32 values, then converted)
+        return out.copy_(dequantize(codes, scales, signed))
     if out is None:
         out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     torch.index_select(q, 0, codes.reshape(-1).to(torch.int32), out=out.view(-1))
