@@ -389,15 +389,18 @@ ROWS: list[Row] = [
 # pass; float16 parameters are refused, test_lean_rows_refuse_float16) and slots stored in bfloat16 or 8 bits
 # (state_dtype=; 8-bit only for big.weight, the others keep float32). LAMB's bfloat16 moments and the 8-bit
 # slots are lossy by design: their rows state the bound they keep against the float64 reference over the
-# matrix's 3 steps at lr 0.05 (measured, float32 and float64 parameters: Adam 8-bit 1.53e-3, LAMB bfloat16
-# moments 1.48e-4, LARS 8-bit momentum 9.9e-6; bfloat16 parameters stay within bfloat16's own tolerance)
+# matrix's 3 steps at lr 0.05 (measured, float32 and float64 parameters: Adam 8-bit 1.5e-3 to 2.1e-3 of the
+# largest weight, LAMB bfloat16 moments 1.48e-4, LARS 8-bit momentum 9.9e-6; bfloat16 parameters stay within
+# bfloat16's own tolerance). Adam's bound, 5e-3: an element near a tenth of its block's scale is stored with
+# up to 7% relative error (the map's gap there, 0.9/64 of 0.1), which moves its update lr·m̂/√v̂ by up to
+# 7% of lr = 0.0035 a step; three steps against a largest weight of about 2.4 give 4.4e-3.
 _PRECISION_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 ROWS += [
     Row("SGD-momentum-split", lambda ps, lr: optkit.SGD(_plain(ps), learning_rate=lr, momentum=0.9,
                                                         precision="split"),
         "keras_sgd", {"momentum": 0.9}, dtypes=_PRECISION_DTYPES),
     Row("Adam-kahan-int8", lambda ps, lr: optkit.Adam(_plain(ps), lr, precision="kahan", state_dtype="int8"),
-        "adam", dtypes=_PRECISION_DTYPES, shapes=LEAN_SHAPES, lean_tol=2e-3),
+        "adam", dtypes=_PRECISION_DTYPES, shapes=LEAN_SHAPES, lean_tol=5e-3),
     Row("LAMB-stochastic-bf16", lambda ps, lr: optkit.LAMB(_plain(ps), lr, weight_decay=0.01,
                                                            precision="stochastic", state_dtype="bfloat16"),
         "lamb", {"weight_decay": 0.01}, dtypes=_PRECISION_DTYPES, lean_tol=3e-4),
@@ -407,7 +410,7 @@ ROWS += [
         sparse_hp={"momentum": 0.9}, uses_names=True, shapes=LEAN_SHAPES, lean_tol=2e-5),
     Row("LossScale(Adam-kahan-int8,dynamic)", lambda ps, lr: optkit.LossScaleOptimizer(
         optkit.Adam(_plain(ps), lr, precision="kahan", state_dtype="int8"), optkit.DynamicLossScale(256.0)),
-        "adam", feed_scale=256.0, dtypes=_PRECISION_DTYPES, shapes=LEAN_SHAPES, lean_tol=2e-3),
+        "adam", feed_scale=256.0, dtypes=_PRECISION_DTYPES, shapes=LEAN_SHAPES, lean_tol=5e-3),
 ]
 
 ROW_IDS = [r.id for r in ROWS]

@@ -228,9 +228,9 @@ def test_int8_checkpoint_loads_into_float32_as_exact_dequantisation(precision):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_float32_checkpoint_loads_into_int8_quantised(precision):
-    """Each element becomes the nearest value of the map to x/a (a: its block's absolute maximum): the
-    dequantised slot is within half the gap between the neighbouring map values, times a, of the saved
-    one, and the block scales are the blocks' maxima exactly."""
+    """Each element becomes the nearest value of the map to x/a (a: its block's absolute maximum, or for the
+    signed map, which has no −1, max(max x, min x / Q[0])): the dequantised slot is within half the gap
+    between the neighbouring map values, times a, of the saved one, and the block scales are exactly that."""
     ps = params()
     src = adam(ps, precision, "float32")
     train(src, ps, 2)
@@ -251,8 +251,11 @@ def test_float32_checkpoint_loads_into_int8_quantised(precision):
             q = dynamic_map_np(signed)
             gap = np.max(np.diff(q))
             for b, ix in enumerate(blocks_np(np.empty(p.shape))):
-                a = np.abs(x[ix]).max()
-                assert scales[b] == np.float32(a)
+                a = np.float32(np.abs(x[ix]).max())
+                if signed:
+                    a = max(np.float32(x[ix].max()), np.float32(x[ix].min()) / np.float32(q[0]))
+                assert scales[b] == a
+                a = float(a)
                 # nearest: no map value is closer to x/a than the chosen one (float32 rounding aside)
                 r = x[ix] / a
                 best = np.abs(r[:, None] - q[None, :]).min(axis=1)

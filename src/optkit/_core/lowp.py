@@ -24,11 +24,11 @@ Slots (fp32 values ``x`` of a slot, kept as):
 * **bfloat16**: ``rn_bf16(x)``, 2 B/param.
 * **8-bit block-wise** (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"): blocks of
   :data:`BLOCK` = 256 consecutive elements (within each slice along dim 0, so that a tensor sharded along dim
-  0, as FSDP2 shards, shards its scales alike), each with its absolute maximum ``a`` (fp32); an element is the
-  index of the nearest value of a 256-entry *dynamic map* ``Q`` (:func:`dynamic_map`) to ``x/a``, and is
-  read back as ``Q[code]·a``. 1 B/param plus 4 B per block (1.016 B/param). First moments and other signed
-  slots use the signed map; second moments and accumulators (never negative) the unsigned one, which spends
-  all 8 bits on magnitudes.
+  0, as FSDP2 shards, shards its scales alike), each with its absolute maximum ``a`` (fp32; for the signed
+  map, which has no −1, ``max(max x, min x / Q[0])``); an element is the index of the nearest value of a
+  256-entry *dynamic map* ``Q`` (:func:`dynamic_map`) to ``x/a``, and is read back as ``Q[code]·a``.
+  1 B/param plus 4 B per block (1.016 B/param). First moments and other signed slots use the signed map;
+  second moments and accumulators (never negative) the unsigned one, which spends all 8 bits on magnitudes.
 """
 
 from __future__ import annotations
@@ -132,12 +132,16 @@ def _blocks(x: Tensor) -> tuple[Tensor, Tensor | None]:
 
 def quantize_(x: Tensor, codes: Tensor, scales: Tensor, signed: bool) -> None:
     """Write the 8-bit form of fp32 ``x`` into ``codes`` (uint8, ``x``'s shape, contiguous) and ``scales``
-    (fp32, :func:`scales_shape`): each block's absolute maximum, each element the index of the map value
+    (fp32, :func:`scales_shape`): each block's scale ``a``, each element the index of the map value
     nearest to ``x/a`` (ties to the lower index; an all-zero block gets ``a = 0`` and every code the index
-    of the map's 0: 127 signed, 0 unsigned)."""
+    of the map's 0: 127 signed, 0 unsigned). ``a`` is the block's absolute maximum, except that the signed
+    map has no −1 (its most negative value is ``Q[0] ≈ −0.99297``): there ``a = max(max x, min x / Q[0])``,
+    so that a block whose largest magnitude is negative holds it as ``Q[0]·a`` (bitsandbytes' absolute
+    maximum would read it back 0.70% short, and every re-encoding would shrink the block again)."""
     if x.numel() == 0:  # (a shard with no rows)
         return
     base_t, mid_t = _nearest_tables(signed, x.device)
+    q0 = dynamic_map(signed, x.device)[0]
     x = x.contiguous()
     main, tail = _blocks(x)
     c_main, c_tail = _blocks(codes)
@@ -148,7 +152,11 @@ def quantize_(x: Tensor, codes: Tensor, scales: Tensor, signed: bool) -> None:
     for xs, cs, ss in parts:
         if xs.numel() == 0:
             continue
-        a = xs.abs().amax(dim=2)
+        if signed:  # the larger of the maximum and min/Q[0]: both extremes on the map (it has no −1)
+            lo, hi = torch.aminmax(xs, dim=2)
+            a = torch.maximum(hi, lo / q0)
+        else:
+            a = xs.abs().amax(dim=2)
         ss.copy_(a)
         safe = torch.where(a > 0, a, torch.ones((), dtype=a.dtype, device=a.device)).unsqueeze(2)
         v = torch.div(xs, safe).view(-1)
