@@ -45,9 +45,9 @@ def _np_blocks(shape) -> tuple[int, int]:
 
 def _np_quantize(x: np.ndarray, signed: bool):
     """Reference block-wise quantisation in float64: per block of 256 along each row (the last one partial),
-    ``a = max |x|`` (signed: ``max(max x, min x / Q[0])``), code = index of the map value nearest to ``x/a``. Also returns ``ambiguous``: elements
-    whose ``x/a`` lies within 8 float32 ulps of the midpoint between two map values (a near-tie: float32
-    arithmetic may pick either neighbour)."""
+    ``a = max |x|`` (signed: ``max(max x, min x / Q[0])``), code = index of the map value nearest to ``x/a``.
+    Also returns ``ambiguous``: elements whose ``x/a`` lies within 8 float32 ulps of the midpoint between two
+    map values (a near-tie: float32 arithmetic may pick either neighbour)."""
     q = _np_map(signed).astype(np.float64)
     mids = (q[1:] + q[:-1]) / 2
     rows, length = _np_blocks(x.shape)
