@@ -13,6 +13,17 @@ One step, with ``S`` the loss scale (:mod:`optkit.loss_scale`)::
 Parameters that are already float32 (e.g. normalisation layers kept in fp32) are updated directly. A skipped
 step (overflow under a dynamic scale) changes no master, no state and no model parameter.
 
+**Without masters.** ``precision="split"``, ``"kahan"`` or ``"stochastic"`` keeps no fp32 copy: the wrapped
+optkit optimizer is switched to that master-free bfloat16 format (:class:`optkit.Optimizer`'s ``precision``:
+split keeps the low 16 bits of the fp32 master, 2 B/param, and follows the fp32 trajectory bit for bit;
+Kahan a bfloat16 compensation, 2 B/param; stochastic rounding nothing) and steps the bfloat16 parameters in
+place, with the same loss scaling, skipping and checkpoints; state it already built is converted
+(``opt.engine.set_lean``). ``state_dtype`` (``"float32"``, ``"bfloat16"``, ``"int8"``) sets the inner
+optimizer's slot storage in every mode (with fp32 masters: of the masters' slots). Both need an optkit
+optimizer inside (``TypeError`` for a ``torch.optim`` one); the master-free formats are bfloat16's (a float16
+parameter is refused) and take no ``l2_regularization`` (use the optimizer's ``weight_decay``); their
+gradients accumulate in the parameters' own ``.grad`` (bfloat16).
+
 **How the inner optimizer gets the masters.** Build the inner optimizer (and any optkit wrappers such as
 ``LARC`` or ``VariableClippingOptimizer``) on the model's parameters and wrap it: the constructor replaces
 every half parameter in the param groups by its master, casts any existing per-parameter state of it to
@@ -48,6 +59,7 @@ from torch import Tensor, nn
 
 from . import _multi_tensor as mt
 from ._core.context import StepContext, StepResult
+from ._core.lean import PRECISIONS, normalize_state_dtype
 from ._validation import ParameterTypeError, check_real
 from ._wrapper import OptimizerWrapper, ScaledGradsFlag, _autograd_pairs, _check_pairs, _innermost
 from .loss_scale import FixedLossScale, LossScale, get_loss_scale
@@ -68,6 +80,11 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
             ``"backoff"``, ``"logmax"`` or a :class:`~optkit.loss_scale.LossScale` object.
         l2_regularization: ``λ`` of an L2 regularizer ``λ·Σw²/2`` on the half parameters, evaluated on the
             fp32 masters (OpenSeq2Seq ``mp_regularizer_wrapper``: in fp16 the gradient ``λ·w`` underflows).
+        precision: ``"fp32-masters"`` (default: fp32 master copies), or ``"split"``, ``"kahan"``,
+            ``"stochastic"``: no masters, the inner optkit optimizer updates the bfloat16 parameters in that
+            format (module doc).
+        state_dtype: ``None`` (the inner optimizer's own setting), ``"float32"``, ``"bfloat16"`` or
+            ``"int8"`` (also ``"fp32"``, ``"bf16"``): how the inner optkit optimizer stores its slots.
     """
 
     _outermost_only = True
@@ -86,13 +103,20 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
         loss_scale: Any = None,
         *,
         l2_regularization: float | None = None,
+        precision: str = "fp32-masters",
+        state_dtype: str | torch.dtype | None = None,
         _masters: dict[int, Tensor] | None = None,
     ) -> None:
         scaler = FixedLossScale(1.0) if loss_scale is None else get_loss_scale(loss_scale)
         if l2_regularization is not None:
             check_real("l2_regularization", l2_regularization, where="MixedPrecisionOptimizerWrapper",
                        minimum=0.0)
+        precision, state_dtype = _check_lean_options(opt, precision, state_dtype, l2_regularization)
         super().__init__(opt)
+        #: "fp32-masters", or the master-free bfloat16 format of the inner optimizer (module doc)
+        self.precision = precision
+        #: the inner optimizer's slot storage as asked (None: its own setting)
+        self.state_dtype = state_dtype
         self.loss_scaler: LossScale = scaler.to(self._device())
         self.l2_regularization = None if l2_regularization is None else float(l2_regularization)
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (model half parameter, fp32 master)
@@ -103,6 +127,14 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
         self._refuse_second_masters([p for g in self.param_groups for p in g["params"]],
                                     "MixedPrecisionOptimizerWrapper")
         self._adopt_groups(self.param_groups, _masters or {})
+        if precision != "fp32-masters" or state_dtype is not None:
+            inner = _innermost(self)
+            lean = inner.precision if precision == "fp32-masters" else precision
+            inner.engine.set_lean(lean, state_dtype)
+
+    @property
+    def _masters_on(self) -> bool:
+        return getattr(self, "precision", "fp32-masters") == "fp32-masters"  # (pickled before the option)
 
     # ------------------------------------------------------------------------------------ masters
 
@@ -114,7 +146,7 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
             for i, p in enumerate(ps):
                 if id(p) in given:
                     self._add_pair(given[id(p)], p)
-                elif p.dtype in _HALF:
+                elif p.dtype in _HALF and self._masters_on:
                     m = p.detach().to(torch.float32)
                     ps[i] = m
                     mapping[id(p)] = m
@@ -232,7 +264,7 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
         self._refuse_second_masters(g["params"], f"{type(self).__name__}.add_param_group")
         given = {}
         for i, p in enumerate(g["params"]):
-            if isinstance(p, Tensor) and p.dtype in _HALF:
+            if isinstance(p, Tensor) and p.dtype in _HALF and self._masters_on:
                 m = p.detach().to(torch.float32)
                 given[id(m)] = p
                 g["params"][i] = m
@@ -314,7 +346,8 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
         ``RuntimeError`` unless the scale is a fixed 1, whatever the other micro-batches of the window did;
         each fold clears ``grads_scaled``, so every micro-batch goes through :meth:`scale_loss` (or sets
         ``grads_scaled`` itself before its fold when it scaled the loss itself). Gradients given as ``grads``
-        are taken to carry the scale.
+        are taken to carry the scale. Without masters (a master-free ``precision``) there is no fp32 buffer:
+        the gradients stay in the parameters' own ``.grad`` and only the window's flags are kept.
         """
         if grads is not None and len(grads) != len(self._pairs):
             raise ValueError(f"accumulate_grads: `grads` must hold {len(self._pairs)} entries "
@@ -473,14 +506,21 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
         loss_scale: Any = None,
         *,
         l2_regularization: float | None = None,
+        precision: str = "fp32-masters",
+        state_dtype: str | torch.dtype | None = None,
         **kwargs: Any,
     ) -> MixedPrecisionOptimizerWrapper:
         """Build ``opt_cls(params_with_masters, **kwargs)`` on fp32 masters of the half parameters (so no
         half state is ever created) and wrap it. ``params``: tensors, ``named_parameters()`` pairs or group
         dicts; ``opt_cls`` may be any callable taking the params first (e.g. a lambda building
-        ``LARC(SGD(ps, ...), 0.001)``)."""
+        ``LARC(SGD(ps, ...), 0.001)``). With a master-free ``precision`` the optimizer is built on the
+        parameters themselves and then switched (constructor)."""
         if isinstance(params, Tensor):
             raise TypeError("`params` must be an iterable of tensors, (name, tensor) pairs or group dicts")
+        if precision != "fp32-masters":
+            _check_precision(precision)
+            return cls(opt_cls(list(params), **kwargs), loss_scale, l2_regularization=l2_regularization,
+                       precision=precision, state_dtype=state_dtype)
         given: dict[int, Tensor] = {}
 
         def conv(item: Any) -> Any:
@@ -502,7 +542,8 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
             else:
                 converted.append(conv(item))
         opt = opt_cls(converted, **kwargs)
-        return cls(opt, loss_scale, l2_regularization=l2_regularization, _masters=given)
+        return cls(opt, loss_scale, l2_regularization=l2_regularization, precision=precision,
+                   state_dtype=state_dtype, _masters=given)
 
     def _own_variables(self) -> list[Tensor]:
         sc = getattr(self.loss_scaler, "scaler", self.loss_scaler)
@@ -511,7 +552,8 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
     def _own_config(self) -> dict:
         return {"loss_scale": {"class_name": type(self.loss_scaler).__name__,
                                "config": self.loss_scaler.get_config()},
-                "l2_regularization": self.l2_regularization}
+                "l2_regularization": self.l2_regularization, "precision": self.precision,
+                "state_dtype": self.state_dtype}
 
     def _own_state(self) -> dict[str, Any]:
         return {"masters": [m.detach().clone() for _, m in self._pairs],
@@ -552,6 +594,39 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
 
 
 # ------------------------------------------------------------------------------------------------
+
+_PRECISIONS = ("fp32-masters",) + PRECISIONS
+
+
+def _check_precision(precision: Any) -> str:
+    if not isinstance(precision, str) or precision not in _PRECISIONS:
+        raise ValueError(f"`precision` must be one of {list(_PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def _check_lean_options(opt: Any, precision: Any, state_dtype: Any,
+                        l2_regularization: float | None) -> tuple[str, str | None]:
+    """The wrapper's ``precision`` and ``state_dtype`` checked (nothing changed yet): known values, an
+    optkit optimizer inside when either asks something of it (``TypeError``), no float16 parameter and no
+    ``l2_regularization`` without masters (``ValueError``)."""
+    precision = _check_precision(precision)
+    state_dtype = normalize_state_dtype(state_dtype)
+    inner = _innermost(opt) if isinstance(opt, torch.optim.Optimizer) else None
+    if inner is not None and not isinstance(inner, Optimizer):
+        if precision != "fp32-masters":
+            raise TypeError(f"`precision`={precision!r} needs an optkit optimizer inside (it updates the "
+                            f"bfloat16 weights itself), got {type(inner).__name__}")
+        if state_dtype is not None:
+            raise TypeError(f"`state_dtype` needs an optkit optimizer inside, got {type(inner).__name__}")
+    if precision != "fp32-masters" and inner is not None:
+        if any(p.dtype == torch.float16 for g in inner.param_groups for p in g["params"]):
+            raise ValueError(f"`precision`={precision!r} is for bfloat16 parameters; float16 parameters "
+                             "train with fp32 masters (precision='fp32-masters')")
+        if l2_regularization:
+            raise ValueError(f"`l2_regularization` needs fp32 masters (precision='fp32-masters'), got "
+                             f"precision={precision!r}; use the optimizer's weight_decay")
+    return precision, state_dtype
+
 
 _NORM_TYPES: tuple[type, ...] = (
     nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm

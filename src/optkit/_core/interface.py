@@ -62,6 +62,11 @@ class EngineInterface:
         again on the new ones while nothing has written them; whether it did."""
         return self._opt._refill_initial_slots(replaced)
 
+    def set_lean(self, precision: Any, state_dtype: Any) -> None:
+        """Switch the optimizer to ``precision`` (None or a master-free bfloat16 format) and ``state_dtype``,
+        converting the state it holds (``ValueError`` before anything changes on a bad option)."""
+        self._opt._set_lean(precision, state_dtype)
+
     def remap_params(self, mapping: dict[int, Tensor]) -> None:
         """Parameters were replaced (``id(old) -> new``): the weight-decay exclusions by identity and the
         groups' records of names follow them."""

@@ -246,6 +246,64 @@ class LeanMixin:
             raise ValueError(f"precision={precision!r} is for bfloat16 parameters; float16 parameters train "
                              "with fp32 master weights (MixedPrecisionOptimizerWrapper)")
 
+    @torch.no_grad()
+    def _set_lean(self, precision: Any, state_dtype: Any) -> None:
+        """Switch to ``precision`` and ``state_dtype`` (as the constructor takes them), converting the state
+        already built: each bfloat16 weight's fp32 master under the old precision (split: the recombined
+        halves; Kahan: ``p + comp``; else ``p``) is written in the new format (split: its high half and low
+        bits; Kahan: ``rn(master)`` and the residual; stochastic or none: ``rn(master)``), the old format's
+        entry dropped and the new one's made; each slot decoded to fp32 (float64 for float64 parameters) and
+        stored in its new form (:meth:`_slot_form`). Both options are validated (``ValueError``) before
+        anything changes; a float16 parameter with a master-free precision is refused as at construction."""
+        new_precision = normalize_precision(precision)
+        new_state = normalize_state_dtype(state_dtype)
+        self._check_lean_params(new_precision, self.param_groups)
+        # everything read under the old forms first
+        saved: list[tuple[Tensor, dict, Tensor | None, dict[str, Tensor]]] = []
+        for g in self.param_groups:
+            active = self._active_slots(g)
+            for p in g["params"]:
+                st = self.state.get(p)
+                if not st:
+                    continue
+                lp = mt.local(p)
+                work = torch.float64 if lp.dtype == torch.float64 else torch.float32
+                form = self._weight_form(p)
+                master = None
+                if form == "split" and "master_low" in st:
+                    master = lowp.split_decode(lp, mt.local(st["master_low"]))
+                elif form == "kahan" and "kahan_comp" in st:
+                    master = lp.float().add_(mt.local(st["kahan_comp"]).float())
+                values = {s: self._read_slot(p, s, st, work) for s in active if s in st}
+                saved.append((p, st, master, values))
+        self.precision, self.state_dtype = new_precision, new_state
+        for p, st, master, values in saved:
+            lp = mt.local(p)
+            for key in LEAN_EXTRAS.values():
+                st.pop(key, None)
+            for s in values:
+                st.pop(s, None)
+                st.pop(scales_key(s), None)
+            self._lean_init_extras(st, p)  # (zero: the master is the weight itself)
+            form = self._weight_form(p)
+            if master is not None:
+                if form == "split":
+                    lowp.split_encode_(master, lp, mt.local(st["master_low"]))
+                elif form == "kahan":  # rn(master) and its residual, from the compensation 0
+                    lowp.kahan_encode_(lp.float(), master, lp, mt.local(st["kahan_comp"]))
+                else:
+                    lp.copy_(master.view(lp.shape))
+            for s, x in values.items():
+                sform = self._slot_form(p, s)
+                if sform is None:
+                    st[s] = self._new_slot(p, s, 0.0)
+                    mt.local(st[s]).copy_(x.view(lp.shape))
+                else:
+                    self._lean_new_slot(st, p, s, sform, 0.0)
+                    self._write_slot(p, s, st, x)
+        self._lean_cache.clear()
+        self._invalidate_plans()
+
     # ---------------------------------------------------------------------------------------- the forms
 
     def _weight_form(self, p: Tensor) -> str | None:
