@@ -93,6 +93,7 @@ from torch import Tensor, nn
 from . import _multi_tensor as mt
 from ._core.chain import norm_check_sums
 from ._core.context import StepContext
+from ._core.lean import normalize_state_dtype
 from ._core.tf_surface import is_schedule
 from ._train_build import (
     TrainOpBuild,
@@ -116,6 +117,7 @@ from .summaries import SummaryLogger, validate_summaries
 __all__ = ["optimize_loss", "TrainOp", "StepResult"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, "mixed")
+_PRECISIONS = ("fp32-masters", "split", "kahan", "stochastic")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -170,6 +172,8 @@ def optimize_loss(
     no_decay_1d: bool = True,
     layer_regex: str | None = None,
     final_norm: str | None = None,
+    precision: str | None = None,
+    state_dtype: str | torch.dtype | None = None,
 ) -> TrainOp:
     """Build the train op for ``loss`` (OpenSeq2Seq ``optimize_loss``; see the module docstring for the
     per-update order and the differences from the original).
@@ -218,6 +222,15 @@ def optimize_loss(
             ``final_norm="last_block"``), built as :func:`optkit.create_optimizer` does. Grouping happens
             when ``rules`` (``[]`` for no rules) or ``layer_decay`` is given; then ``no_decay_1d`` (default
             True) takes weight decay off biases and normalisation scales.
+        precision: ``None`` (as ``dtype`` says), ``"fp32-masters"`` (the same as ``dtype="mixed"``, which
+            it needs), or a master-free bfloat16 format, ``"split"``, ``"kahan"`` or ``"stochastic"``
+            (needs ``dtype=torch.bfloat16``, a bfloat16 model, and an optkit optimizer): the optimizer is
+            built with ``precision=`` and updates the bfloat16 weights without fp32 copies
+            (:class:`optkit.Optimizer`; split follows the fp32 trajectory bit for bit at 2 B/param).
+        state_dtype: ``None`` (the optimizer's default), ``"float32"``, ``"bfloat16"`` or ``"int8"`` (also
+            ``"fp32"``, ``"bf16"``): how the optkit optimizer stores its slots (under ``"mixed"``: the
+            masters' slots). Passed as the optimizer's ``state_dtype=``; neither may also be given in
+            ``optimizer_params``.
 
     Raises ``ValueError``/``TypeError`` naming the argument; nothing is built when an argument is bad.
     """
@@ -235,6 +248,7 @@ def optimize_loss(
     if optimizer_params is not None and not isinstance(optimizer_params, Mapping):
         raise TypeError(f"`optimizer_params` must be a dict, got {type(optimizer_params).__name__}")
     opt_kwargs = dict(optimizer_params or {})
+    opt_kwargs.update(_lean_arguments(precision, state_dtype, dtype, optimizer, opt_kwargs))
     clip = None if clip_gradients is None else check_positive("clip_gradients", clip_gradients)
     larc = None if larc_params is None else larc_settings(larc_params)
     if isinstance(iter_size, bool) or not isinstance(iter_size, numbers.Integral) or iter_size < 1:
@@ -273,6 +287,38 @@ def optimize_loss(
     return TrainOp(loss, cls, opt_kwargs, lr_fn, named, dtype, clip, larc, scaler, logger, on_horovod,
                    int(iter_size), skip_update_ph, model, process_group, bucket_numel, pipeline_group,
                    groups=groups)
+
+
+def _lean_arguments(precision: Any, state_dtype: Any, dtype: Any, optimizer: Any,
+                    opt_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer arguments ``precision`` and ``state_dtype`` of :func:`optimize_loss` stand for,
+    validated against ``dtype`` and the optimizer (see its docstring)."""
+    if precision is None and state_dtype is None:
+        return {}
+    if precision is not None and (not isinstance(precision, str) or precision not in _PRECISIONS):
+        raise ValueError(f"`precision` must be None or one of {list(_PRECISIONS)}, got {precision!r}")
+    state = normalize_state_dtype(state_dtype)
+    both = [k for k in ("precision", "state_dtype") if k in opt_kwargs]
+    if both:
+        raise ValueError(f"give {both[0]!r} as optimize_loss's `{both[0]}`, not in `optimizer_params` too")
+    if precision == "fp32-masters" and dtype != "mixed":
+        raise ValueError(f"`precision`='fp32-masters' is dtype='mixed' (fp32 master weights), got "
+                         f"dtype={dtype!r}")
+    if precision not in (None, "fp32-masters") and dtype != torch.bfloat16:
+        raise ValueError(f"`precision`={precision!r} (master-free bfloat16 weights) needs "
+                         f"dtype=torch.bfloat16 (a bfloat16 model), got dtype={dtype!r}")
+    cls = resolve_optimizer(optimizer)
+    if not (isinstance(cls, type) and issubclass(cls, _OptkitOptimizer)):
+        name = getattr(cls, "__name__", type(cls).__name__)
+        what = "precision" if precision not in (None, "fp32-masters") else "state_dtype"
+        if what == "precision" or state is not None:
+            raise TypeError(f"`{what}` needs an optkit optimizer, got {name}")
+    out: dict[str, Any] = {}
+    if precision not in (None, "fp32-masters"):
+        out["precision"] = precision
+    if state is not None:
+        out["state_dtype"] = state
+    return out
 
 
 def _lr_function(fn: Any, opt_kwargs: dict[str, Any]) -> Callable[[Any], Any]:
