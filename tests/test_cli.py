@@ -295,6 +295,13 @@ def test_train_variants(tmp_path, argv):
             ["--resume", "/nonexistent/run"],
             "--resume: /nonexistent/run is neither a checkpoint file nor a run folder",
         ),
+        (["--precision", "bf16"], "--precision (precision) must be one of fp32-masters, split, kahan"),
+        (["--state-dtype", "int4"], "--state-dtype (state_dtype) must be one of fp32, bf16, int8"),
+        (["--precision", "split", "--dtype", "float32"], "split trains a bfloat16 model without fp32"),
+        (["--precision", "fp32-masters", "--dtype", "bfloat16"], "fp32-masters is --dtype mixed"),
+        (["--optimizer-param", "precision=split"], "must not set precision: give --precision"),
+        (["--optimizer", "SGD", "--optimizer-param", "none", "--state-dtype", "bf16", "--optimizer-param",
+          "state_dtype=int8"], "must not set state_dtype"),
     ],
 )
 def test_bad_flags_fail_before_any_work(tmp_path, capsys, argv, message):
@@ -636,3 +643,65 @@ def test_no_decay_1d_takes_weight_decay_off_biases_only():
         other = after["decay"][n] if n.endswith("bias") else after["none"][n]
         torch.testing.assert_close(p, ref, rtol=0, atol=0, msg=n)
         assert not torch.equal(p, other), n
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --precision and --state-dtype
+
+LEAN_RUN = ["--optimizer", "SGD", "--optimizer-param", "none", "--optimizer-param", "momentum=0.9",
+            "--lr-policy", "fixed_lr", "--lr-policy-param", "learning_rate=0.1", "--loss-scaling", "1",
+            "--loss-scaling-param", "none", "--ema-momentum", "none", "--max-steps", 8,
+            "--eval-every", 8, *QUIET]
+
+
+@pytest.mark.parametrize("precision, state_dtype, model_dtype, state_bytes", [
+    (None, None, "mixed", 4 + 4),  # (today's default: float16 weights, fp32 masters + fp32 momentum)
+    ("fp32-masters", "bf16", "mixed", 4 + 2),
+    ("split", None, "bfloat16", 2 + 4),  # low halves + fp32 momentum
+    ("kahan", "bf16", "bfloat16", 2 + 2),
+    ("stochastic", "int8", "bfloat16", None),  # 8-bit codes for the large tensors, fp32 for the others
+])
+def test_precision_modes_train(tmp_path, capsys, precision, state_dtype, model_dtype, state_bytes):
+    out = tmp_path / "run"
+    flags = (["--precision", precision] if precision else []) + (["--state-dtype", state_dtype] if state_dtype
+                                                                 else [])
+    assert run("train", *LEAN_RUN, *flags, "--run-dir", out) == 0
+    m = metrics(out)
+    assert m["config"]["precision"] == precision and m["config"]["state_dtype"] == state_dtype
+    assert m["config"]["dtype"] == model_dtype
+    assert m["config"]["half_dtype"] == ("bfloat16" if precision == "fp32-masters" else "float16")
+    loss = m["train"]["loss"]
+    assert min(loss[-3:]) < loss[0]  # it trains
+    final = m["final"]
+    assert (final["precision"], final["state_dtype"]) == (precision, state_dtype)
+    ckpt = torch.load(out / "checkpoints" / "step_000008.pt", weights_only=True)
+    weights = [v for k, v in ckpt["model"].items() if v.is_floating_point()]
+    n = sum(w.numel() for w in weights)
+    if state_bytes is None:  # computed from the checkpoint's state: 8-bit slots, fp32 small ones, no extra
+        st = ckpt["train_op"]["optimizer"]["state"]
+        state_bytes = sum(v.numel() * v.element_size() for e in st.values() for v in e.values()
+                          if isinstance(v, torch.Tensor) and v.dim() > 0) / n
+        assert 1.0 < state_bytes < 1.2
+    assert final["state_bytes_per_param"] == pytest.approx(state_bytes, abs=1e-4)
+    assert all(w.dtype == (torch.float16 if precision is None else torch.bfloat16) for w in weights)
+    printed = capsys.readouterr().out
+    assert f"optimizer state {state_bytes:.4g} B/param" in printed
+
+
+def test_precision_resume_keeps_the_options_and_continues_bit_identically(tmp_path, capsys):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    flags = ["--precision", "stochastic", "--state-dtype", "int8", "--checkpoint-every", 4,
+             "--keep-checkpoints", 0]
+    assert run("train", *LEAN_RUN, *flags, "--run-dir", full) == 0
+    ckpt = full / "checkpoints" / "step_000004.pt"
+    assert run("train", "--resume", ckpt, "--run-dir", resumed, *QUIET) == 0
+    a, b = metrics(full), metrics(resumed)
+    assert b["config"]["precision"] == "stochastic" and b["config"]["state_dtype"] == "int8"
+    assert a["train"] == b["train"]
+    sa = torch.load(full / "checkpoints" / "step_000008.pt", weights_only=True)
+    sb = torch.load(resumed / "checkpoints" / "step_000008.pt", weights_only=True)
+    assert_same_state(sa["train_op"], sb["train_op"])
+    assert "rounding_step" in repr(sa["train_op"])
+    capsys.readouterr()
+    assert run("train", "--resume", full, "--precision", "kahan", "--max-steps", 12, *QUIET) == 2
+    assert "--precision: the run of" in capsys.readouterr().err

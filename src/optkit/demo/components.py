@@ -192,6 +192,8 @@ def build_train_op(
         optimizer_params(cfg),
         learning_rate_decay_fn=build_schedule_for(cfg, total_updates),
         dtype=loss_dtype_arg(cfg),
+        precision=cfg.precision,
+        state_dtype=cfg.state_dtype,
         clip_gradients=cfg.clip_gradients,
         summaries=list(cfg.summaries),
         larc_params=None if cfg.larc_params is None else dict(cfg.larc_params),
@@ -281,6 +283,14 @@ def canonical(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
             changes["loss_scaling"] = scaling
     changes["dtype"] = cfg.dtype.strip().lower()
     changes["half_dtype"] = cfg.half_dtype.strip().lower()
+    for name in ("precision", "state_dtype"):
+        if isinstance(getattr(cfg, name), str):
+            changes[name] = getattr(cfg, name).strip().lower()
+    # --precision sets the model: bfloat16 with fp32 masters (fp32-masters) or without (the others)
+    if changes.get("precision") == "fp32-masters":
+        changes.update(dtype="mixed", half_dtype="bfloat16")
+    elif changes.get("precision") is not None:
+        changes["dtype"] = "bfloat16"
     return dataclasses.replace(cfg, **changes), errors
 
 

@@ -149,6 +149,28 @@ class TrainConfig:
     half_dtype: str = _opt(
         "float16", "the model's precision under dtype=mixed", "optimize_loss", choices=("float16", "bfloat16")
     )
+    precision: str | None = _opt(
+        None,
+        "weights of a bfloat16 model: fp32-masters (fp32 master copies, MixedPrecisionOptimizerWrapper), or "
+        "no masters: split (the fp32 master's low 16 bits kept beside the weight, 2 B/param: the fp32 "
+        "trajectory exactly), kahan (a bfloat16 compensation, 2 B/param) or stochastic (stochastic rounding, "
+        "0 B); sets the model to bfloat16 (--dtype mixed or bfloat16 only; fp32-masters: --dtype mixed); "
+        "'none': as --dtype says",
+        "optimize_loss",
+        choices=("fp32-masters", "split", "kahan", "stochastic"),
+        metavar="NAME|none",
+        nullable=True,
+    )
+    state_dtype: str | None = _opt(
+        None,
+        "how the optimizer stores its slots (momentum, moments, accumulators): fp32, bf16, or int8 (8 bits "
+        "with block-wise scales, for tensors of 4096 elements and more; the others fp32); 'none': like the "
+        "weights it updates (fp32 under --precision)",
+        "optimize_loss",
+        choices=("fp32", "bf16", "int8"),
+        metavar="NAME|none",
+        nullable=True,
+    )
     clip_gradients: float | None = _opt(
         2.0, "clip gradients to this global L2 norm (not together with LARC)", "optimize_loss", nullable=True
     )
@@ -497,6 +519,12 @@ def _check_names(cfg: TrainConfig, errors: list[str]) -> None:
         value = getattr(cfg, name)
         if isinstance(value, str) and value.strip().lower() not in allowed:
             errors.append(f"{_label(name)} must be one of {', '.join(allowed)}, got {value!r}")
+    for name in ("precision", "state_dtype"):
+        allowed = FIELDS[name].metadata["choices"]
+        value = getattr(cfg, name)
+        if value is not None and not (isinstance(value, str) and value.strip().lower() in allowed):
+            errors.append(f"{_label(name)} must be one of {', '.join(allowed)} or none, got {_short(value)}")
+    _check_precision(cfg, errors)
     if isinstance(cfg.loss_scaling, bool) or not isinstance(cfg.loss_scaling, (str, numbers.Real)):
         errors.append(
             f"{_label('loss_scaling')} must be a number or Backoff/LogMax/dynamic, "
@@ -512,6 +540,21 @@ def _check_names(cfg: TrainConfig, errors: list[str]) -> None:
             high=FP32_MAX,
             why_high=" (the largest float32 number)",
         )
+
+
+def _check_precision(cfg: TrainConfig, errors: list[str]) -> None:
+    """``--precision`` trains a bfloat16 model: it goes with ``--dtype mixed`` (the default) or, without
+    masters, ``--dtype bfloat16``."""
+    precision, dtype = cfg.precision, cfg.dtype
+    if not (isinstance(precision, str) and isinstance(dtype, str)):
+        return
+    precision, dtype = precision.strip().lower(), dtype.strip().lower()
+    if precision == "fp32-masters" and dtype != "mixed":
+        errors.append(f"{_label('precision')} fp32-masters is --dtype mixed with bfloat16 weights, got "
+                      f"--dtype {dtype}")
+    elif precision in ("split", "kahan", "stochastic") and dtype not in ("mixed", "bfloat16"):
+        errors.append(f"{_label('precision')} {precision} trains a bfloat16 model without fp32 masters "
+                      f"(--dtype bfloat16 or mixed), got --dtype {dtype}")
 
 
 def _check_containers(cfg: TrainConfig, errors: list[str]) -> None:
@@ -555,6 +598,9 @@ def check_values(cfg: TrainConfig) -> list[str]:
             if key in cfg.optimizer_params:  # --ema-momentum sets both, and evaluation follows it
                 errors.append(f"{_label('optimizer_params')} must not set {key}: the EMA of the weights is "
                               f"{_label('ema_momentum')} (a momentum, or none for off)")
+        for key in ("precision", "state_dtype"):
+            if key in cfg.optimizer_params:  # the flags set them (and the model's dtype with them)
+                errors.append(f"{_label('optimizer_params')} must not set {key}: give {_label(key)}")
     if cfg.clip_gradients is not None and cfg.larc_params is not None:
         errors.append(
             "--clip-gradients and LARC cannot be used together (OpenSeq2Seq forbids it): "

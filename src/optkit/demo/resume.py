@@ -69,6 +69,8 @@ FIXED_ON_RESUME: dict[str, tuple[str, Any]] = {
     "optimizer": ("--optimizer", same_name),
     "dtype": ("--dtype", same_name),
     "half_dtype": ("--half-dtype", same_name),
+    "precision": ("--precision", same_name),
+    "state_dtype": ("--state-dtype", same_name),
     "channels": ("--channels", lambda a, b: a == b),
     "freeze_variables_regex": ("--freeze-variables-regex", lambda a, b: a == b),
     "loss_scaling": ("--loss-scaling", _same_scaling),

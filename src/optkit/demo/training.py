@@ -47,6 +47,8 @@ class RunResult:
     updates_applied: int
     updates_skipped: int
     train_seconds: float
+    #: optimizer state per trained parameter, in bytes (:func:`state_bytes_per_parameter`)
+    state_bytes_per_param: float = 0.0
 
 
 def _weights(train_op: Any, use_ema: bool) -> list[Tensor]:
@@ -72,9 +74,38 @@ def evaluate(
     return accuracy, nn.functional.cross_entropy(logits, split.y_test)
 
 
+def state_bytes_per_parameter(train_op: Any) -> tuple[float, float]:
+    """``(all, EMA)``: bytes of optimizer state per trained parameter, ``Σ numel·element_size`` over every
+    tensor of the optimizer's per-parameter state (slots, 8-bit block scales, the split master's low halves,
+    the Kahan compensation, the EMA average) plus the fp32 master copies (``--dtype mixed``), divided by the
+    number of trained parameters; and the EMA average's share of it."""
+    n = sum(p.numel() for p in train_op.params)
+    total = ema = 0
+    for st in train_op.optimizer.state.values():
+        for key, v in st.items():
+            if isinstance(v, Tensor) and v.dim() > 0:
+                size = v.numel() * v.element_size()
+                total += size
+                ema += size if key == "average" else 0
+    pairs = zip(train_op.params, train_op.masters)
+    total += sum(m.numel() * m.element_size() for p, m in pairs if m is not p)
+    return total / max(n, 1), ema / max(n, 1)
+
+
+def precision_label(cfg: TrainConfig) -> str:
+    """How the run keeps its weights and optimizer state, in words."""
+    if cfg.precision is not None and cfg.precision != "fp32-masters":
+        text = f"bfloat16 weights, {cfg.precision} (no masters)"
+    elif cfg.dtype == "mixed":
+        text = f"{cfg.half_dtype} weights + fp32 masters"
+    else:
+        text = cfg.dtype
+    return text + (f", state {cfg.state_dtype}" if cfg.state_dtype is not None else "")
+
+
 def _describe(cfg: TrainConfig, model: nn.Module, split: DigitsSplit, procs: Processes) -> str:
     n_params = sum(p.numel() for p in model.parameters())
-    precision = f"{cfg.half_dtype} weights + fp32 masters" if cfg.dtype == "mixed" else cfg.dtype
+    precision = precision_label(cfg)
     parts = [
         f"{cfg.optimizer}" + (" + LARC" if cfg.larc_params is not None else ""),
         cfg.lr_policy,
@@ -278,7 +309,9 @@ def _run(
         raise
     applied = sum(history.train["applied"])
     attempts = len(history.train["applied"]) // cfg.iter_size  # accumulation micro-steps are no attempts
-    result = RunResult(run_dir, accuracy, accuracy_raw, total_steps, applied, attempts - applied, seconds)
+    state_bytes, ema_bytes = state_bytes_per_parameter(train_op)
+    result = RunResult(run_dir, accuracy, accuracy_raw, total_steps, applied, attempts - applied, seconds,
+                       state_bytes)
     if procs.main:
         _write_outputs(cfg, result, history, procs, writer)
         counts = (
@@ -288,6 +321,8 @@ def _run(
         weights = "EMA weights" if use_ema else "final weights"
         raw = f" ({accuracy_raw:.2%} with the raw weights)" if use_ema else ""
         say(f"test accuracy: {accuracy:.2%} with the {weights}{raw}")
+        ema_part = f" (EMA average {ema_bytes:g})" if use_ema else ""
+        say(f"precision: {precision_label(cfg)}; optimizer state {state_bytes:.4g} B/param{ema_part}")
         written = ["metrics.json"] + ["report.png"] * cfg.plot + ["tensorboard/"] * cfg.tensorboard
         say(f"run folder: {run_dir}  ({', '.join([*written, 'checkpoints/'])})")
     return result
@@ -393,6 +428,9 @@ def _write_outputs(
         "updates_applied": result.updates_applied,
         "updates_skipped": result.updates_skipped,
         "train_seconds": round(result.train_seconds, 3),
+        "precision": cfg.precision,
+        "state_dtype": cfg.state_dtype,
+        "state_bytes_per_param": round(result.state_bytes_per_param, 4),
         "world_size": procs.world_size,
         "threads": torch.get_num_threads(),
     }
@@ -403,7 +441,7 @@ def _write_outputs(
         writer.flush()
         writer.close()
     if cfg.plot:
-        precision = f"{cfg.half_dtype} + fp32 masters" if cfg.dtype == "mixed" else cfg.dtype
+        precision = precision_label(cfg)
         summary = [
             "run summary",
             "",
@@ -422,6 +460,7 @@ def _write_outputs(
             f"lr policy      {cfg.lr_policy}",
             f"               {_kv(cfg.lr_policy_params)}",
             f"precision      {precision}",
+            f"state          {result.state_bytes_per_param:8.4g}  B/param",
             f"loss scaling   {cfg.loss_scaling} {_kv(cfg.loss_scaling_params or {})}",
             f"EMA            {cfg.ema_momentum if cfg.ema_momentum is not None else 'off'}",
             f"batch          {cfg.batch_size} over {procs.world_size} process(es), "
