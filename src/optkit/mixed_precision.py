@@ -88,6 +88,11 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
     """
 
     _outermost_only = True
+    #: "fp32-masters", or the master-free bfloat16 format of the inner optimizer (module doc); class defaults
+    #: for wrappers pickled before the option
+    precision: str = "fp32-masters"
+    #: the inner optimizer's slot storage as asked (None: its own setting)
+    state_dtype: str | None = None
 
     # the window flags, kept in the wrapper's record (torch.compile; OptimizerWrapper.__setstate__ fills it
     # for wrappers pickled before they existed; both start False):
@@ -113,9 +118,7 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
                        minimum=0.0)
         precision, state_dtype = _check_lean_options(opt, precision, state_dtype, l2_regularization)
         super().__init__(opt)
-        #: "fp32-masters", or the master-free bfloat16 format of the inner optimizer (module doc)
         self.precision = precision
-        #: the inner optimizer's slot storage as asked (None: its own setting)
         self.state_dtype = state_dtype
         self.loss_scaler: LossScale = scaler.to(self._device())
         self.l2_regularization = None if l2_regularization is None else float(l2_regularization)
@@ -134,7 +137,7 @@ class MixedPrecisionOptimizerWrapper(ScaledGradsFlag, OptimizerWrapper):
 
     @property
     def _masters_on(self) -> bool:
-        return getattr(self, "precision", "fp32-masters") == "fp32-masters"  # (pickled before the option)
+        return self.precision == "fp32-masters"
 
     # ------------------------------------------------------------------------------------ masters
 
