@@ -220,3 +220,14 @@ def test_a_skipped_step_changes_nothing_without_masters():
     assert float(mp.loss_scale) < scale
     assert all(torch.equal(p.detach(), s) for p, s in zip(ps, snap))
     assert all(torch.equal(mp.state[ps[0]][k], v) for k, v in state.items())
+
+
+def test_set_lean_to_the_same_options_changes_no_bit():
+    ps = _params()[:2]
+    opt = optkit.Adam(ps, learning_rate=0.01, precision="kahan", state_dtype="int8")
+    for step in range(2):
+        _set_grads(ps, _grads(ps, step))
+        opt.step()
+    before = {k: v.clone() for k, v in opt.state[ps[0]].items()}
+    opt.engine.set_lean("kahan", "int8")
+    assert all(torch.equal(v, opt.state[ps[0]][k]) for k, v in before.items())

@@ -258,6 +258,8 @@ class LeanMixin:
         new_precision = normalize_precision(precision)
         new_state = normalize_state_dtype(state_dtype)
         self._check_lean_params(new_precision, self.param_groups)
+        if (new_precision, new_state) == (self.precision, self.state_dtype):
+            return  # (re-encoding 8-bit slots need not give the same codes)
         # everything read under the old forms first
         saved: list[tuple[Tensor, dict, Tensor | None, dict[str, Tensor]]] = []
         for g in self.param_groups:
