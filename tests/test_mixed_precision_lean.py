@@ -231,3 +231,12 @@ def test_set_lean_to_the_same_options_changes_no_bit():
     before = {k: v.clone() for k, v in opt.state[ps[0]].items()}
     opt.engine.set_lean("kahan", "int8")
     assert all(torch.equal(v, opt.state[ps[0]][k]) for k, v in before.items())
+
+
+def test_add_param_group_without_masters():
+    ps = _params()
+    mp = MPW(optkit.SGD(ps[:1], learning_rate=0.1, momentum=0.9), precision="split", state_dtype="bf16")
+    mp.add_param_group({"params": [ps[1]]})
+    assert mp.master_params == [] and mp.param_groups[1]["params"][0] is ps[1]
+    st = mp.state[ps[1]]
+    assert st["master_low"].dtype == torch.int16 and st["momentum"].dtype == torch.bfloat16
