@@ -15,6 +15,15 @@ from optkit._core import lowp
 MODES = ("fp32-masters", "split", "kahan", "stochastic")
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (a split master's low halves are raw bits in a bfloat16 tensor: NaN patterns included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dim() == 0 or not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def _params(seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(64, 128, generator=g).bfloat16().requires_grad_(),
@@ -76,7 +85,7 @@ def test_switching_at_construction_equals_building_with_the_precision(precision)
         assert set(sa) == set(sb)
         for k in sa:
             if isinstance(sa[k], torch.Tensor):
-                assert torch.equal(sa[k], sb[k]), k
+                assert _same(sa[k], sb[k]), k
     assert mp.state[a[0]]["exp_avg"].dtype == torch.uint8
 
 
@@ -109,7 +118,7 @@ def test_bad_options_raise_and_change_nothing():
     with pytest.raises(ValueError, match="l2_regularization"):
         MPW(inner, precision="kahan", l2_regularization=1e-4)
     assert inner.precision is None and inner.state_dtype is None
-    assert all(torch.equal(v, inner.state[ps[0]][k]) for k, v in before.items())
+    assert all(_same(v, inner.state[ps[0]][k]) for k, v in before.items())
     assert inner.param_groups[0]["params"][0] is ps[0]
     torch_opt = torch.optim.SGD([ps[2]], lr=0.1)
     with pytest.raises(TypeError, match="precision"):
@@ -219,7 +228,7 @@ def test_a_skipped_step_changes_nothing_without_masters():
     assert not bool(mp.step_applied)
     assert float(mp.loss_scale) < scale
     assert all(torch.equal(p.detach(), s) for p, s in zip(ps, snap))
-    assert all(torch.equal(mp.state[ps[0]][k], v) for k, v in state.items())
+    assert all(_same(mp.state[ps[0]][k], v) for k, v in state.items())
 
 
 def test_set_lean_to_the_same_options_changes_no_bit():
@@ -230,7 +239,7 @@ def test_set_lean_to_the_same_options_changes_no_bit():
         opt.step()
     before = {k: v.clone() for k, v in opt.state[ps[0]].items()}
     opt.engine.set_lean("kahan", "int8")
-    assert all(torch.equal(v, opt.state[ps[0]][k]) for k, v in before.items())
+    assert all(_same(v, opt.state[ps[0]][k]) for k, v in before.items())
 
 
 def test_add_param_group_without_masters():
@@ -239,4 +248,4 @@ def test_add_param_group_without_masters():
     mp.add_param_group({"params": [ps[1]]})
     assert mp.master_params == [] and mp.param_groups[1]["params"][0] is ps[1]
     st = mp.state[ps[1]]
-    assert st["master_low"].dtype == torch.int16 and st["momentum"].dtype == torch.bfloat16
+    assert st["master_low"].shape == ps[1].shape and st["momentum"].dtype == torch.bfloat16
