@@ -232,12 +232,18 @@ def _check_values_finite(saved: Tensor, ref: Tensor | None, where: str, allow_in
         )
 
 
+#: per-parameter entries that hold raw bits, not values (``--precision split``: the fp32 masters' low 16 bits,
+#: kept in a bfloat16 tensor; any bits are valid, many read as NaN)
+_RAW_BITS = frozenset({"master_low"})
+
+
 def _check_leaf(saved: Any, ref: Any, where: str, key: Any, slot: bool = False) -> None:
     if isinstance(ref, Tensor) and ref.dim() > 0:
         if not isinstance(saved, Tensor):
             raise _Misfit(f"{where} should be a tensor")
         _check_tensor(saved, tuple(ref.shape), ref.dtype, where)
-        _check_values_finite(saved, ref, where, allow_inf=slot and key != "average")
+        if key not in _RAW_BITS:
+            _check_values_finite(saved, ref, where, allow_inf=slot and key != "average")
     elif isinstance(ref, Tensor) or isinstance(ref, numbers.Number):
         if not _is_scalar(saved):
             raise _Misfit(f"{where} should be a single number")
