@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import optkit
+from optkit._core import lowp
 
 PRECISIONS = ["split", "kahan", "stochastic"]
 STATES = ["float32", "bfloat16", "int8"]
@@ -415,9 +416,11 @@ def test_precision_over_float16_parameters_is_refused():
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_ema_follows_the_weights_under_each_precision(precision):
-    """``use_ema``: the average follows the bfloat16 weights the model sees (float64 reference from the
-    recorded weights: the first update copies w, then avg ← m·avg + (1 − m)·w, Keras), within the bfloat16
-    rounding of the stored average."""
+    """``use_ema``: a master-free weight's average is float32 and follows the weight the optimizer holds
+    (float64 reference from the recorded values: the first update copies w, then avg ← m·avg + (1 − m)·w,
+    Keras): the split master exactly (float32 roundings aside), Kahan's ``p + c``, and for stochastic
+    rounding the unrounded result, which the bfloat16 weight the model sees is within an ulp of. Inside
+    ``ema_weights()`` the weights hold the averages rounded to bfloat16."""
     ps = params()
     opt = optkit.SGD(ps, learning_rate=0.1, momentum=0.9, precision=precision, state_dtype="int8",
                      use_ema=True, ema_momentum=0.8)
@@ -425,13 +428,23 @@ def test_ema_follows_the_weights_under_each_precision(precision):
     for k in range(4):
         feed(ps, k)
         opt.step()
-        ws = [p.detach().double() for _, p in ps]
+        ws = []
+        for _, p in ps:
+            st = opt.state[p]
+            if precision == "split":
+                ws.append(lowp.split_decode(p.detach(), st["master_low"]).double())
+            elif precision == "kahan":
+                ws.append(p.detach().double() + st["kahan_comp"].double())
+            else:
+                ws.append(p.detach().double())
         ref = ws if ref is None else [0.8 * a + 0.2 * w for a, w in zip(ref, ws)]
+    tol = {"split": (1e-6, 1e-7), "kahan": (1e-6, 1e-7), "stochastic": (2 ** -7, 2 ** -9)}[precision]
     for (n, p), a in zip(ps, ref):
-        got = opt.state[p]["average"].double()
-        torch.testing.assert_close(got, a, rtol=2 ** -7, atol=2 ** -9, msg=n)
+        got = opt.state[p]["average"]
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), a, rtol=tol[0], atol=tol[1], msg=n)
     with opt.ema_weights():  # swap in and out
-        assert all(torch.equal(p, opt.state[p]["average"]) for _, p in ps)
+        assert all(torch.equal(p, opt.state[p]["average"].to(p.dtype)) for _, p in ps)
 
 
 def test_get_slot_of_an_int8_slot_gives_its_values():
@@ -445,3 +458,26 @@ def test_get_slot_of_an_int8_slot_gives_its_values():
     assert got.dtype == torch.float32 and got.shape == w.shape
     assert torch.equal(got, opt.lean_slot_values(w, "exp_avg"))
     assert opt.get_slot(b, "exp_avg") is opt.state[b]["exp_avg"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_ema_overwrite_makes_the_average_the_master(precision):
+    """``ema_overwrite_frequency``: every f applied steps the weight becomes its average; a master-free
+    weight's float32 average becomes its master (split: both halves, exactly; Kahan: the rounded weight
+    and its residual; stochastic: the average rounded to nearest)."""
+    ps = params()
+    opt = optkit.SGD(ps, learning_rate=0.1, momentum=0.9, precision=precision, use_ema=True,
+                     ema_momentum=0.5, ema_overwrite_frequency=2)
+    for k in range(2):
+        feed(ps, k)
+        opt.step()
+    for n, p in ps:
+        st = opt.state[p]
+        avg = st["average"]
+        if precision == "split":
+            assert torch.equal(lowp.split_decode(p.detach(), st["master_low"]), avg), n
+        elif precision == "kahan":
+            torch.testing.assert_close(p.detach().double() + st["kahan_comp"].double(), avg.double(),
+                                       rtol=2 ** -15, atol=0.0, msg=n)
+        else:
+            assert torch.equal(p.detach(), avg.to(torch.bfloat16)), n

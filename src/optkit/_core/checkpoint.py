@@ -169,7 +169,7 @@ class CheckpointMixin:
         for g in self.param_groups:
             for p in g["params"]:
                 st = self.state[p]
-                if self.use_ema and "average" not in st:
+                if self.use_ema and "average" not in st and self._weight_form(p) is None:
                     st["average"] = p.detach().clone(memory_format=torch.preserve_format)
                 self._init_state(p, g)
                 in_flat = flat_buffer_of(p) is not None

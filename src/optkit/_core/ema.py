@@ -102,14 +102,22 @@ class EmaMixin:
 
     def _ema_group(self, group: dict, indices: list[int], applied: Tensor | None) -> None:
         ps = [group["params"][i] for i in indices]
-        avgs = [self.state[p]["average"] for p in ps]
-        mt.lerp_([mt.local(a) for a in avgs], [mt.local(p) for p in ps], self._ema_lerp_weight(applied))
+        avgs = [mt.local(self.state[p]["average"]) for p in ps]
+        # (a master-free bfloat16 weight's average is float32: optkit._core.lean)
+        lps = [lp if lp.dtype == a.dtype else lp.to(a.dtype) for lp, a in zip(map(mt.local, ps), avgs)]
+        mt.lerp_(avgs, lps, self._ema_lerp_weight(applied))
 
     def _overwrite_with_averages(self, weight: Tensor | None) -> None:
         ps = [p for g in self.param_groups for p in g["params"]]
+        lean = [p for p in ps if self._weight_form(p) is not None]
+        if lean:  # (their float32 averages become their masters: optkit._core.lean)
+            self._lean_overwrite(lean, weight)
+            ps = [p for p in ps if self._weight_form(p) is None]
         avgs = [self.state[p]["average"] for p in ps] + self._ema_buffer_avgs
         ps += [b for _, b in self._ema_buffers]
         lp, la = [mt.local(p) for p in ps], [mt.local(a) for a in avgs]
+        if not lp:
+            return
         if weight is None:
             torch._foreach_copy_(lp, la)
         else:

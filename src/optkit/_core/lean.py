@@ -185,11 +185,13 @@ class _Unit:
 class _LeanRun:
     """What every bunch of one group's lean pass shares."""
 
-    __slots__ = ("group", "active", "lr", "k", "found_inf", "keep", "decay", "gens", "gi")
+    __slots__ = ("group", "active", "lr", "k", "found_inf", "keep", "decay", "gens", "gi", "applied", "ema")
 
-    def __init__(self, group, active, lr, k, found_inf, keep, decay, gens, gi) -> None:
+    def __init__(self, group, active, lr, k, found_inf, keep, decay, gens, gi, applied=None,
+                 ema=True) -> None:
         self.group, self.active, self.lr, self.k = group, active, lr, k
         self.found_inf, self.keep, self.decay, self.gens, self.gi = found_inf, keep, decay, gens, gi
+        self.applied, self.ema = applied, ema  # (ema: the step's EMA update, not Keras update_step's)
 
 
 class _Flat:
@@ -295,6 +297,12 @@ class LeanMixin:
                     lowp.kahan_encode_(lp.float(), master, lp, mt.local(st["kahan_comp"]))
                 else:
                     lp.copy_(master.view(lp.shape))
+            avg = st.get("average")
+            if isinstance(avg, Tensor):  # (float32 for a master-free weight, else like the weight)
+                want = torch.float32 if form is not None else p.dtype
+                if avg.dtype != want:
+                    st["average"] = (self._lean_new_average(p) if form is not None else
+                                     torch.empty_like(p, memory_format=torch.preserve_format)).copy_(avg)
             for s, x in values.items():
                 sform = self._slot_form(p, s)
                 if sform is None:
@@ -429,7 +437,7 @@ class LeanMixin:
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         gens: dict[torch.device, torch.Generator | None] = {}
         splits = not (self.traits.prepare_reads_grads or self.traits.keeps_values_in_grads)
-        run = _LeanRun(group, active, lr, k, found_inf, keep, decay, gens, gi)
+        run = _LeanRun(group, active, lr, k, found_inf, keep, decay, gens, gi, applied)
         sparse = [_Unit(p, mt.local(p), g, None, n, u, None if mult is None else mult[j])
                   for j, (p, g, n, u) in enumerate(zip(params, grads, names, use_wd)) if g.is_sparse]
         if sparse:  # coalesced gradients of a rule with a sparse form (TF's touched rows): one bunch of them
@@ -459,8 +467,10 @@ class LeanMixin:
             dense = [g for g in grads if not g.is_sparse]
             if dense:
                 mt.scale_(dense, unscale)
-        if self.use_ema:
-            self._ema_group(group, idx, applied)
+        if self.use_ema:  # (a master-free weight's average was updated in its bunch, from the fp32 value)
+            plain = [i for i, p in zip(idx, params) if self._weight_form(p) is None]
+            if plain:
+                self._ema_group(group, plain, applied)
             self._ema_rest(group, idx, applied)
 
     def _lean_update_one(self, group: dict, index: int, p: Tensor, g: Tensor, lr: Tensor) -> None:
@@ -468,7 +478,7 @@ class LeanMixin:
         decay, skip or EMA): decoded, the rule, encoded, as one bunch."""
         gi = next(i for i, other in enumerate(self.param_groups) if other is group)
         name = group["param_names"][index]
-        run = _LeanRun(group, self._active_slots(group), lr, None, None, None, None, {}, gi)
+        run = _LeanRun(group, self._active_slots(group), lr, None, None, None, None, {}, gi, ema=False)
         unit = _Unit(p, mt.local(p), g, None, name, self._use_weight_decay(p, name), None)
         self._lean_bunch(run, [unit], sparse=g.is_sparse and self.traits.sparse)
 
@@ -548,6 +558,7 @@ class LeanMixin:
         if sparse:
             self._sparse_update(group, wlist, g32, slots32, lr, k, run.found_inf)
             self._lean_encode(run, units, pvs, states, kinds, flats, slot_writes)
+            self._lean_average(run, units, states, wlist, pvs)
             return
         # the rule's _prepare sees the scratch laid out as the parameters (DTensors over the same local
         # storage), as the planned pass shows it the parameters: its whole-tensor norms (LARS, LAMB) are then
@@ -579,6 +590,51 @@ class LeanMixin:
         finally:
             self._block = None
         self._lean_encode(run, units, pvs, states, kinds, flats, slot_writes)
+        self._lean_average(run, units, states, wlist, pvs)
+
+    def _lean_average(self, run: _LeanRun, units: list[_Unit], states: list[dict], ws: list[Tensor],
+                      pvs: list[Tensor]) -> None:
+        """The EMA of the bunch's master-free weights into float32 averages, from the fp32 weight each
+        format holds: the split master (the scratch), Kahan's compensated sum ``p + c`` (after encoding), the
+        stochastic result before rounding (the scratch; the weight is an unbiased rounding of it). A
+        bfloat16 average of a bfloat16 weight would stop moving once ``(1 − μ)·(w − avg)`` is below half its
+        ulp."""
+        if not (self.use_ema and run.ema):
+            return
+        sel = [i for i, u in enumerate(units) if self._weight_form(u.param) is not None]
+        if sel:
+            avgs = [_piece(mt.local(states[i]["average"]), units[i].rng) for i in sel]
+            vals = [pvs[i].float().add_(self._extra(states[i], "kahan_comp", units[i]).float().view(
+                pvs[i].shape)) if self._weight_form(units[i].param) == "kahan" else ws[i] for i in sel]
+            mt.lerp_(avgs, vals, self._ema_lerp_weight(run.applied))
+
+    def _lean_new_average(self, p: Tensor) -> Tensor:
+        """A master-free weight's EMA average: float32, contiguous, from the weight (its master then)."""
+        return torch.empty_like(p, dtype=torch.float32, memory_format=torch.contiguous_format).copy_(
+            p.detach())
+
+    @torch.no_grad()
+    def _lean_overwrite(self, ps: list[Tensor], weight: Tensor | None) -> None:
+        """``ema_overwrite_frequency`` for master-free weights: each master becomes its float32 average,
+        written in the weight's format (split: both halves; Kahan: the rounded weight and its residual),
+        where ``weight`` (a 0-d 0/1 flag off the host, or None for always) says so."""
+        for p in ps:
+            st, lp = self.state[p], mt.local(p)
+            avg = mt.local(st["average"]).view(lp.shape)
+            form = self._weight_form(p)
+            keep = None if weight is None else weight.to(lp.device) < 0.5
+            targets = [lp] + [mt.local(st[k]) for k in LEAN_EXTRAS.values() if k in st]
+            old = None if keep is None else [t.clone() for t in targets]
+            if form == "split":
+                lowp.split_encode_(avg.contiguous(), lp, mt.local(st["master_low"]))
+            else:
+                lp.copy_(avg)
+                if form == "kahan":
+                    comp = mt.local(st["kahan_comp"])
+                    comp.copy_((avg - lp.float()).view(comp.shape))
+            if old is not None:
+                for t, o in zip(targets, old):
+                    torch.where(keep, o, t, out=t)
 
     def _extra(self, st: dict, key: str, u: _Unit) -> Tensor:
         """The weight format's entry ``key`` of a unit's parameter, cut to the unit's piece."""
@@ -644,6 +700,8 @@ class LeanMixin:
         keys = {s for s in self._active_slots(group) if self._slot_form(p, s) is not None}
         keys |= {scales_key(s) for s in self.slot_names}
         keys |= set(LEAN_EXTRAS.values())
+        if self._weight_form(p) is not None:
+            keys.add("average")
         return keys
 
     def _hold_lean_entries(self, sd: dict, own: dict) -> list[tuple[Tensor, dict]]:
@@ -662,7 +720,8 @@ class LeanMixin:
                 for key in list(entry):
                     v = entry[key]
                     if key in extras or (key in self.slot_names and isinstance(v, Tensor) and (
-                            v.dtype == torch.uint8 or self._slot_form(p, key) is not None)):
+                            v.dtype == torch.uint8 or self._slot_form(p, key) is not None)) or (
+                            key == "average" and self._weight_form(p) is not None):
                         take[key] = entry.pop(key)
                 if take:
                     held.append((p, take))
@@ -691,6 +750,8 @@ class LeanMixin:
                     else:
                         x = mt.local(v).to(work)
                     self._write_slot(p, key, st, x)
+                elif key == "average" and key in st:  # (float32 for a master-free weight)
+                    mt.local(st[key]).copy_(mt.local(v))
                 elif key == LEAN_EXTRAS["split"] and key in st:  # (raw bits: copied, never converted)
                     mt.local(st[key]).view(torch.int16).copy_(mt.local(v).view(torch.int16))
                 elif key in LEAN_EXTRAS.values() and key in st:

@@ -94,7 +94,10 @@ class SlotsMixin:
         self._lean_init_extras(st, p)
         if self.use_ema and "average" not in st:  # from the weights: a group added later has no first step
             with torch.no_grad():
-                st["average"] = self._new_slot(p, "average", 0.0).copy_(p.detach())
+                if self._weight_form(p) is not None:  # (a master-free weight's average: float32, lean pass)
+                    st["average"] = self._lean_new_average(p)
+                else:
+                    st["average"] = self._new_slot(p, "average", 0.0).copy_(p.detach())
 
     def _slot_fill(self, slot: str, group: dict) -> float:
         """The initial value of ``slot`` (0; RMSProp's ``rms`` starts at 1, Adagrad's and Ftrl's accumulators
