@@ -1,5 +1,7 @@
 """Run every ``bench/bench_*.py`` and collect their Markdown tables.
 
+Also runs the modules named in :data:`EXTRA` (``bench/lean.py``: the lean-memory precision table).
+
 Each bench module runs in its own Python process (a fresh heap, so one bench's allocations cannot change
 another's page-fault behaviour) and must define ``main() -> str``. The Markdown goes to stdout and to
 ``bench/results/<name>.md``; progress messages of the benches pass through on stderr.
@@ -19,13 +21,16 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results"
+#: bench modules run besides ``bench_*.py`` (selected by their own name)
+EXTRA = ("lean",)
 
 
 def discover(selected: list[str] | None = None) -> list[str]:
-    """Module names ``bench_*`` in ``bench/``, sorted; ``selected`` filters by name with or without prefix."""
-    names = sorted(p.stem for p in BENCH_DIR.glob("bench_*.py"))
+    """Module names ``bench_*`` in ``bench/``, sorted, then :data:`EXTRA`; ``selected`` filters by name with
+    or without prefix."""
+    names = sorted(p.stem for p in BENCH_DIR.glob("bench_*.py")) + list(EXTRA)
     if selected:
-        want = {s if s.startswith("bench_") else f"bench_{s}" for s in selected}
+        want = {s if s.startswith("bench_") or s in EXTRA else f"bench_{s}" for s in selected}
         unknown = want - set(names)
         if unknown:
             raise SystemExit(f"run_all: no such bench: {sorted(unknown)}; available: {names}")

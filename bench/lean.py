@@ -1,0 +1,356 @@
+"""Lean-memory precision: bytes per parameter and step time of every weight format x state dtype, for SGD
+momentum, LARS, LAMB and Adam, beside torch.optim's fused steps and the 8-bit / bf16 optimizers of torchao,
+optimi and bitsandbytes where they are installed.
+
+Modes (rows of each optimizer's table), each with ``state_dtype`` float32 / bfloat16 / int8:
+
+* ``fp32``: float32 parameters (``state_dtype`` None = float32 slots: the reference of the ratios);
+* ``fp32-masters``: bfloat16 parameters under :class:`optkit.MixedPrecisionOptimizerWrapper` (fp32 masters,
+  the inner optimizer's slots on the masters);
+* ``bf16``: bfloat16 parameters, ``precision=None`` (rounded to nearest every step; ``state_dtype`` None =
+  bfloat16 slots);
+* ``split``, ``kahan``, ``stochastic``: bfloat16 parameters with that ``precision=`` (master-free).
+
+**Bytes per parameter** = the bytes of the tensors actually held, over the number of parameters: the weights,
+the fp32 masters, and every tensor in ``opt.state`` (slots, 8-bit block scales ``<slot>_absmax``,
+``master_low``, ``kahan_comp``, step counters; a tensor subclass such as torchao's 8-bit state counted by its
+inner tensors; a storage shared by several entries once). **Gradients are excluded** (the model's and the
+wrapper's fp32 master gradient buffers), as is the transient fp32 scratch of the lean pass (one bunch of
+``block_numel`` elements at a time). The *formula* column is the nominal figure: weights + masters + extras +
+slots x (4 | 2 | 1 + 4/256 = 1.016); the measured figure is above it where tensors under 4,096 elements (the
+norms and biases) keep float32 slots under ``int8``.
+
+**Step time**: the median ms/step, all variants of one optimizer timed interleaved in one process
+(:func:`bench._harness.compare`; every step starts from the same gradients, restored untimed); the ratio is
+to the ``fp32`` / float32-state step of the same optimizer in the same table. The first step (state
+creation; torchao's per-shape ``torch.compile``) is untimed.
+
+Parameter set: the ResNet-50 shapes (:func:`bench._harness.resnet50_shapes`) at half width (every channel
+count halved, fc 1024->1000): 161 tensors, 6,917,640 params, so that the 6 x 3 lean variants of four
+optimizers time on two CPU cores in minutes (QUICK: quarter width, 1,993,976 params). ``python -m
+bench.lean`` (``OPTKIT_BENCH_QUICK=1`` for a smoke run); ``python -m bench.run_all lean``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from bench import _harness as H
+
+__all__ = ["MODES", "STATES", "lean_shapes", "held_bytes", "formula", "build_optkit", "main"]
+
+#: the weight formats (rows), in table order
+MODES = ("fp32", "fp32-masters", "bf16", "split", "kahan", "stochastic")
+#: the state dtypes of every mode (None: the optimizer's default for that mode)
+STATES = (None, "bfloat16", "int8")
+#: the optimizers: name -> (constructor keyword arguments, number of slots)
+OPTIMIZERS = {
+    "SGD momentum 0.9": ("SGD", dict(learning_rate=0.01, momentum=0.9), 1),
+    "LARS (TF 1.15, momentum 0.9, wd 1e-4)": ("LARS", dict(learning_rate=0.1, momentum=0.9,
+                                                           weight_decay=1e-4), 1),
+    "LAMB (wd 0.01)": ("LAMB", dict(learning_rate=1e-3, weight_decay=0.01), 2),
+    "Adam": ("Adam", dict(learning_rate=1e-3), 2),
+}
+INT8_BYTES = 1 + 4 / 256  # a code and its share of the block's fp32 scale
+
+# bigger steps than the harness's other tables: fewer of them (the slowest lean steps take ~1 s here)
+H.MIN_STEPS = 3 if H.QUICK else 5
+H.WARMUP = 1
+ROUNDS = 2 if H.QUICK else 5
+
+
+def lean_shapes(scale: int = 4 if H.QUICK else 2) -> list[tuple[int, ...]]:
+    """The ResNet-50 shapes with every channel count divided by ``scale`` (the 3 input channels and the 1,000
+    classes kept): the same 161 tensors, the same mix of 3x3, 1x1 and vector shapes, fewer elements."""
+    out = []
+    shapes = H.resnet50_shapes()
+    for i, s in enumerate(shapes):
+        if i == len(shapes) - 2:  # fc weight (1000, 2048)
+            out.append((s[0], s[1] // scale))
+        elif i == len(shapes) - 1:  # fc bias
+            out.append(s)
+        elif len(s) == 4:
+            out.append((s[0] // scale, s[1] if s[1] == 3 else s[1] // scale, *s[2:]))
+        else:
+            out.append((s[0] // scale,))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# bytes held
+
+
+def _leaves(t: torch.Tensor) -> Iterable[torch.Tensor]:
+    """The plain tensors behind ``t`` (a traceable tensor subclass, such as torchao's 8-bit state, by its
+    inner tensors)."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for n in names:
+            yield from _leaves(getattr(t, n))
+    else:
+        yield t
+
+
+def _tensors(obj) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield from _leaves(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def held_bytes(opt, weights: Iterable[torch.Tensor], masters: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+    """Bytes held by ``weights``, ``masters`` and every tensor in ``opt.state`` (gradients excluded), as
+    ``{"weights", "masters", "state", "total"}``: ``numel·element_size`` of each tensor, a storage that
+    several tensors share counted once (optkit's step counter, bitsandbytes' quantisation map)."""
+    seen: set[tuple[int, int]] = set()
+
+    def count(ts: Iterable[torch.Tensor]) -> int:
+        n = 0
+        for t in ts:
+            key = (t.untyped_storage().data_ptr(), t.numel() * t.element_size()) if t.numel() else (id(t), 0)
+            if key in seen:
+                continue
+            seen.add(key)
+            n += t.numel() * t.element_size()
+        return n
+
+    out = {"weights": count(_tensors(list(weights))), "masters": count(_tensors(list(masters))),
+           "state": count(_tensors([opt.state[p] for p in list(opt.state)]))}
+    out["total"] = out["weights"] + out["masters"] + out["state"]
+    return out
+
+
+def formula(mode: str, state: str | None, slots: int) -> tuple[str, float]:
+    """The nominal bytes per parameter of ``mode`` with ``state`` (None: the mode's default) and ``slots``
+    slots: ``(text, value)``, e.g. ``("2 + 2 + 1.016", 5.016)`` for split with one int8 slot."""
+    w = 4 if mode == "fp32" else 2
+    parts = [w]
+    if mode == "fp32-masters":
+        parts.append(4)
+    if mode in ("split", "kahan"):
+        parts.append(2)
+    sd = state or ("bfloat16" if mode == "bf16" else "float32")
+    per = {"float32": 4, "bfloat16": 2, "int8": INT8_BYTES}[sd]
+    slot_txt = f"{per:.3f}".rstrip("0").rstrip(".")
+    text = " + ".join(str(x) for x in parts) + " + " + (slot_txt if slots == 1 else f"{slots}×{slot_txt}")
+    return text, sum(parts) + slots * per
+
+
+# ------------------------------------------------------------------------------------------------------------
+# variants
+
+
+@dataclass
+class Built:
+    """One contender: its timed step, the untimed setup that restores the gradients, and its bytes."""
+
+    name: str
+    step: Callable[[], object]
+    setup: Callable[[], None]
+    nbytes: dict[str, int]
+    formula: str = ""
+    first_s: float = 0.0
+
+
+def _params(shapes, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """``randn·0.1`` parameters of ``dtype`` with ``randn·0.01`` gradients (seeded; the same values for
+    every variant, rounded to ``dtype``)."""
+    ps = [torch.nn.Parameter(t) for t in H.make_tensors(shapes, seed=0, scale=0.1, dtype=dtype)]
+    for p, g in zip(ps, H.make_tensors(shapes, seed=1, scale=0.01, dtype=dtype)):
+        p.grad = g
+    return ps
+
+
+def _finish(name: str, opt, params, masters=(), *, step=None, form: str = "") -> Built:
+    grads = [p.grad for p in params]
+    ref = [g.clone() for g in grads]
+
+    def setup() -> None:
+        for p, g, r in zip(params, grads, ref):
+            if p.grad is None:
+                p.grad = g
+            p.grad.copy_(r)
+
+    step = step or opt.step
+    setup()
+    t0 = time.perf_counter()
+    step()  # builds the state (untimed)
+    first = time.perf_counter() - t0
+    return Built(name, step, setup, held_bytes(opt, params, masters), form, first)
+
+
+def build_optkit(opt_name: str, kwargs: dict, mode: str, state: str | None, shapes) -> tuple:
+    """``(optimizer, params, masters)`` of one mode x state dtype (see the module doc)."""
+    import optkit
+
+    cls = getattr(optkit, opt_name)
+    params = _params(shapes, torch.float32 if mode == "fp32" else torch.bfloat16)
+    lean = {} if state is None else {"state_dtype": state}
+    if mode in ("split", "kahan", "stochastic"):
+        lean["precision"] = mode
+    opt = cls(params, **kwargs, **lean)
+    masters: list[torch.Tensor] = []
+    if mode == "fp32-masters":
+        opt = optkit.MixedPrecisionOptimizerWrapper(opt)
+        masters = list(opt.master_params)
+    return opt, params, masters
+
+
+def _state_label(mode: str, state: str | None) -> str:
+    if state is not None:
+        return state
+    return "bfloat16 (None)" if mode == "bf16" else "float32 (None)"
+
+
+def optkit_variants(title: str, shapes) -> list[Built]:
+    opt_name, kwargs, slots = OPTIMIZERS[title]
+    out = []
+    for mode in MODES:
+        states = STATES if mode != "bf16" else (None, "float32", "int8")
+        for state in states:
+            opt, params, masters = build_optkit(opt_name, kwargs, mode, state, shapes)
+            ftxt, fval = formula(mode, state, slots)
+            out.append(_finish(f"{mode} / {_state_label(mode, state)}", opt, params, masters,
+                               form=f"{ftxt} = {fval:.3f}"))
+            H.log(f"bench.lean: {title}: {out[-1].name} first step {out[-1].first_s:.2f} s")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# anchors
+
+
+def _installed(mod: str) -> bool:
+    return importlib.util.find_spec(mod) is not None
+
+
+def _no_compile(step):
+    """``step`` with ``torch.compile`` an identity while it runs (torchao compiles its per-parameter step
+    once per shape: minutes on 2 CPU cores; with ``torch._dynamo`` disabled its ``fullgraph=True`` raises)."""
+    def identity(fn=None, **_):
+        return fn if fn is not None else (lambda f: f)
+
+    def run():
+        with mock.patch.object(torch, "compile", identity):
+            return step()
+    return run
+
+
+def anchor_variants(title: str, shapes) -> tuple[list[Built], list[str]]:
+    """torch.optim's fused step (always), and the third-party optimizers that apply and are installed."""
+    out, notes = [], []
+    opt_name, kwargs, _ = OPTIMIZERS[title]
+    lr = kwargs["learning_rate"]
+
+    def add(name, build, dtype, form="", wrap=None):
+        params = _params(shapes, dtype)
+        try:
+            opt = build(params)
+            step = opt.step if wrap is None else wrap(opt.step)
+            out.append(_finish(name, opt, params, step=step, form=form))
+        except Exception as err:  # noqa: BLE001 - an anchor that does not run here is noted, not fatal
+            notes.append(f"{name} did not run ({type(err).__name__}: {str(err)[:120]}).")
+
+    if opt_name in ("SGD", "LARS"):
+        add("torch.optim.SGD(fused=True), fp32", lambda ps: torch.optim.SGD(
+            ps, lr=lr, momentum=0.9, fused=True), torch.float32, "4 + 4 = 8")
+        add("torch.optim.SGD(fused=True), bf16 params", lambda ps: torch.optim.SGD(
+            ps, lr=lr, momentum=0.9, fused=True), torch.bfloat16, "2 + 2 = 4")
+    else:
+        add("torch.optim.AdamW(fused=True, wd 0), fp32", lambda ps: torch.optim.AdamW(
+            ps, lr=lr, weight_decay=0.0, fused=True), torch.float32, "4 + 2×4 = 12")
+        add("torch.optim.AdamW(fused=True, wd 0), bf16 params", lambda ps: torch.optim.AdamW(
+            ps, lr=lr, weight_decay=0.0, fused=True), torch.bfloat16, "2 + 2×2 = 6")
+    if opt_name == "Adam" and _installed("torchao"):
+        from torchao.optim import AdamW8bit, _AdamW
+        add("torchao AdamW8bit (fp32 params; eager)", lambda ps: AdamW8bit(ps, lr=lr, weight_decay=0.0),
+            torch.float32, "4 + 2×1.016", _no_compile)
+        add("torchao _AdamW bf16_stochastic_round (eager)", lambda ps: _AdamW(
+            ps, lr=lr, weight_decay=0.0, bf16_stochastic_round=True), torch.bfloat16, "2 + 2×2 = 6",
+            _no_compile)
+        notes.append("torchao's optimizers compile their per-parameter step with `torch.compile` once per "
+                     "shape; on two CPU cores that takes minutes (34 s for 6 shapes), so they run eager here "
+                     "(`torch.compile` an identity around their step): their times are eager times.")
+    if _installed("optimi"):
+        import optimi
+        if opt_name == "Adam":
+            add("optimi AdamW(kahan_sum=True), bf16", lambda ps: optimi.AdamW(
+                ps, lr=lr, weight_decay=0.0, kahan_sum=True, foreach=True), torch.bfloat16,
+                "2 + 2 + 2×2 = 8")
+        if opt_name == "SGD":
+            add("optimi SGD(kahan_sum=True), bf16", lambda ps: optimi.SGD(
+                ps, lr=lr, momentum=0.9, kahan_sum=True, foreach=True), torch.bfloat16, "2 + 2 + 2 = 6")
+    if _installed("bitsandbytes"):
+        import bitsandbytes as bnb
+        bform = "4 + 1.016" if opt_name in ("SGD", "LARS") else "4 + 2×1.016"
+        cls = {"SGD": "SGD8bit", "LARS": "LARS8bit", "LAMB": "LAMB8bit", "Adam": "Adam8bit"}[opt_name]
+        extra = dict(momentum=0.9) if opt_name in ("SGD", "LARS") else {}
+        if opt_name == "LAMB":
+            extra = dict(weight_decay=0.01)
+        add(f"bitsandbytes {cls} (fp32 params)", lambda ps: getattr(bnb.optim, cls)(ps, lr=lr, **extra),
+            torch.float32, bform)
+    return out, notes
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tables
+
+
+def _fmt_ms(x: float) -> str:
+    return f"{x:.2f}" if x < 100 else f"{x:.0f}"
+
+
+def table(title: str, shapes) -> str:
+    n = H.n_params(shapes)
+    H.log(f"bench.lean: {title} ...")
+    built = optkit_variants(title, shapes)
+    anchors, notes = anchor_variants(title, shapes)
+    every = built + anchors
+    rows = H.compare([H.Variant(b.name, b.step, b.setup) for b in every], n_params=n, bytes_per_param=0.0,
+                     rounds=ROUNDS)
+    lines = [f"### {title}", "",
+             "| mode / state dtype | bytes/param held | formula | ms/step | × fp32 step | steps |",
+             "|---|---:|---|---:|---:|---:|"]
+    anchor_ids = {id(b) for b in anchors}
+    for b, r in zip(every, rows):
+        name = f"*{b.name}*" if id(b) in anchor_ids else b.name
+        lines.append(f"| {name} | {b.nbytes['total'] / n:.3f} | {b.formula} | {_fmt_ms(r.ms)} | "
+                     f"{r.ratio:.2f} | {r.steps} |")
+    first = ", ".join(f"{b.name} {b.first_s:.1f} s" for b in anchors if b.first_s > 1.0)
+    lines += ["", f"Anchors in italics. Floor of this table (the triad timed in each round): "
+              f"{rows[0].floor_gbps:.1f} GB/s."]
+    if first:
+        lines.append(f"First (untimed) steps over 1 s: {first}.")
+    lines += notes
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> str:
+    H.log("bench.lean: floor ...")
+    floor = H.floor_gbps()
+    shapes = lean_shapes()
+    n = H.n_params(shapes)
+    parts = [H.header("Lean-memory precision: bytes per parameter and step time", floor),
+             f"Parameter set: ResNet-50 shapes at 1/{2 if not H.QUICK else 4} width, {len(shapes)} tensors, "
+             f"{n:,} params (bfloat16 rows: the same values rounded). Bytes/param held = weights + fp32 "
+             f"masters + every tensor in `opt.state` (slots, 8-bit scales, `master_low`, `kahan_comp`, step "
+             f"counters), **gradients excluded**; formula = the nominal figure (int8 = 1 + 4/256). "
+             f"× fp32 step = ms / ms of the `fp32 / float32 (None)` row of the same table.\n"]
+    for title in OPTIMIZERS:
+        parts.append(table(title, shapes))
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(main())
