@@ -33,7 +33,11 @@ bench.lean`` (``OPTKIT_BENCH_QUICK=1`` for a smoke run); ``python -m bench.run_a
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import math
+import platform
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,7 +47,8 @@ import torch
 
 from bench import _harness as H
 
-__all__ = ["MODES", "STATES", "lean_shapes", "held_bytes", "formula", "build_optkit", "main"]
+__all__ = ["MODES", "STATES", "lean_shapes", "held_bytes", "formula", "build_optkit", "optkit_specs",
+           "anchor_specs", "realize", "main", "device_main"]
 
 #: the weight formats (rows), in table order
 MODES = ("fp32", "fp32-masters", "bf16", "split", "kahan", "stochastic")
@@ -160,18 +165,41 @@ class Built:
     nbytes: dict[str, int]
     formula: str = ""
     first_s: float = 0.0
+    anchor: bool = False
 
 
-def _params(shapes, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+@dataclass
+class Spec:
+    """How to build one contender: ``build(params) -> (optimizer, masters, step)`` over parameters of
+    ``dtype``."""
+
+    name: str
+    formula: str
+    dtype: torch.dtype
+    build: Callable[[list], tuple]
+    anchor: bool = False
+
+
+_CPU_VALUES: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+
+def _params(shapes, dtype: torch.dtype, device: str | torch.device = "cpu") -> list[torch.nn.Parameter]:
     """``randn·0.1`` parameters of ``dtype`` with ``randn·0.01`` gradients (seeded; the same values for
-    every variant, rounded to ``dtype``)."""
-    ps = [torch.nn.Parameter(t) for t in H.make_tensors(shapes, seed=0, scale=0.1, dtype=dtype)]
-    for p, g in zip(ps, H.make_tensors(shapes, seed=1, scale=0.01, dtype=dtype)):
-        p.grad = g
+    every variant, rounded to ``dtype``), on ``device``: copies of values drawn once per set and dtype."""
+    key = (tuple(map(tuple, shapes)), dtype)
+    if key not in _CPU_VALUES:
+        _CPU_VALUES[key] = (H.make_tensors(shapes, seed=0, scale=0.1, dtype=dtype),
+                            H.make_tensors(shapes, seed=1, scale=0.01, dtype=dtype))
+    values, grads = _CPU_VALUES[key]
+    ps = [torch.nn.Parameter(t.to(device, copy=True)) for t in values]
+    for p, g in zip(ps, grads):
+        p.grad = g.to(device, copy=True)
     return ps
 
 
-def _finish(name: str, opt, params, masters=(), *, step=None, form: str = "") -> Built:
+def _restorer(params) -> tuple[Callable[[], None], list[torch.Tensor], list[torch.Tensor]]:
+    """``(setup, grads, copies)``: ``setup`` puts the first gradients back (the mixed-precision wrapper
+    drops the model's ``.grad`` after folding it into the masters')."""
     grads = [p.grad for p in params]
     ref = [g.clone() for g in grads]
 
@@ -181,29 +209,38 @@ def _finish(name: str, opt, params, masters=(), *, step=None, form: str = "") ->
                 p.grad = g
             p.grad.copy_(r)
 
-    step = step or opt.step
+    return setup, grads, ref
+
+
+def realize(spec: Spec, shapes, device: str | torch.device = "cpu") -> tuple[Built, list, list]:
+    """Build ``spec`` over fresh parameters on ``device`` and run its first step (untimed): ``(built,
+    params, masters)``."""
+    params = _params(shapes, spec.dtype, device)
+    opt, masters, step = spec.build(params)
+    setup, _, _ = _restorer(params)
     setup()
     t0 = time.perf_counter()
-    step()  # builds the state (untimed)
+    step()  # builds the state
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    return Built(name, step, setup, held_bytes(opt, params, masters), form, first)
+    built = Built(spec.name, step, setup, held_bytes(opt, params, masters), spec.formula, first, spec.anchor)
+    return built, params, masters
 
 
-def build_optkit(opt_name: str, kwargs: dict, mode: str, state: str | None, shapes) -> tuple:
-    """``(optimizer, params, masters)`` of one mode x state dtype (see the module doc)."""
+def build_optkit(opt_name: str, kwargs: dict, mode: str, state: str | None, params) -> tuple:
+    """``(optimizer, masters, step)`` of one mode x state dtype over ``params`` (see the module doc)."""
     import optkit
 
-    cls = getattr(optkit, opt_name)
-    params = _params(shapes, torch.float32 if mode == "fp32" else torch.bfloat16)
     lean = {} if state is None else {"state_dtype": state}
     if mode in ("split", "kahan", "stochastic"):
         lean["precision"] = mode
-    opt = cls(params, **kwargs, **lean)
+    opt = getattr(optkit, opt_name)(params, **kwargs, **lean)
     masters: list[torch.Tensor] = []
     if mode == "fp32-masters":
         opt = optkit.MixedPrecisionOptimizerWrapper(opt)
         masters = list(opt.master_params)
-    return opt, params, masters
+    return opt, masters, opt.step
 
 
 def _state_label(mode: str, state: str | None) -> str:
@@ -212,17 +249,16 @@ def _state_label(mode: str, state: str | None) -> str:
     return "bfloat16 (None)" if mode == "bf16" else "float32 (None)"
 
 
-def optkit_variants(title: str, shapes) -> list[Built]:
+def optkit_specs(title: str) -> list[Spec]:
+    """The 18 mode x state dtype rows of optimizer ``title`` (the first: fp32 / float32, the reference)."""
     opt_name, kwargs, slots = OPTIMIZERS[title]
     out = []
     for mode in MODES:
-        states = STATES if mode != "bf16" else (None, "float32", "int8")
-        for state in states:
-            opt, params, masters = build_optkit(opt_name, kwargs, mode, state, shapes)
+        for state in (STATES if mode != "bf16" else (None, "float32", "int8")):
             ftxt, fval = formula(mode, state, slots)
-            out.append(_finish(f"{mode} / {_state_label(mode, state)}", opt, params, masters,
-                               form=f"{ftxt} = {fval:.3f}"))
-            H.log(f"bench.lean: {title}: {out[-1].name} first step {out[-1].first_s:.2f} s")
+            out.append(Spec(f"{mode} / {_state_label(mode, state)}", f"{ftxt} = {fval:.3f}",
+                            torch.float32 if mode == "fp32" else torch.bfloat16,
+                            lambda ps, m=mode, s=state: build_optkit(opt_name, kwargs, m, s, ps)))
     return out
 
 
@@ -246,20 +282,22 @@ def _no_compile(step):
     return run
 
 
-def anchor_variants(title: str, shapes) -> tuple[list[Built], list[str]]:
+TORCHAO_NOTE = ("torchao's optimizers compile their per-parameter step with `torch.compile` once per shape "
+                "(on two CPU cores: 34 s for 6 shapes), so they run eager here (`torch.compile` an identity "
+                "around their step): their times are eager times.")
+
+
+def anchor_specs(title: str) -> tuple[list[Spec], list[str]]:
     """torch.optim's fused step (always), and the third-party optimizers that apply and are installed."""
     out, notes = [], []
     opt_name, kwargs, _ = OPTIMIZERS[title]
     lr = kwargs["learning_rate"]
 
-    def add(name, build, dtype, form="", wrap=None):
-        params = _params(shapes, dtype)
-        try:
-            opt = build(params)
-            step = opt.step if wrap is None else wrap(opt.step)
-            out.append(_finish(name, opt, params, step=step, form=form))
-        except Exception as err:  # noqa: BLE001 - an anchor that does not run here is noted, not fatal
-            notes.append(f"{name} did not run ({type(err).__name__}: {str(err)[:120]}).")
+    def add(name, make, dtype, form, wrap=None):
+        def build(ps):
+            opt = make(ps)
+            return opt, [], opt.step if wrap is None else wrap(opt.step)
+        out.append(Spec(name, form, dtype, build, anchor=True))
 
     if opt_name in ("SGD", "LARS"):
         add("torch.optim.SGD(fused=True), fp32", lambda ps: torch.optim.SGD(
@@ -272,33 +310,48 @@ def anchor_variants(title: str, shapes) -> tuple[list[Built], list[str]]:
         add("torch.optim.AdamW(fused=True, wd 0), bf16 params", lambda ps: torch.optim.AdamW(
             ps, lr=lr, weight_decay=0.0, fused=True), torch.bfloat16, "2 + 2×2 = 6")
     if opt_name == "Adam" and _installed("torchao"):
-        from torchao.optim import AdamW8bit, _AdamW
-        add("torchao AdamW8bit (fp32 params; eager)", lambda ps: AdamW8bit(ps, lr=lr, weight_decay=0.0),
-            torch.float32, "4 + 2×1.016", _no_compile)
-        add("torchao _AdamW bf16_stochastic_round (eager)", lambda ps: _AdamW(
-            ps, lr=lr, weight_decay=0.0, bf16_stochastic_round=True), torch.bfloat16, "2 + 2×2 = 6",
+        def ao(cls, **kw):
+            def make(ps):
+                import torchao.optim
+                return getattr(torchao.optim, cls)(ps, lr=lr, weight_decay=0.0, **kw)
+            return make
+        add("torchao AdamW8bit (fp32 params; eager)", ao("AdamW8bit"), torch.float32, "4 + 2×1.016",
             _no_compile)
-        notes.append("torchao's optimizers compile their per-parameter step with `torch.compile` once per "
-                     "shape; on two CPU cores that takes minutes (34 s for 6 shapes), so they run eager here "
-                     "(`torch.compile` an identity around their step): their times are eager times.")
+        add("torchao _AdamW bf16_stochastic_round (eager)", ao("_AdamW", bf16_stochastic_round=True),
+            torch.bfloat16, "2 + 2×2 = 6", _no_compile)
+        notes.append(TORCHAO_NOTE)
     if _installed("optimi"):
-        import optimi
         if opt_name == "Adam":
-            add("optimi AdamW(kahan_sum=True), bf16", lambda ps: optimi.AdamW(
+            add("optimi AdamW(kahan_sum=True), bf16", lambda ps: __import__("optimi").AdamW(
                 ps, lr=lr, weight_decay=0.0, kahan_sum=True, foreach=True), torch.bfloat16,
                 "2 + 2 + 2×2 = 8")
         if opt_name == "SGD":
-            add("optimi SGD(kahan_sum=True), bf16", lambda ps: optimi.SGD(
+            add("optimi SGD(kahan_sum=True), bf16", lambda ps: __import__("optimi").SGD(
                 ps, lr=lr, momentum=0.9, kahan_sum=True, foreach=True), torch.bfloat16, "2 + 2 + 2 = 6")
     if _installed("bitsandbytes"):
-        import bitsandbytes as bnb
         bform = "4 + 1.016" if opt_name in ("SGD", "LARS") else "4 + 2×1.016"
         cls = {"SGD": "SGD8bit", "LARS": "LARS8bit", "LAMB": "LAMB8bit", "Adam": "Adam8bit"}[opt_name]
         extra = dict(momentum=0.9) if opt_name in ("SGD", "LARS") else {}
         if opt_name == "LAMB":
             extra = dict(weight_decay=0.01)
-        add(f"bitsandbytes {cls} (fp32 params)", lambda ps: getattr(bnb.optim, cls)(ps, lr=lr, **extra),
-            torch.float32, bform)
+        add(f"bitsandbytes {cls} (fp32 params)", lambda ps: getattr(__import__("bitsandbytes").optim, cls)(
+            ps, lr=lr, **extra), torch.float32, bform)
+    return out, notes
+
+
+def realize_all(specs: list[Spec], shapes, title: str) -> tuple[list[Built], list[str]]:
+    """Every spec built on the CPU (an anchor that fails is noted and left out)."""
+    out, notes = [], []
+    for spec in specs:
+        try:
+            built, _, _ = realize(spec, shapes)
+        except Exception as err:  # noqa: BLE001 - an anchor that does not run here is noted, not fatal
+            if not spec.anchor:
+                raise
+            notes.append(f"{spec.name} did not run ({type(err).__name__}: {str(err)[:120]}).")
+            continue
+        H.log(f"bench.lean: {title}: {built.name} first step {built.first_s:.2f} s")
+        out.append(built)
     return out, notes
 
 
@@ -313,9 +366,10 @@ def _fmt_ms(x: float) -> str:
 def table(title: str, shapes) -> str:
     n = H.n_params(shapes)
     H.log(f"bench.lean: {title} ...")
-    built = optkit_variants(title, shapes)
-    anchors, notes = anchor_variants(title, shapes)
-    every = built + anchors
+    aspecs, notes = anchor_specs(title)
+    every, fails = realize_all(optkit_specs(title) + aspecs, shapes, title)
+    notes = fails + notes
+    anchors = [b for b in every if b.anchor]
     rows = H.compare([H.Variant(b.name, b.step, b.setup) for b in every], n_params=n, bytes_per_param=0.0,
                      rounds=ROUNDS)
     lines = [f"### {title}", "",
@@ -352,5 +406,126 @@ def main() -> str:
     return "\n".join(parts)
 
 
+# ------------------------------------------------------------------------------------------------------------
+# on a device: the allocator's figures
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _timed(built: Built, device: torch.device, warmup: int, steps: int) -> float:
+    """Median ms/step (CUDA events on a GPU, else ``perf_counter``), the gradients restored before each."""
+    for _ in range(warmup):
+        built.setup()
+        built.step()
+    times = []
+    for _ in range(steps):
+        built.setup()
+        if device.type == "cuda":
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            built.step()
+            t1.record()
+            t1.synchronize()
+            times.append(t0.elapsed_time(t1))
+        else:
+            c0 = time.perf_counter()
+            built.step()
+            times.append((time.perf_counter() - c0) * 1e3)
+    return statistics.median(times)
+
+
+def device_table(title: str, shapes, device: torch.device, *, warmup: int = 3, steps: int = 20,
+                 deadline: float = math.inf) -> str:
+    """One optimizer's rows measured one at a time on ``device``: the bytes of the tensors held, the
+    allocator's bytes after the first step and its peak over the timed steps (both less the gradients, their
+    restore copies and the fp32-masters wrapper's fp32 gradient buffers), and the median step time."""
+    n = H.n_params(shapes)
+    aspecs, notes = anchor_specs(title)
+    lines = [f"### {title} ({device.type})", "",
+             "| mode / state dtype | B/param tensors held | B/param allocated | B/param peak in step | "
+             "formula | ms/step | × fp32 step |", "|---|---:|---:|---:|---|---:|---:|"]
+    ref_ms = None
+    for spec in optkit_specs(title) + aspecs:
+        if time.perf_counter() > deadline:
+            notes.append(f"Rows from {spec.name} on not run (the window's time).")
+            break
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        base = _allocated(device)
+        try:
+            built, params, masters = realize(spec, shapes, device)
+            _sync(device)
+            grads = 2 * sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+            grads += sum(4 * m.numel() for m in masters)  # the wrapper's fp32 master gradient buffers
+            after = _allocated(device) - base - grads
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            ms = _timed(built, device, warmup, steps)
+            peak = _peak(device) - base - grads
+        except Exception as err:  # noqa: BLE001 - an anchor that does not run here is noted, not fatal
+            if not spec.anchor:
+                raise
+            notes.append(f"{spec.name} did not run ({type(err).__name__}: {str(err)[:120]}).")
+            continue
+        ref_ms = ms if ref_ms is None else ref_ms
+        name = f"*{spec.name}*" if spec.anchor else spec.name
+        alloc = f"{after / n:.3f}" if device.type == "cuda" else "–"
+        peak_s = f"{peak / n:.3f}" if device.type == "cuda" else "–"
+        lines.append(f"| {name} | {built.nbytes['total'] / n:.3f} | {alloc} | {peak_s} | {spec.formula} | "
+                     f"{_fmt_ms(ms)} | {ms / ref_ms:.2f} |")
+        H.log(f"bench.lean[{device.type}]: {title}: {spec.name} {ms:.3f} ms")
+        del built, params, masters
+    lines += ["", *notes, ""]
+    return "\n".join(lines)
+
+
+def device_main(out: str | None = None, device: str = "cuda", shapes=None, budget_s: float = 60.0) -> str:
+    """The rows of every optimizer on ``device`` (default: the 161 ResNet-50 shapes, 25,557,032 params),
+    within about ``budget_s`` seconds; written to ``out`` table by table when given."""
+    dev = torch.device(device)
+    shapes = shapes if shapes is not None else H.resnet50_shapes()
+    n = H.n_params(shapes)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    parts = [f"## Lean-memory precision on {name}\n\n"
+             f"torch {torch.__version__}; {stamp} UTC; {len(shapes)} tensors, {n:,} params. B/param tensors "
+             f"held = weights + fp32 masters + every tensor in `opt.state`; allocated = "
+             f"`torch.cuda.memory_allocated` after the first step, peak = `torch.cuda.max_memory_allocated` "
+             f"over the timed steps (the lean pass's scratch included), both less the gradients (and their "
+             f"restore copies, and the wrapper's fp32 gradient buffers); ms/step: median of 10 steps (CUDA "
+             f"events) after 2, rows run one after another.\n"]
+    deadline = time.perf_counter() + budget_s
+    for i, title in enumerate(OPTIMIZERS):
+        share = (deadline - time.perf_counter()) / (len(OPTIMIZERS) - i)  # its share of the time left
+        parts.append(device_table(title, shapes, dev, warmup=2, steps=10,
+                                  deadline=time.perf_counter() + share))
+        if out:
+            with open(out, "w") as f:
+                f.write("\n".join(parts))
+    return "\n".join(parts)
+
+
 if __name__ == "__main__":
-    print(main())
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Lean-memory precision: bytes per parameter and step time")
+    parser.add_argument("--device", default=None, help="measure on this device one row at a time (cuda)")
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds for the --device rows")
+    parser.add_argument("out", nargs="?", help="Markdown file for the --device rows")
+    args = parser.parse_args()
+    if args.device:
+        print(device_main(args.out, args.device, budget_s=args.budget))
+    else:
+        print(main())
