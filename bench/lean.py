@@ -27,7 +27,7 @@ creation; torchao's per-shape ``torch.compile``) is untimed.
 
 Parameter set: the ResNet-50 shapes (:func:`bench._harness.resnet50_shapes`) at half width (every channel
 count halved, fc 1024->1000): 161 tensors, 6,917,640 params, so that the 6 x 3 lean variants of four
-optimizers time on two CPU cores in minutes (QUICK: quarter width, 1,993,976 params). ``python -m
+optimizers time on two CPU cores in minutes (QUICK: 1/8 width, 631,152 params). ``python -m
 bench.lean`` (``OPTKIT_BENCH_QUICK=1`` for a smoke run); ``python -m bench.run_all lean``.
 """
 
@@ -70,7 +70,11 @@ H.WARMUP = 1
 ROUNDS = 2 if H.QUICK else 5
 
 
-def lean_shapes(scale: int = 4 if H.QUICK else 2) -> list[tuple[int, ...]]:
+#: the channel divisor of the set (QUICK: a smaller set for a smoke run)
+SCALE = 8 if H.QUICK else 2
+
+
+def lean_shapes(scale: int = SCALE) -> list[tuple[int, ...]]:
     """The ResNet-50 shapes with every channel count divided by ``scale`` (the 3 input channels and the 1,000
     classes kept): the same 161 tensors, the same mix of 3x3, 1x1 and vector shapes, fewer elements."""
     out = []
@@ -396,7 +400,7 @@ def main() -> str:
     shapes = lean_shapes()
     n = H.n_params(shapes)
     parts = [H.header("Lean-memory precision: bytes per parameter and step time", floor),
-             f"Parameter set: ResNet-50 shapes at 1/{2 if not H.QUICK else 4} width, {len(shapes)} tensors, "
+             f"Parameter set: ResNet-50 shapes at 1/{SCALE} width, {len(shapes)} tensors, "
              f"{n:,} params (bfloat16 rows: the same values rounded). Bytes/param held = weights + fp32 "
              f"masters + every tensor in `opt.state` (slots, 8-bit scales, `master_low`, `kahan_comp`, step "
              f"counters), **gradients excluded**; formula = the nominal figure (int8 = 1 + 4/256). "
