@@ -1,13 +1,16 @@
 """Lean-memory precision: bfloat16 weights without fp32 masters, and slots kept in bfloat16 or 8 bits, for
 every optkit optimizer (``precision=`` and ``state_dtype=``; the formats are :mod:`optkit._core.lowp`'s).
 
-A param group that uses either runs the *lean pass* instead of the planned passes: bunch by bunch (tensors
-taken in order until :attr:`block_numel` elements; a larger tensor alone), each weight and slot is decoded
-into an fp32 (float64 for float64 parameters) contiguous scratch tensor, the gradient copied into another,
-and the optimizer's own rule runs on them exactly as on fp32 tensors (``_prepare``, the decoupled decay,
+A param group that uses either runs the *lean pass* instead of the planned passes, bunch by bunch: tensors
+taken in order up to :data:`LEAN_BUNCH_CPU` elements on the CPU (the scratch stays in cache through the
+chain; a larger tensor goes in pieces along its 8-bit block rows when the rule reads no whole-tensor quantity
+of its gradients) or ``max(block_numel, 2**24)`` elsewhere. Each bunch's weights, slots and gradients are
+decoded into flat float32 (float64 for float64 parameters) scratch buffers with multi-tensor copies, and the
+optimizer's own rule runs on views of them exactly as on fp32 tensors (``_prepare``, the decoupled decay,
 ``_update`` with its fused kernel); then each is encoded back. A weight or slot already in the working dtype
 and contiguous is updated in place, without a copy. Only the rule's math is needed: the engine brings the
-rest (unscale and clip, decay, skip, EMA, checkpoints).
+rest (unscale and clip, decay, skip, EMA, sparse rows, checkpoints). A fixed number of kernel launches per
+bunch, whatever its number of tensors, except for 8-bit slots (quantised tensor by tensor).
 
 A skipped step (``found_inf``) changes nothing: the rule leaves the scratch values as they were, the split,
 stochastic and bfloat16 encodings give back the same bits, and the Kahan and 8-bit encodings (whose
