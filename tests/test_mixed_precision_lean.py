@@ -249,3 +249,15 @@ def test_add_param_group_without_masters():
     assert mp.master_params == [] and mp.param_groups[1]["params"][0] is ps[1]
     st = mp.state[ps[1]]
     assert st["master_low"].shape == ps[1].shape and st["momentum"].dtype == torch.bfloat16
+
+
+def test_fp32_masters_over_a_master_free_optimizer_is_refused():
+    """fp32 masters would replace bfloat16 weights whose formats keep state of their own (a split
+    master's low halves, a Kahan sum): refused, naming both, before anything is built."""
+    ps = [torch.nn.Parameter(torch.randn(8, 8).to(torch.bfloat16))]
+    inner = optkit.SGD(ps, 0.1, momentum=0.9, precision="split")
+    before = ps[0].detach().clone()
+    with pytest.raises(ValueError, match="fp32-masters.*split"):
+        optkit.MixedPrecisionOptimizerWrapper(inner)
+    assert torch.equal(ps[0].detach(), before) and inner.param_groups[0]["params"][0] is ps[0]
+    optkit.MixedPrecisionOptimizerWrapper(inner, precision="split")  # (the same format: accepted)

@@ -611,7 +611,8 @@ def _check_lean_options(opt: Any, precision: Any, state_dtype: Any,
                         l2_regularization: float | None) -> tuple[str, str | None]:
     """The wrapper's ``precision`` and ``state_dtype`` checked (nothing changed yet): known values, an
     optkit optimizer inside when either asks something of it (``TypeError``), no float16 parameter and no
-    ``l2_regularization`` without masters (``ValueError``)."""
+    ``l2_regularization`` without masters, and no fp32 masters over an optimizer built master-free (its
+    bfloat16 weights' low halves or compensations would be left behind on the masters) (``ValueError``)."""
     precision = _check_precision(precision)
     state_dtype = normalize_state_dtype(state_dtype)
     inner = _innermost(opt) if isinstance(opt, torch.optim.Optimizer) else None
@@ -621,6 +622,10 @@ def _check_lean_options(opt: Any, precision: Any, state_dtype: Any,
                             f"bfloat16 weights itself), got {type(inner).__name__}")
         if state_dtype is not None:
             raise TypeError(f"`state_dtype` needs an optkit optimizer inside, got {type(inner).__name__}")
+    if precision == "fp32-masters" and isinstance(inner, Optimizer) and inner.precision is not None:
+        raise ValueError(f"`precision`='fp32-masters' over an optimizer built with precision="
+                         f"{inner.precision!r} (master-free bfloat16 weights): give the wrapper "
+                         f"precision={inner.precision!r}, or build the optimizer without `precision`")
     if precision != "fp32-masters" and inner is not None:
         if any(p.dtype == torch.float16 for g in inner.param_groups for p in g["params"]):
             raise ValueError(f"`precision`={precision!r} is for bfloat16 parameters; float16 parameters "
