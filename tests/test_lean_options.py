@@ -219,3 +219,38 @@ def test_get_and_set_weights_give_and_take_8bit_slots_as_values():
         torch.testing.assert_close(got, weights[j], rtol=0, atol=0.011 * float(weights[j].abs().max()))
     assert torch.equal(other.state[qs[1]]["exp_avg"], weights[2])
     assert int(other.iterations) == 2
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_flat_int8_form_is_the_per_tensor_one(monkeypatch, skip):
+    """Off the CPU a bunch's 8-bit slots are decoded and quantised all at once (lowp.dequantize_flat_ /
+    quantize_flat_: a fixed number of launches); routed through it on the CPU, every weight, code and scale
+    is bit for bit what the CPU's tensor-by-tensor form gives, also over a skipped step."""
+    from optkit._core import lean
+
+    def run(flat):
+        monkeypatch.setattr(lean, "FLAT_INT8_ON_CPU", flat)
+        g = torch.Generator().manual_seed(3)
+        shapes = [(64, 600), (5000,), (32, 8, 3, 3), (10,)]
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in shapes]
+        inner = optkit.Adam(ps, 0.01, precision="kahan", state_dtype="int8")
+        opt = optkit.LossScaleOptimizer(inner, optkit.DynamicLossScale(256.0)) if skip else inner
+        for k in range(3):
+            for p in ps:
+                p.grad = (torch.randn(p.shape, generator=g) * (256.0 if skip else 1.0)).to(torch.bfloat16)
+            if skip and k == 1:
+                ps[0].grad.view(-1)[7] = float("inf")
+            if skip:
+                opt.grads_scaled = True  # (the gradients above carry the loss scale 256)
+            opt.step()
+        return [p.detach().clone() for p in ps], [{k: v.clone() for k, v in inner.state[p].items()
+                                                   if torch.is_tensor(v)} for p in ps]
+
+    (w0, s0), (w1, s1) = run(False), run(True)
+    assert any(st["exp_avg"].dtype == torch.uint8 for st in s0)
+    for a, b in zip(w0, w1):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for a, b in zip(s0, s1):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k

@@ -82,7 +82,7 @@ class CheckpointMixin:
         state["_ema_swapped"] = False  # a copy taken inside ema_weights() holds the averages as its weights
         # caches keyed by group ids or storage addresses, which a copy does not keep
         for key in ("_plans", "_fold_cache", "_factor_cache", "_fp64_cache", "_fit_seen", "_slots_seen",
-                    "_flat_slots", "_lr_written", "_lr_scalars", "_lean_cache"):
+                    "_flat_slots", "_lr_written", "_lr_scalars", "_lean_cache", "_lean_lengths"):
             state[key] = {}
         # parameters excluded from decay by identity travel as the tensors themselves (a copy's are new)
         ids = state.pop("_wd_exclude_ids", set())
@@ -107,6 +107,9 @@ class CheckpointMixin:
             self._adopt_state()
         if "_factor_cache" not in state:  # pickled by an earlier optkit
             self._factor_cache = {}
+        for key in ("_lean_cache", "_lean_lengths"):  # (an earlier optkit's pickle has no lean options)
+            if key not in state:
+                setattr(self, key, {})
         if "_lr_scalars" not in state:  # pickled by an earlier optkit
             self._lr_scalars = {}
             self._applied_true = torch.ones((), dtype=torch.bool, device=self._state_device)

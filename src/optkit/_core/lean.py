@@ -107,6 +107,10 @@ def _like_placement(p: Tensor, local: Tensor, global_shape: tuple[int, ...]) -> 
 
 #: elements per bunch of the lean pass on the CPU (:meth:`LeanMixin._lean_budget`)
 LEAN_BUNCH_CPU = 1 << 18
+#: 8-bit slots of a bunch quantised all at once (:func:`optkit._core.lowp.quantize_flat_`: a fixed number of
+#: kernel launches) off the CPU; on the CPU tensor by tensor, whose block reductions are faster there (the
+#: same codes either way; tests route the CPU through the flat form with this switch)
+FLAT_INT8_ON_CPU = False
 
 
 def _decode(v: Tensor, scales: Tensor | None, signed: bool, dtype: torch.dtype) -> Tensor:
@@ -231,6 +235,12 @@ class LeanMixin:
     """Master-free bfloat16 weights and low-precision slots (module doc). A part of
     :class:`optkit.optimizer.Optimizer`."""
 
+    # (class defaults: an optimizer pickled by an earlier optkit has none of the options)
+    precision: str | None = None
+    state_dtype: str | None = None
+    rounding_seed: int = 0
+    _rounding_step: int = 0
+
     def _lean_setup(self, precision: Any, state_dtype: Any, rounding_seed: Any) -> None:
         """Validate and keep the options (nothing built yet)."""
         self.precision = normalize_precision(precision)
@@ -240,6 +250,8 @@ class LeanMixin:
         self.rounding_seed = int(rounding_seed)
         self._rounding_step = 0
         self._lean_cache: dict[int, tuple] = {}
+        #: (device, the 8-bit pieces' shapes) -> their blocks' lengths on the device (lowp.block_lengths)
+        self._lean_lengths: dict[tuple, Tensor] = {}
 
     @staticmethod
     def _check_lean_params(precision: str | None, groups: list[dict]) -> None:
@@ -535,9 +547,14 @@ class LeanMixin:
         # slots: in place (contiguous in the working dtype), copied (another float dtype) or 8-bit decoded
         slots32: dict[str, list[Tensor]] = {}
         slot_writes: list[tuple] = []
+        flat8 = not sparse and (FLAT_INT8_ON_CPU or dev.type != "cpu") and work == torch.float32
         for s in run.active:
             stored = [_piece(mt.local(st[s]), u.rng) for st, u in zip(states, units)]
             out: list[Tensor | None] = [v if v.dtype == work and v.is_contiguous() else None for v in stored]
+            if flat8:  # the 8-bit slots of the bunch at once (off the CPU: a fixed number of launches)
+                q8 = [i for i, v in enumerate(stored) if v.dtype == torch.uint8 and v.numel()]
+                if q8:
+                    slot_writes.append(self._lean_decode_int8(s, q8, stored, states, units, out, dev))
             ix = [i for i, v in enumerate(out) if v is None]
             if ix:
                 f = _Flat([stored[i].shape for i in ix], work, dev)
@@ -683,6 +700,9 @@ class LeanMixin:
             if kind == "float":
                 torch._foreach_copy_(target, x)
                 continue
+            if kind == "int8-flat":
+                self._lean_encode_int8(target, x, keep)
+                continue
             v, scales, signed, kept = target
             if kept is not None:  # (8-bit blocks a sparse gradient left alone, and the skip)
                 c_keep, s_keep = kept if keep is None else (kept[0] | keep, kept[1] | keep)
@@ -695,6 +715,41 @@ class LeanMixin:
                 torch.where(s_keep, old_s, scales, out=scales)
             else:
                 _encode(x, v, scales, signed)
+
+    def _lean_decode_int8(self, slot, q8, stored, states, units, out, dev) -> tuple:
+        """Decode the 8-bit pieces ``q8`` of ``slot`` in one flat pass (:func:`optkit._core.lowp.
+        dequantize_flat_`) into views written into ``out``; returns the write-back record for
+        :meth:`_lean_encode_int8`."""
+        codes = [stored[i] for i in q8]
+        scales = [_scales_piece(mt.local(states[i][scales_key(slot)]), units[i].local, units[i].rng)
+                  for i in q8]
+        shapes = tuple(tuple(c.shape) for c in codes)
+        key = (dev, shapes)
+        lengths = self._lean_lengths.get(key)
+        if lengths is None:
+            if len(self._lean_lengths) > 64:  # (bounded: a layout per bunch)
+                self._lean_lengths.clear()
+            lengths = self._lean_lengths[key] = torch.tensor(lowp.block_lengths(shapes), device=dev)
+        f = _Flat(list(shapes), torch.float32, dev)
+        c_flat, s_flat = _cat(codes), _cat(scales)
+        signed = self._signed(slot)
+        lowp.dequantize_flat_(c_flat, s_flat, lengths, signed, f.buf)
+        for i, v in zip(q8, f.views):
+            out[i] = v
+        return "int8-flat", (codes, scales, c_flat, s_flat, lengths, signed), f.buf
+
+    @staticmethod
+    def _lean_encode_int8(target: tuple, x: Tensor, keep: Tensor | None) -> None:
+        """Quantise a bunch's 8-bit slot pieces at once and copy the codes and scales back (the old ones
+        kept under a skip flag: re-encoding unchanged values need not give them back)."""
+        codes, scales, c_old, s_old, lengths, signed = target
+        c_new, s_new = torch.empty_like(c_old), torch.empty_like(s_old)
+        lowp.quantize_flat_(x, c_new, s_new, lengths, signed)
+        if keep is not None:
+            torch.where(keep, c_old, c_new, out=c_new)
+            torch.where(keep, s_old, s_new, out=s_new)
+        torch._foreach_copy_(codes, _views(c_new, codes))
+        torch._foreach_copy_(scales, _views(s_new, scales))
 
     # ---------------------------------------------------------------------------------------- checkpoints
 

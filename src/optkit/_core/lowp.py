@@ -39,7 +39,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["BLOCK", "MIN_QUANT_NUMEL", "dynamic_map", "scales_shape", "quantize_", "quantize", "dequantize",
-           "split_decode", "split_encode_", "stochastic_round_", "kahan_encode_"]
+           "block_lengths", "quantize_flat_", "dequantize_flat_", "split_decode", "split_encode_",
+           "stochastic_round_", "kahan_encode_"]
 
 #: elements per 8-bit block (bitsandbytes' and torchao's block size)
 BLOCK = 256
@@ -191,6 +192,50 @@ def dequantize(codes: Tensor, scales: Tensor, signed: bool, out: Tensor | None =
     if tail is not None:
         tail.mul_(s[:, main.shape[1]:].unsqueeze(2))
     return out
+
+
+def block_lengths(shapes: list) -> list[int]:
+    """The lengths of the 8-bit blocks of tensors of ``shapes`` laid end to end (their codes concatenated):
+    each row along dim 0 in blocks of :data:`BLOCK`, its last one partial; the scales concatenated are in
+    the same order."""
+    out: list[int] = []
+    for shape in shapes:
+        rows, length = _rows(tuple(shape))
+        row = [BLOCK] * (length // BLOCK) + ([length % BLOCK] if length % BLOCK else [])
+        out += row * rows
+    return out
+
+
+def dequantize_flat_(codes: Tensor, scales: Tensor, lengths: Tensor, signed: bool, out: Tensor) -> None:
+    """:func:`dequantize` of many tensors at once: ``codes`` their concatenated codes, ``scales`` their
+    concatenated scales, ``lengths`` the blocks' lengths (:func:`block_lengths`, on the device), into the
+    float32 ``out`` (flat). Two kernels whatever the number of tensors; the same values as tensor by
+    tensor."""
+    torch.index_select(dynamic_map(signed, codes.device), 0, codes.to(torch.int32), out=out)
+    out.mul_(scales.repeat_interleave(lengths, output_size=out.numel()))
+
+
+def quantize_flat_(x: Tensor, codes: Tensor, scales: Tensor, lengths: Tensor, signed: bool) -> None:
+    """:func:`quantize_` of many tensors at once (``x`` their float32 values concatenated; ``codes``,
+    ``scales`` and ``lengths`` as in :func:`dequantize_flat_`): the block scales by segment reductions, the
+    codes by the same table. A fixed number of kernels whatever the number of tensors; the same codes and
+    scales as tensor by tensor."""
+    if x.numel() == 0:
+        return
+    base_t, mid_t = _nearest_tables(signed, x.device)
+    if signed:  # (as quantize_: the larger of the maximum and min/Q[0])
+        hi = torch.segment_reduce(x, "max", lengths=lengths)
+        lo = torch.segment_reduce(x, "min", lengths=lengths)
+        a = torch.maximum(hi, lo / dynamic_map(signed, x.device)[0])
+    else:
+        a = torch.segment_reduce(x.abs(), "max", lengths=lengths)
+    scales.copy_(a)
+    safe = torch.where(a > 0, a, torch.ones((), dtype=a.dtype, device=a.device))
+    v = torch.div(x, safe.repeat_interleave(lengths, output_size=x.numel()))
+    idx = v.view(torch.int32).bitwise_right_shift(16).add_(32768)
+    code = torch.index_select(base_t, 0, idx)
+    code.add_(torch.index_select(mid_t, 0, idx).lt_(v).to(torch.uint8))
+    codes.copy_(code)
 
 
 def split_decode(hi: Tensor, lo: Tensor, out: Tensor | None = None) -> Tensor:
