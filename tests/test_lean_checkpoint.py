@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import optkit
+from lean_reference import dynamic_map_np
 from optkit._core import lowp
 
 PRECISIONS = ["split", "kahan", "stochastic"]
@@ -182,18 +183,6 @@ def test_resume_is_bit_identical(precision, state_dtype):
 
 
 # -------------------------------------------------------------------------------- cross-loading
-
-
-def dynamic_map_np(signed: bool) -> np.ndarray:
-    """Dettmers' dynamic (tree) map, float64 from the formula: for i = 0..6, 2^i (signed, ±) or 2^(i+1)
-    (unsigned) midpoints of equally spaced points in [0.1, 1], times 10^(i−6); and 0, 1."""
-    vals = [0.0, 1.0]
-    for i in range(7):
-        n = 2 ** i if signed else 2 ** (i + 1)
-        edges = np.linspace(0.1, 1.0, n + 1)
-        mids = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)
-        vals += list(mids) + (list(-mids) if signed else [])
-    return np.sort(np.array(vals))
 
 
 def blocks_np(x: np.ndarray) -> list[np.ndarray]:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from lean_reference import dynamic_map_np
 from optkit._core import lowp
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -22,18 +23,8 @@ F32, BF16 = torch.float32, torch.bfloat16
 # ------------------------------------------------------------------------------------------ NumPy references
 
 def _np_map(signed: bool) -> np.ndarray:
-    """The dynamic tree map from its definition: for i = 0..6, ``10^(i−6)`` times the midpoints of
-    ``linspace(0.1, 1, n+1)`` with ``n = 2^i`` (signed, each with its negative) or ``2^(i+1)`` (unsigned),
-    plus 0 and 1; sorted, as float32."""
-    vals = [np.array([0.0, 1.0])]
-    for i in range(7):
-        n = 2 ** i if signed else 2 ** (i + 1)
-        e = np.linspace(0.1, 1.0, n + 1)
-        m = 10.0 ** (i - 6) * (e[:-1] + e[1:]) / 2
-        vals.append(m)
-        if signed:
-            vals.append(-m)
-    return np.sort(np.concatenate(vals)).astype(np.float32)
+    """The dynamic tree map from its definition (:func:`lean_reference.dynamic_map_np`), as float32."""
+    return dynamic_map_np(signed).astype(np.float32)
 
 
 def _np_blocks(shape) -> tuple[int, int]:

@@ -9,19 +9,11 @@ import pytest
 import torch
 
 import optkit
+from lean_reference import same_bits
 from optkit import MixedPrecisionOptimizerWrapper as MPW
 from optkit._core import lowp
 
 MODES = ("fp32-masters", "split", "kahan", "stochastic")
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (a split master's low halves are raw bits in a bfloat16 tensor: NaN patterns included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dim() == 0 or not a.is_floating_point():
-        return torch.equal(a, b)
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def _params(seed: int = 0) -> list[torch.Tensor]:
@@ -85,7 +77,7 @@ def test_switching_at_construction_equals_building_with_the_precision(precision)
         assert set(sa) == set(sb)
         for k in sa:
             if isinstance(sa[k], torch.Tensor):
-                assert _same(sa[k], sb[k]), k
+                assert same_bits(sa[k], sb[k]), k
     assert mp.state[a[0]]["exp_avg"].dtype == torch.uint8
 
 
@@ -118,7 +110,7 @@ def test_bad_options_raise_and_change_nothing():
     with pytest.raises(ValueError, match="l2_regularization"):
         MPW(inner, precision="kahan", l2_regularization=1e-4)
     assert inner.precision is None and inner.state_dtype is None
-    assert all(_same(v, inner.state[ps[0]][k]) for k, v in before.items())
+    assert all(same_bits(v, inner.state[ps[0]][k]) for k, v in before.items())
     assert inner.param_groups[0]["params"][0] is ps[0]
     torch_opt = torch.optim.SGD([ps[2]], lr=0.1)
     with pytest.raises(TypeError, match="precision"):
@@ -228,7 +220,7 @@ def test_a_skipped_step_changes_nothing_without_masters():
     assert not bool(mp.step_applied)
     assert float(mp.loss_scale) < scale
     assert all(torch.equal(p.detach(), s) for p, s in zip(ps, snap))
-    assert all(_same(mp.state[ps[0]][k], v) for k, v in state.items())
+    assert all(same_bits(mp.state[ps[0]][k], v) for k, v in state.items())
 
 
 def test_set_lean_to_the_same_options_changes_no_bit():
@@ -239,7 +231,7 @@ def test_set_lean_to_the_same_options_changes_no_bit():
         opt.step()
     before = {k: v.clone() for k, v in opt.state[ps[0]].items()}
     opt.engine.set_lean("kahan", "int8")
-    assert all(_same(v, opt.state[ps[0]][k]) for k, v in before.items())
+    assert all(same_bits(v, opt.state[ps[0]][k]) for k, v in before.items())
 
 
 def test_add_param_group_without_masters():

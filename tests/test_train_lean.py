@@ -9,17 +9,9 @@ import pytest
 import torch
 
 import optkit
+from lean_reference import same_bits
 from optkit import Adam, optimize_loss
 from optkit._core import lowp
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (a split master's low halves are raw bits in a bfloat16 tensor: NaN patterns included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dim() == 0 or not a.is_floating_point():
-        return torch.equal(a, b)
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def _model(dtype=torch.bfloat16):
@@ -55,7 +47,7 @@ def test_train_op_steps_as_the_optimizer_built_with_the_precision(precision):
     w1, w2 = next(m1.parameters()), next(m2.parameters())
     for k, v in opt.state[w2].items():
         if isinstance(v, torch.Tensor):
-            assert _same(op.optimizer.state[w1][k], v), k
+            assert same_bits(op.optimizer.state[w1][k], v), k
     assert op.optimizer.state[w1]["exp_avg"].dtype == torch.uint8  # (4096 elements: 8-bit)
 
 
@@ -139,4 +131,4 @@ def test_resume_is_bit_identical(precision, state_dtype):
     for q1, q3 in zip(op1.masters, op3.masters):
         for k, v in op1.optimizer.state[q1].items():
             if isinstance(v, torch.Tensor):
-                assert _same(v, op3.optimizer.state[q3][k]), k
+                assert same_bits(v, op3.optimizer.state[q3][k]), k

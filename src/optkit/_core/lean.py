@@ -202,16 +202,12 @@ class _LeanRun:
 
 
 class _Flat:
-    """One flat scratch buffer and a contiguous view of it per shape (``pair``: two such buffers)."""
+    """One flat scratch buffer and a contiguous view of it per shape."""
 
-    __slots__ = ("buf", "views", "pair")
+    __slots__ = ("buf", "views")
 
-    def __init__(self, shapes: list, dtype: torch.dtype, device: torch.device, pair: bool = False) -> None:
-        sizes = [math.prod(sh) for sh in shapes]
-        if pair:
-            self.pair = (_Flat(shapes, dtype, device), _Flat(shapes, dtype, device))
-            return
-        self.buf = torch.empty(sum(sizes), dtype=dtype, device=device)
+    def __init__(self, shapes: list, dtype: torch.dtype, device: torch.device) -> None:
+        self.buf = torch.empty(sum(math.prod(sh) for sh in shapes), dtype=dtype, device=device)
         self.views = _views(self.buf, shapes)
 
 
@@ -670,7 +666,7 @@ class LeanMixin:
             f = flats[kind]
             targets = [pvs[i] for i in ix]
             if kind == "split":
-                hi, lo = _Flat([t.shape for t in targets], torch.bfloat16, f.buf.device, pair=True).pair
+                hi, lo = (_Flat([t.shape for t in targets], torch.bfloat16, f.buf.device) for _ in range(2))
                 lowp.split_encode_(f.buf, hi.buf, lo.buf)
                 torch._foreach_copy_(targets, hi.views)
                 torch._foreach_copy_([self._extra(states[i], "master_low", units[i]) for i in ix], lo.views)

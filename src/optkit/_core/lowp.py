@@ -104,6 +104,15 @@ def _nearest_tables(signed: bool, device: torch.device) -> tuple[Tensor, Tensor]
     return hit
 
 
+def _nearest_codes(v: Tensor, signed: bool) -> Tensor:
+    """The index of the map value nearest to each fp32 in ``v`` (flat, contiguous), as uint8: the count of
+    the map's midpoints below it, from the tables of :func:`_nearest_tables`."""
+    base_t, mid_t = _nearest_tables(signed, v.device)
+    idx = v.view(torch.int32).bitwise_right_shift(16).add_(32768)
+    code = torch.index_select(base_t, 0, idx)
+    return code.add_(torch.index_select(mid_t, 0, idx).lt_(v).to(torch.uint8))
+
+
 def _rows(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     """``(rows, row length)``: a tensor's elements as rows along dim 0 (one row for 0-d and 1-d); a shard
     with no rows keeps the row length (its block scales keep their columns)."""
@@ -141,7 +150,6 @@ def quantize_(x: Tensor, codes: Tensor, scales: Tensor, signed: bool) -> None:
     maximum would read it back 0.70% short, and every re-encoding would shrink the block again)."""
     if x.numel() == 0:  # (a shard with no rows)
         return
-    base_t, mid_t = _nearest_tables(signed, x.device)
     q0 = dynamic_map(signed, x.device)[0]
     x = x.contiguous()
     main, tail = _blocks(x)
@@ -160,12 +168,7 @@ def quantize_(x: Tensor, codes: Tensor, scales: Tensor, signed: bool) -> None:
             a = xs.abs().amax(dim=2)
         ss.copy_(a)
         safe = torch.where(a > 0, a, torch.ones((), dtype=a.dtype, device=a.device)).unsqueeze(2)
-        v = torch.div(xs, safe).view(-1)
-        # the nearest map value's index: the count of midpoints below v (_nearest_tables)
-        idx = v.view(torch.int32).bitwise_right_shift(16).add_(32768)
-        code = torch.index_select(base_t, 0, idx)
-        code.add_(torch.index_select(mid_t, 0, idx).lt_(v).to(torch.uint8))
-        cs.copy_(code.view(cs.shape))
+        cs.copy_(_nearest_codes(torch.div(xs, safe).view(-1), signed).view(cs.shape))
 
 
 def quantize(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
@@ -222,7 +225,6 @@ def quantize_flat_(x: Tensor, codes: Tensor, scales: Tensor, lengths: Tensor, si
     scales as tensor by tensor."""
     if x.numel() == 0:
         return
-    base_t, mid_t = _nearest_tables(signed, x.device)
     if signed:  # (as quantize_: the larger of the maximum and min/Q[0])
         hi = torch.segment_reduce(x, "max", lengths=lengths)
         lo = torch.segment_reduce(x, "min", lengths=lengths)
@@ -231,11 +233,7 @@ def quantize_flat_(x: Tensor, codes: Tensor, scales: Tensor, lengths: Tensor, si
         a = torch.segment_reduce(x.abs(), "max", lengths=lengths)
     scales.copy_(a)
     safe = torch.where(a > 0, a, torch.ones((), dtype=a.dtype, device=a.device))
-    v = torch.div(x, safe.repeat_interleave(lengths, output_size=x.numel()))
-    idx = v.view(torch.int32).bitwise_right_shift(16).add_(32768)
-    code = torch.index_select(base_t, 0, idx)
-    code.add_(torch.index_select(mid_t, 0, idx).lt_(v).to(torch.uint8))
-    codes.copy_(code)
+    codes.copy_(_nearest_codes(torch.div(x, safe.repeat_interleave(lengths, output_size=x.numel())), signed))
 
 
 def split_decode(hi: Tensor, lo: Tensor, out: Tensor | None = None) -> Tensor:
